@@ -1,0 +1,1 @@
+"""Target adapter, drafter, draft tree, verification, KV cache and the decode engine."""

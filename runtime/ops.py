@@ -1,0 +1,71 @@
+"""The op layer: every hot-path call site in the runtime goes through one ``Ops`` object.
+
+``backend="torch"`` uses the plain PyTorch ``<op>_reference`` functions from ``kernels/``
+(the reference path, and the fast path on a CPU). ``backend="triton"`` swaps in the Triton
+launchers (``kernels/triton_ops.py``) without touching the runtime code above.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ..kernels.aux_gather import aux_gather_reference
+from ..kernels.kv_compact import kv_compact_reference
+from ..kernels.rms_norm import rms_norm_reference
+from ..kernels.tree_attention import kv_write_reference, tree_attention_reference
+from ..kernels.verify import verify_greedy_reference
+
+BACKENDS = ("auto", "torch", "triton")
+
+
+class TorchOps:
+    """Reference backend: each method is the matching ``kernels.<op>.<op>_reference``."""
+
+    name = "torch"
+
+    rms_norm = staticmethod(rms_norm_reference)
+    aux_gather = staticmethod(aux_gather_reference)
+    kv_write = staticmethod(kv_write_reference)
+    tree_attention = staticmethod(tree_attention_reference)
+    verify_greedy = staticmethod(verify_greedy_reference)
+    kv_compact = staticmethod(kv_compact_reference)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """``auto`` is ``triton`` on a CUDA device when Triton imports, else ``torch``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+    if backend != "auto":
+        return backend
+    if device.type == "cuda":
+        try:
+            import triton  # noqa: F401
+
+            from ..kernels import triton_ops  # noqa: F401
+
+            return "triton"
+        except ImportError:
+            return "torch"
+    return "torch"
+
+
+def get_ops(backend: str) -> TorchOps:
+    """The ``Ops`` object for a resolved backend name (``torch`` or ``triton``)."""
+    if backend == "torch":
+        return TorchOps()
+    if backend == "triton":
+        try:
+            from ..kernels.triton_ops import TritonOps
+        except ImportError as e:  # triton missing or kernels not built
+            raise ImportError(
+                f"backend='triton' needs the triton package and tritonspec.kernels.triton_ops ({e}); "
+                "install with `pip install 'tritonspec[triton]'` or use backend='torch'"
+            ) from e
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "backend='triton' on a machine without CUDA needs TRITON_INTERPRET=1 set before triton is "
+                "imported (slow; for tests), or use backend='torch'"
+            )
+        return TritonOps()
+    raise ValueError(f"unresolved backend {backend!r}")
