@@ -27,3 +27,122 @@ def rms_norm_reference(
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     y = weight * h.to(dtype)
     return y if residual is None else (y, s)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel and launcher
+#
+# One program per row; the whole row sits in registers (BLOCK_H = next_pow2(H) <= 65536), so the
+# reduction tree is fixed by (H, num_warps) and ``_rms_config`` picks both from H alone: a row's
+# result never depends on how many rows share the launch (batch invariance, ARCHITECTURE §3).
+# Rounding follows the reference step by step: the residual add in the input dtype, sum of
+# squares in fp32, mean = sum / H, rstd = 1 / sqrt(mean + eps) (both correctly rounded), the
+# normalised row cast to the input dtype, then the weight multiply in fp32 rounded once to the
+# output dtype (promote(weight, x), as torch's type promotion gives).
+# --------------------------------------------------------------------------------------------
+from ._triton_utils import (  # noqa: E402
+    ENABLE_FP_FUSION,
+    FLOAT_DTYPES,
+    check_tensor,
+    next_pow2,
+    require_triton,
+    round_to,
+    tl,
+    triton,
+)
+
+MAX_HIDDEN = 65536
+
+
+def _rms_config(hidden: int) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` from the hidden size only (never the row count)."""
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} > {MAX_HIDDEN} is not supported by the RMSNorm kernel")
+    block = max(next_pow2(hidden), 16)
+    num_warps = 1 if block <= 256 else 4 if block <= 1024 else 8 if block <= 4096 else 16
+    return block, num_warps
+
+
+@triton.jit
+def _rms_normalize(h, w, H: tl.constexpr, eps, DTYPE: tl.constexpr):
+    """fp32 ``w * round_DTYPE(h * rstd)`` for one fp32 row ``h`` (masked lanes must hold 0)."""
+    ssq = tl.sum(h * h, axis=0)
+    mean = tl.div_rn(ssq, tl.full([], H, tl.float32))
+    rstd = tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+    y = round_to(h * rstd, DTYPE)
+    return w.to(tl.float32) * y.to(tl.float32)
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,  # [M, H] rows at stride_x, unit stride along H
+    r_ptr,  # [M, H] rows at stride_r (read when HAS_RESIDUAL)
+    w_ptr,  # [H]
+    y_ptr,  # [M, H] contiguous, dtype promote(w, x)
+    s_ptr,  # [M, H] contiguous, x + r (written when HAS_RESIDUAL)
+    stride_x,
+    stride_r,
+    eps,
+    H: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < H
+    DTYPE: tl.constexpr = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    h = x.to(tl.float32)
+    if HAS_RESIDUAL:
+        # the add rounds to the input dtype like the reference (fp32 sum, one rounding: exact
+        # for fp16/bf16 operands since 24 >= 2 * 11 + 2)
+        s = round_to(h + tl.load(r_ptr + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32), DTYPE)
+        tl.store(s_ptr + row * H + cols, s, mask=mask)
+        h = s.to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    y = _rms_normalize(h, w, H, eps, DTYPE)
+    tl.store(y_ptr + row * H + cols, round_to(y, y_ptr.dtype.element_ty), mask=mask)
+
+
+def _rows(name: str, t: torch.Tensor, hidden: int) -> torch.Tensor:
+    """``t`` as ``[M, H]`` without a copy (unit stride along H, leading axes collapsible)."""
+    if t.stride(-1) != 1 and t.shape[-1] != 1:
+        raise ValueError(f"{name} must have unit stride along its last axis, got strides {t.stride()}")
+    try:
+        return t.view(-1, hidden)
+    except RuntimeError:
+        raise ValueError(
+            f"{name} leading axes must collapse into one row axis without a copy (strides {t.stride()})"
+        ) from None
+
+
+def rms_norm(
+    x: torch.Tensor,  # [..., H]
+    weight: torch.Tensor,  # [H]
+    eps: float,
+    residual: torch.Tensor | None = None,  # [..., H], same shape and dtype as x
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Triton RMSNorm with the reference's semantics (``rms_norm_reference``)."""
+    require_triton()
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, contiguous=False)
+    if x.dim() < 1:
+        raise ValueError("x must have at least one axis")
+    hidden = x.shape[-1]
+    check_tensor("weight", weight, dtypes=FLOAT_DTYPES, shape=(hidden,), device=x.device)
+    x2 = _rows("x", x, hidden)
+    if residual is not None:
+        check_tensor("residual", residual, dtypes=(x.dtype,), shape=tuple(x.shape), contiguous=False, device=x.device)
+        r2 = _rows("residual", residual, hidden)
+    block, num_warps = _rms_config(hidden)
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    s = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else y
+    rows = x2.shape[0]
+    if rows > 0 and hidden > 0:
+        _rms_norm_kernel[(rows,)](
+            x2, r2 if residual is not None else x2, weight, y, s,
+            x2.stride(0), r2.stride(0) if residual is not None else 0, float(eps),
+            H=hidden, BLOCK_H=block, HAS_RESIDUAL=residual is not None,
+            num_warps=num_warps, enable_fp_fusion=ENABLE_FP_FUSION,
+        )  # fmt: skip
+    return y if residual is None else (y, s)

@@ -1,0 +1,103 @@
+"""Shared plumbing for the Triton launchers: a guarded import, argument checks, launch options.
+
+Importing a kernel module must work without Triton (the torch backend only needs the
+references), so ``triton`` here is either the real package or a stub whose ``jit`` returns a
+placeholder that raises when launched. ``tl.constexpr`` annotations are never evaluated at
+import: the kernel modules use ``from __future__ import annotations`` and Triton reads the
+annotation strings itself.
+
+Floating-point fusion (part of the equivalence contract)
+--------------------------------------------------------
+Every launch passes ``enable_fp_fusion=ENABLE_FP_FUSION`` (``False``). With fusion on, the
+compiler contracts ``a * b + c`` into one FMA (one rounding instead of two), so results depend
+on the compiler's choices, differ between Triton releases (3.6 defaults to fusion on, 3.9 to
+off) and differ from the interpreter (numpy, never fused) that the tests run. Off, every
+multiply and add rounds like the PyTorch reference does, and the compiled kernels compute
+what the tests checked. ``tests/test_compile_ptx.py`` compiles with the same flag.
+"""
+from __future__ import annotations
+
+import torch
+
+try:  # pragma: no cover - exercised by whichever environment runs the tests
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+    _IMPORT_ERROR: ImportError | None = None
+except ImportError as _e:  # pragma: no cover
+    HAS_TRITON = False
+    _IMPORT_ERROR = _e
+
+    class _Unavailable:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            raise ImportError(f"{self.fn.__name__} needs triton ({_IMPORT_ERROR})")
+
+    class _TritonStub:
+        @staticmethod
+        def jit(fn=None, **_kwargs):
+            return _Unavailable(fn) if fn is not None else _Unavailable
+
+    triton = _TritonStub()
+    tl = None
+
+ENABLE_FP_FUSION = False
+
+
+def require_triton() -> None:
+    if not HAS_TRITON:
+        raise ImportError(f"the Triton launchers need the triton package ({_IMPORT_ERROR})")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def check_tensor(
+    name: str,
+    t,
+    *,
+    dtypes: tuple[torch.dtype, ...] | None = None,
+    ndim: int | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    contiguous: bool = True,
+    device: torch.device | None = None,
+) -> None:
+    """Raise a readable ``TypeError``/``ValueError`` that names ``name`` when ``t`` does not fit."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        allowed = ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({allowed}), got {str(t.dtype).removeprefix('torch.')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if len(shape) != t.dim() or any(want is not None and want != got for want, got in zip(shape, t.shape)):
+            want = tuple("*" if s is None else s for s in shape)
+            raise ValueError(f"{name} must have shape {want}, got {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()} for shape {tuple(t.shape)})")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def round_to(x, dtype: tl.constexpr):
+    """Round fp32 ``x`` to ``dtype`` to nearest, ties to even (IEEE), NaN kept as a quiet NaN.
+
+    For bfloat16 the rounding is spelled out on the bits: the GPU's ``cvt.rn.bf16.f32`` gives
+    the same bits, but Triton's interpreter truncates, and the tests run the interpreter.
+    """
+    if dtype == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (((bits >> 16) & 1) + 0x7FFF)
+        bits = tl.where(x != x, 0x7FC00000, bits)
+        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return x.to(dtype)
