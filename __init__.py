@@ -1,0 +1,16 @@
+"""tritonspec: EAGLE-3 / EAGLE-3.1 speculative decoding for Hugging Face LLMs.
+
+>>> import tritonspec as ts
+>>> ts.SpecConfig.chain(4)
+SpecConfig(num_speculative_tokens=4, top_k=1, num_draft_tokens=5)
+"""
+from .runtime.config import GenerationOutput, SpecConfig, SpecStats
+from .runtime.drafter import DrafterConfig, Eagle3Drafter
+from .runtime.engine import SpeculativeRuntime
+from .runtime.target import SUPPORTED_ARCHITECTURES, TargetModel
+
+__version__ = "0.1.0"
+__all__ = [
+    "SpeculativeRuntime", "SpecConfig", "SpecStats", "GenerationOutput", "Eagle3Drafter", "DrafterConfig",
+    "TargetModel", "SUPPORTED_ARCHITECTURES", "__version__",
+]

@@ -1,0 +1,92 @@
+"""Small validated dataclasses: the draft-tree shape, the stats, the generation output."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """Shape of the EAGLE-2 dynamic draft tree (vLLM/SGLang option names).
+
+    Parameters
+    ----------
+    num_speculative_tokens : draft depth, the longest chain drafted (SGLang ``num_steps``).
+    top_k : branching per level (SGLang ``eagle_topk``); 1 drafts a chain.
+    num_draft_tokens : tokens the target verifies per round, the root included (as in
+        SGLang), so a chain of K drafted tokens has ``num_draft_tokens = K + 1``.
+
+    Examples
+    --------
+    >>> SpecConfig(num_speculative_tokens=4, top_k=1, num_draft_tokens=5).max_candidates
+    4
+    """
+
+    num_speculative_tokens: int = 6
+    top_k: int = 8
+    num_draft_tokens: int = 48
+
+    def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "top_k"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.num_draft_tokens < 2:
+            raise ValueError(f"num_draft_tokens={self.num_draft_tokens} must be >= 2 (the root plus at least one draft)")
+        if self.num_draft_tokens - 1 > self.max_candidates:
+            raise ValueError(
+                f"num_draft_tokens={self.num_draft_tokens} asks for {self.num_draft_tokens - 1} draft nodes but depth "
+                f"{self.num_speculative_tokens} with top_k={self.top_k} drafts only {self.max_candidates} candidates; "
+                f"lower num_draft_tokens to <= {self.max_candidates + 1} or raise top_k / num_speculative_tokens"
+            )
+
+    @property
+    def max_candidates(self) -> int:
+        """Candidates drafted per round: top_k at level 1, top_k^2 at each deeper level."""
+        return self.top_k + (self.num_speculative_tokens - 1) * self.top_k * self.top_k
+
+    @classmethod
+    def chain(cls, k: int) -> "SpecConfig":
+        """A chain of ``k`` drafted tokens (``top_k=1``, ``num_draft_tokens=k+1``)."""
+        return cls(num_speculative_tokens=k, top_k=1, num_draft_tokens=k + 1)
+
+
+@dataclass
+class SpecStats:
+    """Speculation metrics, one definition everywhere (vLLM's; ARCHITECTURE §5).
+
+    ``num_drafts``: verify rounds (per row); ``num_draft_tokens``: draft nodes sent to verify;
+    ``num_accepted_tokens``: draft tokens accepted; ``accepted_per_position[i]``: rounds in
+    which depth i+1 was accepted; ``mean_acceptance_length`` τ = 1 + accepted / drafts (tokens
+    per target verify forward, bonus included); ``tokens_per_second`` = new tokens / wall time.
+    """
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    num_new_tokens: int = 0
+    wall_time_s: float = 0.0
+    time_split_s: dict[str, float] = field(default_factory=dict)  # prefill / draft / verify / commit
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def summary(self) -> str:
+        split = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in self.time_split_s.items())
+        return (f"new_tokens={self.num_new_tokens} tokens/s={self.tokens_per_second:.1f} "
+                f"mean_acceptance_length={self.mean_acceptance_length:.2f} rounds={self.num_drafts} [{split}]")
+
+
+@dataclass
+class GenerationOutput:
+    """``token_ids``: new tokens per prompt; ``texts``: decoded when a tokenizer is known;
+    ``finish_reasons``: ``"stop"`` (a stop token) or ``"length"`` per prompt."""
+
+    token_ids: list[list[int]]
+    texts: list[str] | None
+    stats: SpecStats
+    finish_reasons: list[str]

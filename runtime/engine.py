@@ -1,0 +1,444 @@
+"""``SpeculativeRuntime``: prefill, then rounds of draft -> verify -> commit.
+
+One round, for a batch of B rows with committed target length ``L[b]`` and root token
+``root[b]`` (emitted, not yet in the cache):
+
+    draft   the drafter expands an EAGLE-2 tree from its last catch-up state (tree.py)
+    verify  the target runs [root + N-1 nodes] at slots L..L+N-1 under the tree mask; greedy
+            verification picks the longest matching path and the bonus token
+    commit  the accepted path's K/V moves to slots L..L+a (kv_compact); the drafter re-encodes
+            positions L..L+a with the target's true aux states (catch-up); L += a+1
+
+Every step works on fixed-shape device tensors; the only host synchronisation is one read of
+the emitted tokens at the end of each round (stop conditions). Plain decoding is the same
+round with a tree that is only the root.
+"""
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .config import GenerationOutput, SpecConfig, SpecStats
+from .drafter import Eagle3Drafter
+from .ops import get_ops, resolve_backend
+from .target import TargetModel, default_aux_layer_ids
+from .tree import build_tree, rerank, topk_stable
+
+
+@dataclass
+class _Tree:
+    tokens: torch.Tensor  # [B, N] node 0 = root
+    parents: torch.Tensor  # [B, N]
+    depth: torch.Tensor  # [B, N]
+    mask: torch.Tensor  # [B, N, N] bool
+    max_depth: int
+
+
+@dataclass
+class _State:
+    L: torch.Tensor  # [B] committed target length (= drafter's encoded length)
+    root: torch.Tensor  # [B] last emitted token
+    hn_last: torch.Tensor | None  # [B, H] drafter normed hidden at position L-1
+    carry_last: torch.Tensor | None  # [B, H] drafter carry at position L-1
+    L_host: list[int]
+    active: list[bool]
+    prompt_lens: list[int]
+
+
+class SpeculativeRuntime:
+    """EAGLE-3/3.1 speculative decoding over a Llama-family target; lossless greedy output.
+
+    Examples
+    --------
+    >>> import tritonspec as ts
+    >>> rt = ts.SpeculativeRuntime.from_pretrained("target_dir", "drafter_dir")   # doctest: +SKIP
+    >>> out = rt.generate("def fib(n):", max_new_tokens=32)                      # doctest: +SKIP
+    >>> out.texts[0], out.stats.mean_acceptance_length                            # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: Eagle3Drafter | None = None,
+        tokenizer: Any = None,
+        *,
+        backend: str = "auto",
+        spec: SpecConfig | None = None,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        cuda_graphs: str | bool = "auto",
+    ):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.device = target.device
+        self.backend = resolve_backend(backend, self.device)
+        self.ops = get_ops(self.backend)
+        self.spec = spec or SpecConfig()
+        if not isinstance(self.spec, SpecConfig):
+            raise TypeError(f"spec must be a tritonspec.SpecConfig, got {type(self.spec).__name__}")
+        if cuda_graphs not in ("auto", True, False):
+            raise ValueError(f"cuda_graphs={cuda_graphs!r}: use 'auto', True or False")
+        if cuda_graphs is True:
+            warnings.warn("cuda_graphs=True: CUDA-graph capture is not built yet; running eager", stacklevel=2)
+        self.cuda_graphs = cuda_graphs
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+        self.max_batch_size = max_batch_size
+        limit = target.max_position_embeddings
+        self.max_seq_len = max_seq_len if max_seq_len is not None else min(limit, 4096)
+        if self.max_seq_len > limit:
+            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the target's max_position_embeddings={limit}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len={self.max_seq_len} must be >= 2")
+        window = getattr(target.config, "sliding_window", None)
+        uses_window = getattr(target.config, "use_sliding_window", target.arch == "mistral")
+        if window is not None and uses_window and window < self.max_seq_len:
+            raise ValueError(f"the target uses sliding-window attention (window {window}), which is not supported; "
+                             f"pass max_seq_len <= {window}")
+        self.drafter = drafter
+        if drafter is not None:
+            self._attach_drafter(drafter)
+        K, D, N = self.spec.top_k, self.spec.num_speculative_tokens, self.spec.num_draft_tokens
+        target.allocate_cache(max_batch_size, self.max_seq_len + N)
+        if drafter is not None:
+            self.drafter_capacity = self.max_seq_len + max((D - 1) * K, D + 1)
+            shape = (max_batch_size, self.drafter_capacity + 1, drafter.config.num_key_value_heads, drafter.config.head_dim)
+            self.dk = torch.zeros(shape, device=self.device, dtype=target.dtype)
+            self.dv = torch.zeros(shape, device=self.device, dtype=target.dtype)
+            drafter.rope(self.drafter_capacity + 1)
+
+    def _attach_drafter(self, d: Eagle3Drafter) -> None:
+        t, c = self.target, d.config
+        if c.vocab_size != t.vocab_size:
+            raise ValueError(f"drafter vocab_size={c.vocab_size} does not match the target's vocab_size={t.vocab_size}")
+        if c.target_hidden_size != t.hidden_size:
+            raise ValueError(f"drafter target_hidden_size={c.target_hidden_size} does not match the target's "
+                             f"hidden_size={t.hidden_size}")
+        ids = c.aux_layer_ids
+        if ids is None:
+            ids = default_aux_layer_ids(t.num_layers)
+            warnings.warn(f"the drafter records no aux layer ids; using EAGLE-3's default boundaries {ids}", stacklevel=3)
+            c.aux_layer_ids = ids
+        if len(ids) != c.num_aux_hidden_states:
+            raise ValueError(f"drafter expects {c.num_aux_hidden_states} aux states but lists aux layer ids {list(ids)}")
+        t.set_aux_layer_ids(ids)
+        if self.spec.top_k > c.draft_vocab_size:
+            raise ValueError(f"top_k={self.spec.top_k} exceeds the drafter's draft_vocab_size={c.draft_vocab_size}")
+        d.to(device=self.device, dtype=t.dtype)
+        d.eval()
+        d.attach_target_embedding(t.embed, {"max_position_embeddings": t.max_position_embeddings,
+                                            "rope": _rope_of(t.config)})
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        target: str | Path | Any,
+        drafter: str | Path | Eagle3Drafter | None = None,
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        backend: str = "auto",
+        spec: SpecConfig | None = None,
+        max_batch_size: int = 8,
+        max_seq_len: int | None = None,
+        cuda_graphs: str | bool = "auto",
+        tokenizer: Any = None,
+    ) -> "SpeculativeRuntime":
+        """Build a runtime from a target (HF directory or ``PreTrainedModel``) and an optional drafter.
+
+        Parameters
+        ----------
+        target : Hugging Face model directory, or a loaded transformers ``PreTrainedModel``.
+        drafter : drafter directory, an ``Eagle3Drafter``, or None (plain decoding only).
+        device, dtype : where and in which precision to run (CPU default: float32).
+        backend : ``"auto"`` (Triton on CUDA, else torch), ``"torch"`` or ``"triton"``.
+        spec : draft-tree shape; None = ``SpecConfig()`` defaults.
+        max_batch_size, max_seq_len : static cache sizes (max_seq_len = prompt + generated).
+        tokenizer : optional; by default read from the target directory when it has one.
+        """
+        tm = TargetModel.from_pretrained(target, device=device, dtype=dtype)
+        d = drafter
+        if isinstance(drafter, (str, Path)):
+            d = Eagle3Drafter.from_pretrained(drafter)
+        elif drafter is not None and not isinstance(drafter, Eagle3Drafter):
+            raise TypeError(f"drafter must be a directory or an Eagle3Drafter, got {type(drafter).__name__}")
+        if tokenizer is None and isinstance(target, (str, Path)):
+            tokenizer = _load_tokenizer(Path(target))
+        return cls(tm, d, tokenizer, backend=backend, spec=spec, max_batch_size=max_batch_size,
+                   max_seq_len=max_seq_len, cuda_graphs=cuda_graphs)
+
+    # ================================================================== public API
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        speculative: bool = True,
+    ) -> GenerationOutput:
+        """Generate up to ``max_new_tokens`` per prompt; greedy output equals the target's own.
+
+        ``speculative=False`` runs plain target decoding through the same runtime (the baseline).
+        Output ``token_ids`` include the stop token when one ended the row.
+        """
+        if temperature != 0.0 or top_p != 1.0 or top_k != 0:
+            if temperature < 0:
+                raise ValueError(f"temperature={temperature} must be >= 0")
+            raise NotImplementedError("sampling (temperature > 0, top_p, top_k) is not built yet; use temperature=0")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        batch = self._encode(prompts)
+        stops = self._stop_ids(stop_token_ids)
+        use_draft = speculative and self.drafter is not None
+        if speculative and self.drafter is None:
+            warnings.warn("no drafter loaded: speculative=True runs plain decoding", stacklevel=2)
+        stats = SpecStats(accepted_per_position=[0] * self.spec.num_speculative_tokens if use_draft else [],
+                          time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
+        outs: list[list[int]] = [[] for _ in batch]
+        reasons = ["length"] * len(batch)
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            st = self._prefill(batch, use_draft, stats)
+            self._emit(st, [[r] for r in st.root.tolist()], outs, reasons, stops, max_new_tokens, advance=False)
+            while any(st.active):
+                tree = self._draft(st, stats) if use_draft else self._root_only(st)
+                nodes, num, emitted, aux = self._verify(st, tree, stats)
+                self._commit(st, tree, nodes, num, emitted, aux, use_draft, stats)
+                em = torch.cat([emitted, num[:, None]], dim=1).tolist()  # the round's one host sync
+                nm = [row[-1] for row in em]
+                new = [row[: n + 1] if a else [] for row, n, a in zip(em, nm, st.active)]
+                if use_draft:
+                    self._count(stats, nm, st.active, tree.tokens.shape[1] - 1)
+                self._emit(st, new, outs, reasons, stops, max_new_tokens)
+        stats.wall_time_s = time.perf_counter() - t0
+        stats.num_new_tokens = sum(len(o) for o in outs)
+        texts = None
+        if self.tokenizer is not None:
+            texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+        return GenerationOutput(token_ids=outs, texts=texts, stats=stats, finish_reasons=reasons)
+
+    # ================================================================== input handling
+    def _encode(self, prompts: Any) -> list[list[int]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif isinstance(prompts, Sequence) and prompts and all(isinstance(x, int) for x in prompts):
+            prompts = [list(prompts)]
+        if not isinstance(prompts, Sequence) or len(prompts) == 0:
+            raise ValueError("prompts is empty: pass a string, a list of strings, or token id lists")
+        batch: list[list[int]] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                if self.tokenizer is None:
+                    raise ValueError("string prompts need a tokenizer: load a target directory that has one, "
+                                     "pass tokenizer=..., or pass token ids")
+                ids = list(self.tokenizer(p, add_special_tokens=True)["input_ids"])
+            else:
+                ids = [int(t) for t in p]
+            if not ids:
+                raise ValueError(f"prompt {i} is empty")
+            bad = [t for t in ids if not 0 <= t < self.target.vocab_size]
+            if bad:
+                raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {self.target.vocab_size}): {bad[:5]}")
+            if len(ids) >= self.max_seq_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens but max_seq_len={self.max_seq_len} "
+                                 "(prompt + generated tokens); shorten it or raise max_seq_len")
+            batch.append(ids)
+        if len(batch) > self.max_batch_size:
+            raise ValueError(f"{len(batch)} prompts exceed max_batch_size={self.max_batch_size}; "
+                             "split the batch or raise max_batch_size")
+        return batch
+
+    def _stop_ids(self, stop_token_ids: Iterable[int] | None) -> set[int]:
+        if stop_token_ids is not None:
+            return {int(t) for t in stop_token_ids}
+        eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
+        if eos is None:
+            eos = getattr(self.target.config, "eos_token_id", None)
+        if eos is None:
+            return set()
+        return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+
+    # ================================================================== round steps
+    def _prefill(self, batch: list[list[int]], use_draft: bool, stats: SpecStats) -> _State:
+        t0 = time.perf_counter()
+        B, P = len(batch), max(len(p) for p in batch)
+        dev = self.device
+        lens = torch.tensor([len(p) for p in batch], device=dev)
+        tokens = torch.zeros(B, P, dtype=torch.int64, device=dev)
+        for b, p in enumerate(batch):
+            tokens[b, : len(p)] = torch.tensor(p, device=dev)
+        ar = torch.arange(P, device=dev)
+        valid = ar[None, :] < lens[:, None]
+        positions = ar.expand(B, P)
+        slots = torch.where(valid, positions, -1)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril().expand(B, P, P)
+        zero = torch.zeros(B, dtype=torch.int64, device=dev)
+        hidden, aux = self.target.forward(self.ops, tokens, positions, slots, zero, causal, P, capture_aux=use_draft)
+        last = (lens - 1)[:, None]
+        h_last = hidden.gather(1, last[..., None].expand(B, 1, hidden.shape[-1]))[:, 0]
+        root = self.target.logits(h_last).argmax(-1)
+        st = _State(L=lens.clone(), root=root, hn_last=None, carry_last=None,
+                    L_host=[len(p) for p in batch], active=[True] * B, prompt_lens=[len(p) for p in batch])
+        if use_draft:
+            nxt = torch.cat([tokens[:, 1:], torch.zeros(B, 1, dtype=torch.int64, device=dev)], dim=1)
+            nxt = nxt.scatter(1, last, root[:, None])  # pair (g_t, x_{t+1}); x_P = root
+            index = torch.where(valid, torch.arange(B, device=dev)[:, None] * P + ar, -1)
+            self._catch_up(st, aux.reshape(B * P, -1), index, nxt, lens, zero, P)
+        stats.time_split_s["prefill"] += time.perf_counter() - t0
+        return st
+
+    def _catch_up(self, st: _State, aux_flat: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor,
+                  n_valid: torch.Tensor, start: torch.Tensor, kv_len: int) -> None:
+        """Drafter re-encodes ``n_valid`` positions from ``start`` with true target features."""
+        d = self.drafter
+        B, Qc = index.shape
+        ar = torch.arange(Qc, device=self.device)
+        g = d.combine(self.ops, aux_flat, index.reshape(-1)).view(B, Qc, -1)
+        positions = start[:, None] + ar
+        slots = torch.where(ar[None, :] < n_valid[:, None], positions, -1)
+        causal = torch.ones(Qc, Qc, dtype=torch.bool, device=self.device).tril().expand(B, Qc, Qc)
+        hn, carry = d.step(self.ops, g, tokens, positions, self.dk, self.dv, slots, start, causal, kv_len)
+        last = (n_valid - 1).clamp(min=0)[:, None, None].expand(B, 1, hn.shape[-1])
+        st.hn_last = hn.gather(1, last)[:, 0]
+        st.carry_last = carry.gather(1, last)[:, 0]
+
+    def _draft(self, st: _State, stats: SpecStats) -> _Tree:
+        """EAGLE-2 expansion from the last catch-up state, then global rerank (tree.py)."""
+        t0 = time.perf_counter()
+        d, dev = self.drafter, self.device
+        K, D, N = self.spec.top_k, self.spec.num_speculative_tokens, self.spec.num_draft_tokens
+        B = st.L.shape[0]
+        lp = F.log_softmax(d.logits(st.hn_last), dim=-1)  # [B, Vd]
+        score, tk = topk_stable(lp, K)  # [B, K]
+        tok = d.to_target_ids(tk)
+        scores, tokens, parents = [score], [tok], [torch.full((B, K), -1, dtype=torch.int64, device=dev)]
+        depths = [torch.ones(K, dtype=torch.int64, device=dev)]
+        gid = torch.arange(K, device=dev).expand(B, K)  # candidate ids of the frontier
+        hid = st.carry_last[:, None, :].expand(B, K, st.carry_last.shape[-1])
+        width = max((D - 1) * K, 1)
+        fmask = torch.zeros(B, K, width, dtype=torch.bool, device=dev)
+        kv_len = max(st.L_host) + width
+        offset = K
+        for s in range(1, D):
+            own = (s - 1) * K + torch.arange(K, device=dev)
+            fmask = fmask.scatter(2, own.expand(B, K)[..., None], True)
+            positions = (st.L + s - 1)[:, None].expand(B, K)
+            hn, carry = d.step(self.ops, hid, tok, positions, self.dk, self.dv, st.L[:, None] + own, st.L, fmask, kv_len)
+            lp = F.log_softmax(d.logits(hn), dim=-1)  # [B, K, Vd]
+            sk, tk = topk_stable(lp, K)  # [B, K, K]
+            cum = (score[:, :, None] + sk).reshape(B, K * K)
+            ctok = d.to_target_ids(tk).reshape(B, K * K)
+            scores.append(cum)
+            tokens.append(ctok)
+            parents.append(gid.repeat_interleave(K, dim=1))
+            depths.append(torch.full((K * K,), s + 1, dtype=torch.int64, device=dev))
+            if s == D - 1:
+                break
+            score, sel = topk_stable(cum, K)  # next frontier: best K of K^2
+            up = sel // K
+            tok = ctok.gather(1, sel)
+            hid = carry.gather(1, up[..., None].expand(B, K, carry.shape[-1]))
+            fmask = fmask.gather(1, up[..., None].expand(B, K, width))
+            gid = offset + sel
+            offset += K * K
+        keep = rerank(torch.cat(scores, dim=1), N - 1)
+        par, depth, mask = build_tree(keep, torch.cat(parents, dim=1), torch.cat(depths), D)
+        node_tokens = torch.cat([st.root[:, None], torch.cat(tokens, dim=1).gather(1, keep)], dim=1)
+        stats.time_split_s["draft"] += time.perf_counter() - t0
+        return _Tree(node_tokens, par, depth, mask, D)
+
+    def _root_only(self, st: _State) -> _Tree:
+        B, dev = st.L.shape[0], self.device
+        return _Tree(st.root[:, None], torch.full((B, 1), -1, dtype=torch.int64, device=dev),
+                     torch.zeros(B, 1, dtype=torch.int64, device=dev), torch.ones(B, 1, 1, dtype=torch.bool, device=dev), 0)
+
+    def _verify(self, st: _State, tree: _Tree, stats: SpecStats):
+        """Target forward over the tree, then greedy verification."""
+        t0 = time.perf_counter()
+        B, N = tree.tokens.shape
+        positions = st.L[:, None] + tree.depth
+        slots = st.L[:, None] + torch.arange(N, device=self.device)
+        hidden, aux = self.target.forward(self.ops, tree.tokens, positions, slots, st.L, tree.mask,
+                                          max(st.L_host) + N, capture_aux=tree.max_depth > 0)
+        argmax = self.target.logits(hidden).argmax(-1)  # [B, N]
+        nodes, num, emitted = self.ops.verify_greedy(tree.tokens, tree.parents, argmax, tree.max_depth)
+        stats.time_split_s["verify"] += time.perf_counter() - t0
+        return nodes, num, emitted, aux
+
+    def _commit(self, st: _State, tree: _Tree, nodes: torch.Tensor, num: torch.Tensor, emitted: torch.Tensor,
+                aux: torch.Tensor | None, use_draft: bool, stats: SpecStats) -> None:
+        """Compact the accepted path's K/V, re-encode it in the drafter, advance L and the root."""
+        t0 = time.perf_counter()
+        B, N = tree.tokens.shape
+        if tree.max_depth > 0:
+            self.ops.kv_compact(self.target.k_cache, self.target.v_cache, st.L, nodes)
+        if use_draft:
+            index = torch.where(nodes >= 0, torch.arange(B, device=self.device)[:, None] * N + nodes, -1)
+            self._catch_up(st, aux.reshape(B * N, -1), index, emitted.clamp(min=0), num + 1, st.L,
+                           max(st.L_host) + tree.max_depth + 1)
+        active = torch.tensor(st.active, device=self.device)
+        st.L = st.L + torch.where(active, num + 1, 0)
+        st.root = emitted.gather(1, num[:, None])[:, 0]
+        stats.time_split_s["commit"] += time.perf_counter() - t0
+
+    # ================================================================== host bookkeeping
+    def _emit(self, st: _State, new: list[list[int]], outs: list[list[int]], reasons: list[str], stops: set[int],
+              max_new_tokens: int, advance: bool = True) -> None:
+        """Append each active row's new tokens, honouring stop tokens, max_new_tokens and max_seq_len."""
+        for b, toks in enumerate(new):
+            if not st.active[b]:
+                continue
+            if advance:
+                st.L_host[b] += len(toks)
+            for t in toks:
+                outs[b].append(t)
+                if t in stops:
+                    reasons[b] = "stop"
+                    st.active[b] = False
+                    break
+                if len(outs[b]) >= max_new_tokens or st.prompt_lens[b] + len(outs[b]) >= self.max_seq_len:
+                    st.active[b] = False
+                    break
+            if not st.active[b]:  # a finished row idles at L=0 so that it never writes past its cache
+                st.L_host[b] = 0
+        done = [b for b, a in enumerate(st.active) if not a]
+        if done:
+            st.L = st.L.index_fill(0, torch.tensor(done, device=self.device), 0)
+
+    @staticmethod
+    def _count(stats: SpecStats, num: list[int], active: list[bool], n_draft: int) -> None:
+        for n, a in zip(num, active):
+            if not a:
+                continue
+            stats.num_drafts += 1
+            stats.num_draft_tokens += n_draft
+            stats.num_accepted_tokens += n
+            for i in range(n):
+                stats.accepted_per_position[i] += 1
+
+
+def _rope_of(config: Any) -> dict:
+    from .rope import rope_parameters
+
+    return rope_parameters(config)
+
+
+def _load_tokenizer(path: Path) -> Any:
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"could not load the tokenizer in {path}: {e}; texts will be None", stacklevel=3)
+        return None

@@ -1,0 +1,226 @@
+"""Our own compact forward for Llama-family targets (Llama, Mistral, Qwen2, Qwen3).
+
+The adapter owns a static KV cache ``[L, B_max, S+1, Hkv, D]`` (slot S is a trash slot for
+writes that must go nowhere), writes new tokens at caller-given slots, attends with a tree
+mask over ``prefix + tree`` (``kernels.tree_attention``), and captures the residual stream at
+the aux boundaries the drafter needs.
+
+Boundary convention (one convention everywhere): boundary ``b`` is the residual stream
+*entering* layer ``b``; 0 = embedding output, N = final-layer output before the final norm.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .rope import Rope
+from .weights import load_state_dict
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default capture boundaries (2, N//2, N-3)."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+@dataclass
+class _Layer:
+    ln1: torch.Tensor
+    ln2: torch.Tensor
+    wq: torch.Tensor
+    wk: torch.Tensor
+    wv: torch.Tensor
+    wo: torch.Tensor
+    bq: torch.Tensor | None
+    bk: torch.Tensor | None
+    bv: torch.Tensor | None
+    bo: torch.Tensor | None
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def _architecture(config: Any) -> str:
+    archs = list(getattr(config, "architectures", None) or [])
+    for a in archs:
+        if a in SUPPORTED_ARCHITECTURES:
+            return SUPPORTED_ARCHITECTURES[a]
+    family = {v: v for v in SUPPORTED_ARCHITECTURES.values()}
+    if not archs and getattr(config, "model_type", None) in family:
+        return config.model_type
+    raise ValueError(
+        f"unsupported target architecture {archs or getattr(config, 'model_type', None)!r}; "
+        f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+class TargetModel:
+    """A Llama-family causal LM run by tritonspec's own forward.
+
+    Examples
+    --------
+    >>> tm = TargetModel.from_pretrained("path/to/hf_model")            # doctest: +SKIP
+    >>> tm.allocate_cache(max_batch_size=2, capacity=256)               # doctest: +SKIP
+    """
+
+    def __init__(self, config: Any, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.arch = _architecture(config)
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"target hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+        self.device, self.dtype = device, dtype
+        self.num_layers = config.num_hidden_layers
+        self.hidden_size = config.hidden_size
+        self.vocab_size = config.vocab_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
+        self.eps = config.rms_norm_eps
+        self.max_position_embeddings = getattr(config, "max_position_embeddings", 4096)
+        state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+
+        def get(name: str, required: bool = True) -> torch.Tensor | None:
+            t = state.get(name)
+            if t is None:
+                if required:
+                    raise KeyError(f"target weights lack {name!r} (is this a {self.arch} checkpoint?)")
+                return None
+            return t.to(device=device, dtype=dtype)
+
+        self.embed = get("embed_tokens.weight")
+        self.norm = get("norm.weight")
+        lm = state.get("lm_head.weight")
+        tied = getattr(config, "tie_word_embeddings", False)
+        self.lm_head = self.embed if (lm is None or tied) else lm.to(device=device, dtype=dtype)
+        if lm is None and not tied:
+            raise KeyError("target weights lack 'lm_head.weight' and tie_word_embeddings is false")
+        self.layers: list[_Layer] = []
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            self.layers.append(_Layer(
+                ln1=get(p + "input_layernorm.weight"), ln2=get(p + "post_attention_layernorm.weight"),
+                wq=get(p + "self_attn.q_proj.weight"), wk=get(p + "self_attn.k_proj.weight"),
+                wv=get(p + "self_attn.v_proj.weight"), wo=get(p + "self_attn.o_proj.weight"),
+                bq=get(p + "self_attn.q_proj.bias", False), bk=get(p + "self_attn.k_proj.bias", False),
+                bv=get(p + "self_attn.v_proj.bias", False), bo=get(p + "self_attn.o_proj.bias", False),
+                q_norm=get(p + "self_attn.q_norm.weight", self.arch == "qwen3"),
+                k_norm=get(p + "self_attn.k_norm.weight", self.arch == "qwen3"),
+                gate=get(p + "mlp.gate_proj.weight"), up=get(p + "mlp.up_proj.weight"),
+                down=get(p + "mlp.down_proj.weight"),
+            ))
+        self.rope = Rope(config, self.head_dim, self.max_position_embeddings, device, dtype)
+        self.aux_layer_ids: tuple[int, ...] = ()
+        self.k_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls, source: str | Path | Any, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    ) -> "TargetModel":
+        """From a Hugging Face model directory or a loaded ``transformers`` ``PreTrainedModel``."""
+        device = torch.device(device)
+        if isinstance(source, (str, Path)):
+            from transformers import AutoConfig
+
+            path = Path(source)
+            if not (path / "config.json").exists():
+                raise FileNotFoundError(f"{path / 'config.json'} is missing: pass a Hugging Face model directory")
+            try:
+                config = AutoConfig.from_pretrained(str(path))
+            except Exception as e:  # noqa: BLE001
+                raise ValueError(f"cannot read target config {path / 'config.json'}: {e}") from e
+            _architecture(config)  # fail before reading weights
+            state = load_state_dict(path)
+        else:
+            config = getattr(source, "config", None)
+            if config is None or not hasattr(source, "state_dict"):
+                raise TypeError(f"target must be a model directory or a transformers PreTrainedModel, got {type(source)}")
+            _architecture(config)
+            state = {k: v.detach() for k, v in source.state_dict().items()}
+        if dtype is None:
+            dtype = _config_dtype(config, device)
+        return cls(config, state, device, dtype)
+
+    def set_aux_layer_ids(self, ids: tuple[int, ...] | list[int]) -> None:
+        """Capture the residual stream at these boundaries (0..N); a wrong id fails here."""
+        ids = tuple(int(i) for i in ids)
+        bad = [i for i in ids if not 0 <= i <= self.num_layers]
+        if bad:
+            raise ValueError(
+                f"aux layer ids {list(ids)} out of range for a target with {self.num_layers} layers: "
+                f"boundary ids must lie in [0, {self.num_layers}] (0 = embeddings, {self.num_layers} = last layer output)"
+            )
+        self.aux_layer_ids = ids
+
+    def allocate_cache(self, max_batch_size: int, capacity: int) -> None:
+        """Static KV cache for ``max_batch_size`` rows of ``capacity`` slots (+1 trash slot)."""
+        if self.rope.cos.shape[0] < capacity:
+            self.rope = Rope(self.config, self.head_dim, capacity, self.device, self.dtype)
+        shape = (self.num_layers, max_batch_size, capacity + 1, self.num_kv_heads, self.head_dim)
+        if self.k_cache is None or self.k_cache.shape != shape:
+            self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        ops: Any,
+        tokens: torch.Tensor,  # [B, Q] int64
+        positions: torch.Tensor,  # [B, Q] int64
+        slots: torch.Tensor,  # [B, Q] int64 cache slot per token, -1 = write nowhere
+        prefix_lens: torch.Tensor,  # [B] int64 committed prefix per row
+        tree_mask: torch.Tensor,  # [B, Q, T] bool, visibility inside the tree region
+        kv_len: int | None = None,
+        capture_aux: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Return ``(final-normed hidden [B, Q, H], aux [B, Q, n_aux*H] or None)``."""
+        assert self.k_cache is not None, "call allocate_cache() first"
+        B, Q = tokens.shape
+        h = F.embedding(tokens, self.embed)  # [B, Q, H]
+        aux_ids = self.aux_layer_ids if capture_aux else ()
+        captured = {0: h} if 0 in aux_ids else {}
+        scale = self.head_dim ** -0.5
+        for i, L in enumerate(self.layers):
+            x = ops.rms_norm(h, L.ln1, self.eps)
+            q = F.linear(x, L.wq, L.bq).view(B, Q, self.num_heads, self.head_dim)
+            k = F.linear(x, L.wk, L.bk).view(B, Q, self.num_kv_heads, self.head_dim)
+            v = F.linear(x, L.wv, L.bv).view(B, Q, self.num_kv_heads, self.head_dim)
+            if L.q_norm is not None:
+                q = ops.rms_norm(q, L.q_norm, self.eps)
+                k = ops.rms_norm(k, L.k_norm, self.eps)
+            q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
+            ops.kv_write(self.k_cache[i], self.v_cache[i], slots, k, v)
+            a = ops.tree_attention(q, self.k_cache[i], self.v_cache[i], prefix_lens, tree_mask, scale, kv_len)
+            a = F.linear(a.reshape(B, Q, self.num_heads * self.head_dim), L.wo, L.bo)
+            x, h = ops.rms_norm(a, L.ln2, self.eps, residual=h)
+            h = h + F.linear(F.silu(F.linear(x, L.gate)) * F.linear(x, L.up), L.down)
+            if i + 1 in aux_ids:
+                captured[i + 1] = h
+        aux = torch.cat([captured[b] for b in aux_ids], dim=-1) if aux_ids else None
+        return ops.rms_norm(h, self.norm, self.eps), aux
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H] -> [..., V]`` float32 logits (argmax ties break to the lowest id)."""
+        return F.linear(hidden, self.lm_head).float()
+
+
+def _config_dtype(config: Any, device: torch.device) -> torch.dtype:
+    d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(d, str):
+        d = getattr(torch, d, None)
+    if device.type == "cpu":
+        return torch.float32  # CPU BLAS is fastest and exact in fp32
+    return d if isinstance(d, torch.dtype) else torch.bfloat16
