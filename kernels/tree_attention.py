@@ -75,3 +75,324 @@ def tree_attention_reference(
     vis = tree_visibility(prefix_lens, tree_mask, S)[:, None]  # [B, 1, Q, S]
     out = F.scaled_dot_product_attention(q.transpose(1, 2), k.to(q.dtype), v.to(q.dtype), attn_mask=vis, scale=scale)
     return out.transpose(1, 2)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernels and launchers
+#
+# kv_write: one program per (query token, column chunk of Hkv*D); slot -1 goes to the trash
+# slot S-1, exactly like the reference.
+#
+# tree attention, flash-decoding style in two launches:
+#   1. partial: grid (Hkv * m_tiles, 1 + n_splits, B). A program takes BLOCK_M rows of
+#      (query, head-in-group) pairs that share one KV head (GQA packed into the M dimension),
+#      and one key range: split 0 is the tree region [P, P + T) under the tree mask, split
+#      i >= 1 is the prefix range [(i-1)*SPLIT, i*SPLIT) ∩ [0, P). It runs an online softmax
+#      over BLOCK_N-key blocks and writes the unnormalised accumulator, the running max (log2
+#      units) and the running sum.
+#   2. merge: one program per (query, head) folds the prefix splits in ascending order, then
+#      the tree split, and divides.
+# Row r = q * G + g always sits at tile r // BLOCK_M, lane r % BLOCK_M, split boundaries are
+# multiples of SPLIT in absolute key position, and the merge order is fixed: a query's result
+# depends on its own q, mask row, prefix length and the cache only, never on B, Q, T or the
+# ``kv_len`` hint (empty splits are never merged). BLOCK_M/BLOCK_N/SPLIT are fixed per head_dim
+# (``_attn_config``), never per call.
+# --------------------------------------------------------------------------------------------
+import os  # noqa: E402
+
+from ._triton_utils import (  # noqa: E402
+    ENABLE_FP_FUSION,
+    FLOAT_DTYPES,
+    check_tensor,
+    next_pow2,
+    require_triton,
+    round_to,
+    tl,
+    triton,
+)
+
+SPLIT_KV = 2048  # prefix keys per flash-decoding split (fixed: part of the reduction order)
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["Q", "S"])
+def _kv_write_kernel(
+    k_cache_ptr,  # [B_max, S, Hkv, D]: rows at stride_kb, slots at stride_ks, (Hkv, D) contiguous
+    v_cache_ptr,  # [B_max, S, Hkv, D]
+    slots_ptr,  # [B, Q] int64, PAD = write to the trash slot S-1
+    k_ptr,  # [B, Q, Hkv, D] contiguous
+    v_ptr,  # [B, Q, Hkv, D] contiguous
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    Q,
+    S,
+    HD: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PAD: tl.constexpr,
+):
+    bq = tl.program_id(0).to(tl.int64)
+    b = bq // Q
+    slot = tl.load(slots_ptr + bq)
+    slot = tl.where(slot == PAD, S - 1, slot)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < HD
+    k = tl.load(k_ptr + bq * HD + cols, mask=mask, other=0.0)
+    v = tl.load(v_ptr + bq * HD + cols, mask=mask, other=0.0)
+    k_dtype: tl.constexpr = k_cache_ptr.dtype.element_ty
+    v_dtype: tl.constexpr = v_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + b * stride_kb + slot * stride_ks + cols, round_to(k.to(tl.float32), k_dtype), mask=mask)
+    tl.store(v_cache_ptr + b * stride_vb + slot * stride_vs + cols, round_to(v.to(tl.float32), v_dtype), mask=mask)
+
+
+def _check_cache(name: str, cache: torch.Tensor, ndim: int = 4) -> None:
+    check_tensor(name, cache, dtypes=FLOAT_DTYPES, ndim=ndim, contiguous=False)
+    hkv, d = cache.shape[-2:]
+    if cache.stride(-1) != 1 or cache.stride(-2) != d:
+        raise ValueError(f"{name} must be contiguous in its last two axes [Hkv, D], got strides {cache.stride()}")
+
+
+def kv_write(
+    k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer)
+    v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
+    slots: torch.Tensor,  # [B, Q] int64, -1 = trash slot S-1
+    k: torch.Tensor,  # [B, Q, Hkv, D]
+    v: torch.Tensor,  # [B, Q, Hkv, D]
+) -> None:
+    """Triton twin of ``kv_write_reference`` (in place). Slots are not range-checked (no host sync)."""
+    require_triton()
+    _check_cache("k_cache", k_cache)
+    _check_cache("v_cache", v_cache)
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    b_max, S, hkv, d = k_cache.shape
+    check_tensor("slots", slots, dtypes=(torch.int64,), ndim=2, device=k_cache.device)
+    B, Q = slots.shape
+    if B > b_max:
+        raise ValueError(f"slots has {B} rows but the cache holds only {b_max}")
+    check_tensor("k", k, dtypes=FLOAT_DTYPES, shape=(B, Q, hkv, d), device=k_cache.device)
+    check_tensor("v", v, dtypes=FLOAT_DTYPES, shape=(B, Q, hkv, d), device=k_cache.device)
+    if B * Q == 0:
+        return
+    hd = hkv * d
+    block = min(next_pow2(hd), 1024)
+    _kv_write_kernel[(B * Q, triton.cdiv(hd, block))](
+        k_cache, v_cache, slots, k, v,
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        Q, S, HD=hd, BLOCK=block, PAD=-1,
+        num_warps=4, enable_fp_fusion=ENABLE_FP_FUSION,
+    )  # fmt: skip
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """fp32-accumulated ``a @ b``. ``UPCAST`` (interpreter only: its bf16 dot reads raw bits)
+    multiplies the exactly widened fp32 operands instead, which is what the MMA computes."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit(do_not_specialize=["Q", "T", "kv_len", "NS"])
+def _tree_attn_partial_kernel(
+    q_ptr,  # [B, Q, HQ, D] contiguous
+    k_ptr,  # [B_max, S, HKV, D]: rows at stride_kb, slots at stride_ks, (HKV, D) contiguous
+    v_ptr,  # [B_max, S, HKV, D]
+    prefix_ptr,  # [B] int64
+    mask_ptr,  # [B, Q, T] bool contiguous
+    acc_ptr,  # [B, Q, HQ, NS, D] fp32 out: unnormalised sum p @ v per split
+    ml_ptr,  # [B, Q, HQ, NS, 2] fp32 out: (running max of scale*log2e*qk, running sum of p)
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    Q,
+    T,
+    kv_len,
+    NS,
+    qk_scale,  # scale * log2(e)
+    HQ: tl.constexpr,
+    HKV: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    NEG: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    G: tl.constexpr = HQ // HKV
+    n_mtiles = tl.cdiv(Q * G, BLOCK_M)
+    hkv = tl.program_id(0) // n_mtiles
+    mtile = tl.program_id(0) % n_mtiles
+    split = tl.program_id(1)
+    b = tl.program_id(2).to(tl.int64)
+
+    rows = mtile * BLOCK_M + tl.arange(0, BLOCK_M)
+    qi = rows // G
+    h = hkv * G + rows % G
+    row_ok = qi < Q
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    qrow = (b * Q + qi) * HQ + h  # [BLOCK_M] row of q / out in [B*Q*HQ]
+    q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+
+    prefix = tl.load(prefix_ptr + b)
+    is_tree = split == 0
+    # key range [lo, hi): the tree region, or one SPLIT-aligned piece of the prefix
+    lo = tl.where(is_tree, prefix, (split - 1) * SPLIT)
+    hi = tl.where(is_tree, tl.minimum(prefix + T, kv_len), tl.minimum(tl.minimum(split * SPLIT, prefix), kv_len))
+
+    m_i = tl.full([BLOCK_M], NEG, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    tree_hi = tl.where(is_tree, hi, 0)  # keys below tree_hi read the tree mask (none for a prefix split)
+    k_base = k_ptr + b * stride_kb + hkv * D
+    v_base = v_ptr + b * stride_vb + hkv * D
+    for start in range(lo, hi, BLOCK_N):
+        n = start + tl.arange(0, BLOCK_N)
+        n_ok = n < hi
+        kv_mask = n_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_base + n[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
+        vis = row_ok[:, None] & n_ok[None, :]
+        tree_bit = tl.load(
+            mask_ptr + (b * Q + qi)[:, None] * T + (n - prefix)[None, :], mask=vis & (n < tree_hi)[None, :], other=1
+        )
+        vis = vis & (tree_bit != 0)
+        s = tl.where(vis, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + n[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        acc = acc * alpha[:, None] + _dot(round_to(p, v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    slot = qrow.to(tl.int64) * NS + split
+    # empty prefix splits are never merged: skip their store (a scalar condition folded into
+    # an index comparison, which the interpreter's masked store accepts)
+    keep = qi < tl.where(is_tree | (hi > lo), Q, 0)
+    tl.store(acc_ptr + slot[:, None] * D + d[None, :], acc, mask=keep[:, None] & d_ok[None, :])
+    tl.store(ml_ptr + slot * 2, m_i, mask=keep)
+    tl.store(ml_ptr + slot * 2 + 1, l_i, mask=keep)
+
+
+@triton.jit(do_not_specialize=["kv_len", "NS"])
+def _tree_attn_merge_kernel(
+    acc_ptr,  # [B, Q, HQ, NS, D] fp32
+    ml_ptr,  # [B, Q, HQ, NS, 2] fp32
+    prefix_ptr,  # [B] int64
+    out_ptr,  # [B, Q, HQ, D] contiguous, dtype of q
+    QH,  # Q * HQ
+    kv_len,
+    NS,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLIT: tl.constexpr,
+    NEG: tl.constexpr,
+):
+    b = tl.program_id(1).to(tl.int64)
+    row = b * QH + tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    n_prefix_splits = tl.cdiv(tl.minimum(tl.load(prefix_ptr + b), kv_len), SPLIT)
+    m = tl.full([], NEG, tl.float32)
+    l = tl.zeros([], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    # prefix splits 1..n in ascending key order, then the tree split 0
+    for i in range(0, n_prefix_splits + 1):
+        split = tl.where(i < n_prefix_splits, i + 1, 0)
+        slot = row * NS + split
+        m_s = tl.load(ml_ptr + slot * 2)
+        l_s = tl.load(ml_ptr + slot * 2 + 1)
+        a_s = tl.load(acc_ptr + slot * D + d, mask=d_ok, other=0.0)
+        m_new = tl.maximum(m, m_s)
+        alpha = tl.math.exp2(m - m_new)
+        beta = tl.math.exp2(m_s - m_new)
+        acc = acc * alpha + a_s * beta
+        l = l * alpha + l_s * beta
+        m = m_new
+    out = tl.where(l > 0, acc / tl.where(l > 0, l, 1.0), 0.0)  # no visible key: 0, like SDPA
+    tl.store(out_ptr + row * D + d, round_to(out, out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def _attn_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tile sizes from head_dim/dtype only (never from B, Q or the context length)."""
+    block_d = max(next_pow2(head_dim), 16)
+    return dict(
+        BLOCK_D=block_d,
+        BLOCK_M=64,
+        BLOCK_N=64 if block_d <= 128 else 32,
+        DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
+        DOT_UPCAST=dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+    )
+
+
+def tree_attention(
+    q: torch.Tensor,  # [B, Q, Hq, D]
+    k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer)
+    v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
+    prefix_lens: torch.Tensor,  # [B] int64
+    tree_mask: torch.Tensor,  # [B, Q, T] bool
+    scale: float,
+    kv_len: int | None = None,
+    *,
+    split_kv: int = SPLIT_KV,
+) -> torch.Tensor:  # [B, Q, Hq, D]
+    """Triton twin of ``tree_attention_reference``.
+
+    ``kv_len`` (a host int) only bounds the grid; visibility is clipped to it exactly as in the
+    reference. ``split_kv`` is the fixed prefix split (a multiple of the key block); results for
+    a given split size never depend on the batch, the number of queries or ``kv_len``.
+    """
+    require_triton()
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4)
+    _check_cache("k_cache", k_cache)
+    _check_cache("v_cache", v_cache)
+    B, Q, hq, d = q.shape
+    b_max, S, hkv, dk = k_cache.shape
+    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise TypeError(f"k_cache/v_cache dtype ({k_cache.dtype}, {v_cache.dtype}) must equal q dtype {q.dtype}")
+    if v_cache.shape != k_cache.shape:
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
+    if dk != d:
+        raise ValueError(f"k_cache head_dim {dk} != q head_dim {d}")
+    if hq % hkv:
+        raise ValueError(f"q heads {hq} is not a multiple of the cache's KV heads {hkv}")
+    if B > b_max:
+        raise ValueError(f"q has {B} rows but the cache holds only {b_max}")
+    check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64,), shape=(B,), device=q.device)
+    check_tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3, device=q.device)
+    if tree_mask.shape[:2] != (B, Q):
+        raise ValueError(f"tree_mask must have shape ({B}, {Q}, T), got {tuple(tree_mask.shape)}")
+    T = tree_mask.shape[2]
+    kv_len = S if kv_len is None else min(int(kv_len), S)
+    cfg = _attn_config(d, q.dtype)
+    if split_kv % cfg["BLOCK_N"]:
+        raise ValueError(f"split_kv={split_kv} must be a multiple of the key block {cfg['BLOCK_N']}")
+    out = torch.empty_like(q)
+    if B * Q * hq == 0:
+        return out
+    n_splits = triton.cdiv(kv_len, split_kv) if kv_len > 0 else 0
+    ns = 1 + n_splits
+    acc = torch.empty((B, Q, hq, ns, d), dtype=torch.float32, device=q.device)
+    ml = torch.empty((B, Q, hq, ns, 2), dtype=torch.float32, device=q.device)
+    n_mtiles = triton.cdiv(Q * (hq // hkv), cfg["BLOCK_M"])
+    neg = -1.0e30  # finite "minus infinity" for running maxima: exp2(NEG - NEG) = 1, never NaN
+    _tree_attn_partial_kernel[(hkv * n_mtiles, ns, B)](
+        q, k_cache, v_cache, prefix_lens, tree_mask, acc, ml,
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        Q, T, kv_len, ns, float(scale) * _LOG2E,
+        HQ=hq, HKV=hkv, D=d, SPLIT=split_kv, NEG=neg, **cfg,
+        num_warps=4, num_stages=2, enable_fp_fusion=ENABLE_FP_FUSION,
+    )  # fmt: skip
+    _tree_attn_merge_kernel[(Q * hq, B)](
+        acc, ml, prefix_lens, out, Q * hq, kv_len, ns,
+        D=d, BLOCK_D=cfg["BLOCK_D"], SPLIT=split_kv, NEG=neg,
+        num_warps=1 if cfg["BLOCK_D"] <= 128 else 2, enable_fp_fusion=ENABLE_FP_FUSION,
+    )  # fmt: skip
+    return out
