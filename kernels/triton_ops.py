@@ -1,0 +1,29 @@
+"""The Triton backend of the op layer (``runtime.ops.get_ops("triton")``).
+
+``TritonOps`` has exactly ``TorchOps``' methods and signatures; each is the launcher in the
+op's kernel module. On a CPU the launchers run under ``TRITON_INTERPRET=1`` (set before triton
+is imported), which is how the tests exercise them.
+"""
+from __future__ import annotations
+
+from ._triton_utils import require_triton
+from .aux_gather import aux_gather
+from .kv_compact import kv_compact
+from .rms_norm import rms_norm
+from .tree_attention import kv_write, tree_attention
+from .verify import verify_greedy
+
+require_triton()  # importing this module without triton raises ImportError (runtime.ops relies on it)
+
+
+class TritonOps:
+    """Triton backend: each method is the launcher of ``kernels.<op>``."""
+
+    name = "triton"
+
+    rms_norm = staticmethod(rms_norm)  # (x, weight, eps, residual=None)
+    aux_gather = staticmethod(aux_gather)  # (aux, index, fc_norm_weight, eps)
+    kv_write = staticmethod(kv_write)  # (k_cache, v_cache, slots, k, v)
+    tree_attention = staticmethod(tree_attention)  # (q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None)
+    verify_greedy = staticmethod(verify_greedy)  # (tokens, parents, target_argmax, max_depth)
+    kv_compact = staticmethod(kv_compact)  # (k_cache, v_cache, start, nodes)
