@@ -80,6 +80,7 @@ def aux_gather(
     index: torch.Tensor,  # [n] int64, -1 = padding row
     fc_norm_weight: torch.Tensor | None,  # [n_aux, H] or None (plain gather)
     eps: float,
+    *,
     n_aux: int | None = None,  # chunk count for the plain gather (only sets the launch split)
 ) -> torch.Tensor:  # [n, n_aux*H]
     """Triton gather (+ fused per-chunk RMSNorm) with ``aux_gather_reference``'s semantics.

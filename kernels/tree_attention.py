@@ -120,12 +120,14 @@ def _kv_write_kernel(
     k_cache_ptr,  # [B_max, S, Hkv, D]: rows at stride_kb, slots at stride_ks, (Hkv, D) contiguous
     v_cache_ptr,  # [B_max, S, Hkv, D]
     slots_ptr,  # [B, Q] int64, PAD = write to the trash slot S-1
-    k_ptr,  # [B, Q, Hkv, D] contiguous
-    v_ptr,  # [B, Q, Hkv, D] contiguous
+    k_ptr,  # [B, Q, Hkv, D]: rows at stride_nb, tokens at stride_nq, (Hkv, D) contiguous
+    v_ptr,  # [B, Q, Hkv, D]: same strides as k
     stride_kb,
     stride_ks,
     stride_vb,
     stride_vs,
+    stride_nb,
+    stride_nq,
     Q,
     S,
     HD: tl.constexpr,
@@ -138,8 +140,9 @@ def _kv_write_kernel(
     slot = tl.where(slot == PAD, S - 1, slot)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < HD
-    k = tl.load(k_ptr + bq * HD + cols, mask=mask, other=0.0)
-    v = tl.load(v_ptr + bq * HD + cols, mask=mask, other=0.0)
+    src = b * stride_nb + (bq - b * Q) * stride_nq + cols
+    k = tl.load(k_ptr + src, mask=mask, other=0.0)
+    v = tl.load(v_ptr + src, mask=mask, other=0.0)
     k_dtype: tl.constexpr = k_cache_ptr.dtype.element_ty
     v_dtype: tl.constexpr = v_cache_ptr.dtype.element_ty
     tl.store(k_cache_ptr + b * stride_kb + slot * stride_ks + cols, round_to(k.to(tl.float32), k_dtype), mask=mask)
@@ -171,15 +174,19 @@ def kv_write(
     B, Q = slots.shape
     if B > b_max:
         raise ValueError(f"slots has {B} rows but the cache holds only {b_max}")
-    check_tensor("k", k, dtypes=FLOAT_DTYPES, shape=(B, Q, hkv, d), device=k_cache.device)
-    check_tensor("v", v, dtypes=FLOAT_DTYPES, shape=(B, Q, hkv, d), device=k_cache.device)
+    _check_cache("k", k)
+    _check_cache("v", v)
+    check_tensor("k", k, shape=(B, Q, hkv, d), contiguous=False, device=k_cache.device)
+    check_tensor("v", v, shape=(B, Q, hkv, d), contiguous=False, device=k_cache.device)
+    if k.stride()[:2] != v.stride()[:2]:
+        raise ValueError(f"k and v must share strides, got {k.stride()} and {v.stride()}")
     if B * Q == 0:
         return
     hd = hkv * d
     block = min(next_pow2(hd), 1024)
     _kv_write_kernel[(B * Q, triton.cdiv(hd, block))](
         k_cache, v_cache, slots, k, v,
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k.stride(0), k.stride(1),
         Q, S, HD=hd, BLOCK=block, PAD=-1,
         num_warps=4, enable_fp_fusion=ENABLE_FP_FUSION,
     )  # fmt: skip
@@ -197,13 +204,16 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 @triton.jit(do_not_specialize=["Q", "T", "kv_len", "NS"])
 def _tree_attn_partial_kernel(
-    q_ptr,  # [B, Q, HQ, D] contiguous
+    q_ptr,  # [B, Q, HQ, D]: strides (stride_qb, stride_qq, stride_qh, 1)
     k_ptr,  # [B_max, S, HKV, D]: rows at stride_kb, slots at stride_ks, (HKV, D) contiguous
     v_ptr,  # [B_max, S, HKV, D]
     prefix_ptr,  # [B] int64
     mask_ptr,  # [B, Q, T] bool contiguous
     acc_ptr,  # [B, Q, HQ, NS, D] fp32 out: unnormalised sum p @ v per split
     ml_ptr,  # [B, Q, HQ, NS, 2] fp32 out: (running max of scale*log2e*qk, running sum of p)
+    stride_qb,
+    stride_qq,
+    stride_qh,
     stride_kb,
     stride_ks,
     stride_vb,
@@ -237,8 +247,9 @@ def _tree_attn_partial_kernel(
     row_ok = qi < Q
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
-    qrow = (b * Q + qi) * HQ + h  # [BLOCK_M] row of q / out in [B*Q*HQ]
-    q = tl.load(q_ptr + qrow[:, None] * D + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    qrow = (b * Q + qi) * HQ + h  # [BLOCK_M] row of the partials in [B*Q*HQ]
+    q_off = b * stride_qb + qi * stride_qq + h * stride_qh
+    q = tl.load(q_ptr + q_off[:, None] + d[None, :], mask=row_ok[:, None] & d_ok[None, :], other=0.0)
 
     prefix = tl.load(prefix_ptr + b)
     is_tree = split == 0
@@ -350,7 +361,9 @@ def tree_attention(
     a given split size never depend on the batch, the number of queries or ``kv_len``.
     """
     require_triton()
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4)
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4, contiguous=False)
+    if q.stride(-1) != 1 and q.shape[-1] > 1:
+        raise ValueError(f"q must have unit stride along head_dim, got strides {q.stride()}")
     _check_cache("k_cache", k_cache)
     _check_cache("v_cache", v_cache)
     B, Q, hq, d = q.shape
@@ -374,7 +387,7 @@ def tree_attention(
     cfg = _attn_config(d, q.dtype)
     if split_kv % cfg["BLOCK_N"]:
         raise ValueError(f"split_kv={split_kv} must be a multiple of the key block {cfg['BLOCK_N']}")
-    out = torch.empty_like(q)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B * Q * hq == 0:
         return out
     n_splits = triton.cdiv(kv_len, split_kv) if kv_len > 0 else 0
@@ -385,7 +398,7 @@ def tree_attention(
     neg = -1.0e30  # finite "minus infinity" for running maxima: exp2(NEG - NEG) = 1, never NaN
     _tree_attn_partial_kernel[(hkv * n_mtiles, ns, B)](
         q, k_cache, v_cache, prefix_lens, tree_mask, acc, ml,
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         Q, T, kv_len, ns, float(scale) * _LOG2E,
         HQ=hq, HKV=hkv, D=d, SPLIT=split_kv, NEG=neg, **cfg,
         num_warps=4, num_stages=2, enable_fp_fusion=ENABLE_FP_FUSION,
