@@ -240,7 +240,8 @@ class Eagle3Drafter(nn.Module):
                 f"the drafter has no embedding and its hidden size {self.config.hidden_size} differs from the "
                 f"target embedding width {embed.shape[1]}; use a checkpoint that ships embed_tokens.weight"
             )
-        self.embed_tokens = nn.Embedding.from_pretrained(embed, freeze=True)
+        # a plain attribute, not a submodule: the target's table is shared, never saved or moved
+        object.__setattr__(self, "embed_tokens", nn.Embedding.from_pretrained(embed, freeze=True))
 
     # ------------------------------------------------------------------ math
     def fc_norm_weight(self) -> torch.Tensor | None:
@@ -325,10 +326,7 @@ class Eagle3Drafter(nn.Module):
         missing = [k for k in d.state_dict() if k not in state and k not in ("d2t", "t2d")]
         if missing:
             raise KeyError(f"drafter checkpoint {path} lacks {missing}")
-        if "embed_tokens.weight" in state:
-            emb = state.pop("embed_tokens.weight")
-            d.embed_tokens = nn.Embedding.from_pretrained(emb.float(), freeze=True)
-            d.has_own_embedding = True
+        own_embed = state.pop("embed_tokens.weight", None)
         if "d2t" not in state:
             if cfg.draft_vocab_size != cfg.vocab_size:
                 raise KeyError(f"drafter checkpoint {path} has draft_vocab_size={cfg.draft_vocab_size} but no d2t")
@@ -341,8 +339,9 @@ class Eagle3Drafter(nn.Module):
         if unexpected:
             warnings.warn(f"drafter checkpoint {path}: ignoring unknown tensors {unexpected[:8]}", stacklevel=2)
         d.load_state_dict({k: state[k] for k in d.state_dict()}, strict=True)
-        d.d2t = d.d2t.long()
-        d.t2d = d.t2d.bool()
+        if own_embed is not None:  # registered, so it is saved and moved with the drafter
+            d.embed_tokens = nn.Embedding.from_pretrained(own_embed.float(), freeze=True)
+            d.has_own_embedding = True
         return d
 
     def save_pretrained(self, path: str | Path, format: str = "eagle3", dtype: torch.dtype | None = None) -> Path:
@@ -364,8 +363,6 @@ class Eagle3Drafter(nn.Module):
             if c.rope != self.target_info["rope"]:
                 raise ValueError(f"drafter rope settings {c.rope} differ from the target's {self.target_info['rope']}")
         state = {k: v.detach().cpu().contiguous() for k, v in self.state_dict().items()}
-        if self.has_own_embedding and self.embed_tokens is not None:
-            state["embed_tokens.weight"] = self.embed_tokens.weight.detach().cpu().contiguous()
         if dtype is not None:
             state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
         required = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
@@ -516,6 +513,7 @@ def _config_to_dict(c: DrafterConfig, format: str, dtype: torch.dtype) -> dict:
         "speculators_version": "0.3.0",
         "transformer_layer_config": layer,
         **flags,
+        "tritonspec": {"aux_layer_convention": "boundary"},
         "speculators_config": {
             "algorithm": "eagle3",
             "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 5}],

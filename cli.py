@@ -1,0 +1,123 @@
+"""Command line: ``tritonspec <command>`` (also ``python -m tritonspec``)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+TINY = "tiny-random"
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("TRITONSPEC_CACHE", Path.home() / ".cache" / "tritonspec"))
+
+
+def _resolve_pair(target: str, drafter: str | None) -> tuple[str, str | None]:
+    if target != TINY:
+        return target, drafter
+    from .runtime.tiny import tiny_random_pair
+
+    tdir, ddir = tiny_random_pair(_cache_dir() / TINY)
+    print(f"note: '{TINY}' is a random-weight Llama target and drafter ({tdir.parent}); the text is noise and "
+          "the drafter is accepted only by chance", file=sys.stderr)
+    return str(tdir), (drafter or str(ddir))
+
+
+def _dtype(name: str | None):
+    import torch
+
+    if name is None:
+        return None
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise SystemExit(f"--dtype {name!r}: use one of {', '.join(table)}")
+    return table[name]
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import tritonspec as ts
+
+    prompt = args.prompt
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise SystemExit("empty prompt: pass it as an argument or on stdin")
+    target, drafter = _resolve_pair(args.target, args.drafter)
+    spec = ts.SpecConfig(args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens)
+    rt = ts.SpeculativeRuntime.from_pretrained(
+        target, drafter, device=args.device, dtype=_dtype(args.dtype), backend=args.backend, spec=spec,
+        max_batch_size=1, max_seq_len=args.max_seq_len)
+    speculative = not args.no_speculative and rt.drafter is not None
+    out = rt.generate(prompt, max_new_tokens=args.max_new_tokens, speculative=speculative)
+    text = out.texts[0] if out.texts is not None else " ".join(map(str, out.token_ids[0]))
+    print(text)
+    s = out.stats
+    line = (f"[tritonspec] new_tokens={s.num_new_tokens} tokens/s={s.tokens_per_second:.1f} "
+            f"mean_acceptance_length={s.mean_acceptance_length:.2f} "
+            f"mode={'speculative' if speculative else 'plain'} backend={rt.backend}")
+    if args.compare and speculative:
+        base = rt.generate(prompt, max_new_tokens=args.max_new_tokens, speculative=False)
+        same = base.token_ids == out.token_ids
+        line += (f" plain_tokens/s={base.stats.tokens_per_second:.1f} "
+                 f"speedup={s.tokens_per_second / max(base.stats.tokens_per_second, 1e-9):.2f}x identical={same}")
+    print(line, file=sys.stderr if args.quiet_stats else sys.stdout)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    import tritonspec as ts
+
+    d = ts.Eagle3Drafter.from_pretrained(args.drafter, aux_layer_convention=args.aux_layer_convention)
+    out = d.save_pretrained(args.out, format=args.format, dtype=_dtype(args.dtype))
+    print(f"wrote {args.format} drafter to {out} (fc_norm={d.config.fc_norm}, norm_output={d.config.norm_output}, "
+          f"aux_layer_ids={list(d.config.aux_layer_ids or [])})")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="tritonspec", description="EAGLE-3/3.1 speculative decoding with Triton hot paths")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text (speculative by default) and print tokens/s and acceptance",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+  tritonspec generate "def fib(n):"                                 # tiny random pair (machinery check)
+  tritonspec generate --target ./llama --drafter ./eagle3 "Hello" --compare
+  echo "Hello" | tritonspec generate --target ./llama --no-speculative""")
+    g.add_argument("prompt", nargs="?", help="the prompt; '-' or nothing reads stdin")
+    g.add_argument("--target", default=TINY, help=f"HF target directory, or '{TINY}' (default)")
+    g.add_argument("--drafter", default=None, help="EAGLE-3/3.1 drafter directory (none: plain decoding)")
+    g.add_argument("--max-new-tokens", type=int, default=64)
+    g.add_argument("--num-speculative-tokens", type=int, default=6, help="draft depth (default 6)")
+    g.add_argument("--draft-top-k", type=int, default=8, help="tree branching per level (default 8; 1 = chain)")
+    g.add_argument("--num-draft-tokens", type=int, default=48, help="tokens verified per round, root included")
+    g.add_argument("--no-speculative", action="store_true", help="plain target decoding through the same runtime")
+    g.add_argument("--compare", action="store_true", help="also run plain decoding and print the speedup")
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
+    g.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    g.add_argument("--max-seq-len", type=int, default=None)
+    g.add_argument("--quiet-stats", action="store_true", help="print the stats line on stderr")
+    g.set_defaults(fn=cmd_generate)
+
+    e = sub.add_parser("export", help="re-save a drafter as LlamaForCausalLMEagle3 or speculators format",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+  tritonspec export --drafter ./yuhuili-eagle3 --out ./eagle3-sglang
+  tritonspec export --drafter ./my-drafter --out ./my-drafter-spec --format speculators --dtype bfloat16""")
+    e.add_argument("--drafter", required=True)
+    e.add_argument("--out", required=True)
+    e.add_argument("--format", default="eagle3", choices=["eagle3", "speculators"])
+    e.add_argument("--dtype", default=None)
+    e.add_argument("--aux-layer-convention", default="auto", choices=["auto", "boundary", "post_layer"])
+    e.set_defaults(fn=cmd_export)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, KeyError, NotImplementedError, TypeError) as e:
+        print(f"tritonspec {args.command}: error: {e}", file=sys.stderr)
+        return 2

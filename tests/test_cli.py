@@ -1,0 +1,52 @@
+"""The command line: generate (tiny random pair, explicit directories, stdin) and export."""
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import pytest
+
+import tritonspec as ts
+from tritonspec.cli import main
+from tritonspec.runtime.tiny import tiny_random_pair
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    return tiny_random_pair(tmp_path_factory.mktemp("pair"))
+
+
+def test_generate_prints_text_and_stats(pair_dirs, capsys):
+    t, d = pair_dirs
+    assert main(["generate", "--target", str(t), "--drafter", str(d), "--max-new-tokens", "12",
+                 "--num-speculative-tokens", "3", "--draft-top-k", "2", "--num-draft-tokens", "6",
+                 "--compare", "def f(x):"]) == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    stats = out[-1]
+    assert stats.startswith("[tritonspec] new_tokens=12 tokens/s=")
+    assert "mean_acceptance_length=" in stats and "identical=True" in stats and "speedup=" in stats
+
+
+def test_generate_reads_stdin_and_runs_plain(pair_dirs, capsys, monkeypatch):
+    t, _ = pair_dirs
+    monkeypatch.setattr(sys, "stdin", io.StringIO("import os\n"))
+    assert main(["generate", "--target", str(t), "--max-new-tokens", "5"]) == 0
+    assert "mode=plain" in capsys.readouterr().out
+
+
+def test_generate_bad_input_is_a_clear_error(pair_dirs, capsys, tmp_path):
+    t, d = pair_dirs
+    assert main(["generate", "--target", str(tmp_path), "x"]) == 2
+    assert "config.json is missing" in capsys.readouterr().err
+    assert main(["generate", "--target", str(t), "--max-new-tokens", "0", "x"]) == 2
+    assert "max_new_tokens=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_export_to_speculators(pair_dirs, tmp_path, capsys):
+    _, d = pair_dirs
+    assert main(["export", "--drafter", str(d), "--out", str(tmp_path / "s"), "--format", "speculators"]) == 0
+    cfg = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert cfg["speculators_model_type"] == "eagle3" and cfg["fc_norm"] is True
+    e = ts.Eagle3Drafter.from_pretrained(tmp_path / "s")
+    assert e.config == ts.Eagle3Drafter.from_pretrained(d).config
