@@ -1,0 +1,1 @@
+"""Kernel-config search, the per-device config store and the tree-shape tuner."""
