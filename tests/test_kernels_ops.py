@@ -1,0 +1,46 @@
+"""The Triton backend plugs into the op layer with exactly the torch backend's signatures."""
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from tritonspec.kernels.triton_ops import TritonOps  # noqa: E402
+from tritonspec.runtime.ops import TorchOps, get_ops  # noqa: E402
+
+OPS = ["rms_norm", "aux_gather", "kv_write", "tree_attention", "verify_greedy", "kv_compact"]
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_signatures_match_torch_ops(op):
+    want = list(inspect.signature(getattr(TorchOps, op)).parameters.values())
+    got = list(inspect.signature(getattr(TritonOps, op)).parameters.values())
+    assert [(p.name, p.kind, p.default) for p in got[: len(want)]] == [(p.name, p.kind, p.default) for p in want]
+    for extra in got[len(want) :]:  # launcher-only knobs are keyword-only with defaults
+        assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not inspect.Parameter.empty
+
+
+def test_get_ops_triton():
+    if not torch.cuda.is_available():
+        assert __import__("os").environ.get("TRITON_INTERPRET") == "1"
+    ops = get_ops("triton")
+    assert isinstance(ops, TritonOps) and ops.name == "triton"
+
+
+def test_every_op_runs_through_the_backend():
+    ops = get_ops("triton")
+    ref = TorchOps()
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(3, 32, device=dev)
+    w = torch.randn(32, device=dev)
+    assert torch.allclose(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), atol=1e-5)
+    idx = torch.tensor([2, -1], device=dev)
+    assert torch.allclose(ops.aux_gather(x, idx, w.view(2, 16), 1e-6), ref.aux_gather(x, idx, w.view(2, 16), 1e-6), atol=1e-5)
+    tokens = torch.tensor([[4, 5, 6]], device=dev)
+    parents = torch.tensor([[-1, 0, 1]], device=dev)
+    argmax = torch.tensor([[5, 6, 7]], device=dev)
+    for a, b in zip(ops.verify_greedy(tokens, parents, argmax, 2), ref.verify_greedy(tokens, parents, argmax, 2)):
+        assert torch.equal(a, b)
