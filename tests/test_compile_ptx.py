@@ -1,0 +1,192 @@
+"""Every kernel compiles, for every constexpr configuration we ship, for sm_90 and sm_80.
+
+The interpreter accepts code the real compiler rejects, so CI also compiles, without a GPU:
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` to PTX and (with the
+ptxas Triton bundles) to a cubin. Options are the launchers' own: the same num_warps /
+num_stages and ``enable_fp_fusion=ENABLE_FP_FUSION`` (False: no FMA contraction, so the compiled
+kernels round like the interpreter and the references; see ``kernels/_triton_utils.py``).
+
+Shipped configurations: fp32/fp16/bf16 x {the tiny test model (H 72, 6/3 heads, head_dim 12),
+Llama-3-8B (H 4096, 32/8 heads, head_dim 128)}; greedy verification for the default SpecConfig
+(depth 6, 48 draft tokens) and a chain (depth 4, 5 tokens).
+
+The compilation runs in a subprocess without ``TRITON_INTERPRET`` (under the interpreter
+``triton.jit`` gives interpreted functions that cannot be compiled); run this file as a script
+(``python tests/test_compile_ptx.py 90``) to see the JSON it reports.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ARCHS = [90, 80]
+MODELS = {"tiny": dict(H=72, HQ=6, HKV=3, D=12), "llama3_8b": dict(H=4096, HQ=32, HKV=8, D=128)}
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _specs():
+    """``[(name, kernel, signature, constexprs, divisible_args, options)]`` mirroring the launchers."""
+    import torch
+
+    from tritonspec.kernels import aux_gather as ag
+    from tritonspec.kernels import kv_compact as kc
+    from tritonspec.kernels import rms_norm as rn
+    from tritonspec.kernels import tree_attention as ta
+    from tritonspec.kernels import verify as vf
+    from tritonspec.kernels._triton_utils import ENABLE_FP_FUSION, next_pow2
+
+    base = dict(enable_fp_fusion=ENABLE_FP_FUSION)
+    specs = []
+    for dt_name, dt in DTYPES.items():
+        torch_dt = getattr(torch, dt)
+        p = f"*{dt_name}"
+        for model, m in MODELS.items():
+            H, HQ, HKV, D = m["H"], m["HQ"], m["HKV"], m["D"]
+            block, warps = rn._rms_config(H)
+            for res in (False, True):
+                sig = dict(x_ptr=p, r_ptr=p, w_ptr=p, y_ptr=p, s_ptr=p, stride_x="i32", stride_r="i32", eps="fp32")
+                specs.append((f"rms_norm/{dt_name}/{model}/residual={res}", rn._rms_norm_kernel, sig,
+                              dict(H=H, BLOCK_H=block, HAS_RESIDUAL=res),
+                              ["x_ptr", "r_ptr", "w_ptr", "y_ptr", "s_ptr", "stride_x", "stride_r"],
+                              dict(base, num_warps=warps)))
+            for norm in (False, True):
+                n_aux = 3
+                h = H if norm else n_aux * H
+                b2, w2 = rn._rms_config(h)
+                sig = dict(aux_ptr=p, index_ptr="*i64", w_ptr=p, out_ptr=p, stride_aux="i32", eps="fp32")
+                specs.append((f"aux_gather/{dt_name}/{model}/fc_norm={norm}", ag._aux_gather_kernel, sig,
+                              dict(H=h, N_AUX=n_aux if norm else 1, BLOCK_H=b2, HAS_NORM=norm, PAD=-1),
+                              ["aux_ptr", "index_ptr", "w_ptr", "out_ptr", "stride_aux"], dict(base, num_warps=w2)))
+            hd = HKV * D
+            sig = dict(k_cache_ptr=p, v_cache_ptr=p, slots_ptr="*i64", k_ptr=p, v_ptr=p, stride_kb="i32",
+                       stride_ks="i32", stride_vb="i32", stride_vs="i32", stride_nb="i32", stride_nq="i32",
+                       Q="i32", S="i32")
+            specs.append((f"kv_write/{dt_name}/{model}", ta._kv_write_kernel, sig,
+                          dict(HD=hd, BLOCK=min(next_pow2(hd), 1024), PAD=-1),
+                          [a for a in sig if a not in ("Q", "S")] if hd % 16 == 0 else list(sig)[:5],
+                          dict(base, num_warps=4)))
+            cfg = ta._attn_config(D, torch_dt)
+            cfg["DOT_UPCAST"] = False  # the interpreter-only path is never compiled
+            sig = dict(q_ptr=p, k_ptr=p, v_ptr=p, prefix_ptr="*i64", mask_ptr="*i1", acc_ptr="*fp32", ml_ptr="*fp32",
+                       stride_qb="i32", stride_qq="i32", stride_qh="i32", stride_kb="i32", stride_ks="i32",
+                       stride_vb="i32", stride_vs="i32", Q="i32", T="i32", kv_len="i32", NS="i32", qk_scale="fp32")
+            specs.append((f"tree_attention_partial/{dt_name}/{model}", ta._tree_attn_partial_kernel, sig,
+                          dict(HQ=HQ, HKV=HKV, D=D, SPLIT=ta.SPLIT_KV, NEG=-1.0e30, **cfg),
+                          list(sig)[:7] + ([a for a in sig if a.startswith("stride")] if D % 16 == 0 else []),
+                          dict(base, num_warps=4, num_stages=2)))
+            sig = dict(acc_ptr="*fp32", ml_ptr="*fp32", prefix_ptr="*i64", out_ptr=p, QH="i32", kv_len="i32", NS="i32")
+            specs.append((f"tree_attention_merge/{dt_name}/{model}", ta._tree_attn_merge_kernel, sig,
+                          dict(D=D, BLOCK_D=cfg["BLOCK_D"], SPLIT=ta.SPLIT_KV, NEG=-1.0e30),
+                          ["acc_ptr", "ml_ptr", "prefix_ptr", "out_ptr"],
+                          dict(base, num_warps=1 if cfg["BLOCK_D"] <= 128 else 2)))
+            M = 7
+            block_m = next_pow2(M)
+            sig = dict(k_ptr=p, v_ptr=p, start_ptr="*i64", nodes_ptr="*i64", stride_l="i32", stride_b="i32")
+            specs.append((f"kv_compact/{dt_name}/{model}", kc._kv_compact_kernel, sig,
+                          dict(HD=hd, M=M, BLOCK_M=block_m, BLOCK_C=min(next_pow2(hd), max(8192 // block_m, 128)),
+                               NONE=-1),
+                          ["k_ptr", "v_ptr", "start_ptr", "nodes_ptr", "stride_l", "stride_b"], dict(base, num_warps=4)))
+    for depth, n in ((6, 48), (4, 5)):
+        sig = dict(tokens_ptr="*i64", parents_ptr="*i64", argmax_ptr="*i64", nodes_ptr="*i64", num_ptr="*i64",
+                   emitted_ptr="*i64", N="i32")
+        specs.append((f"verify_greedy/depth={depth}/N={n}", vf._verify_greedy_kernel, sig,
+                      dict(MAX_DEPTH=depth, BLOCK_N=max(next_pow2(n), 16), BLOCK_W=max(next_pow2(depth + 1), 16),
+                           NONE=-1),
+                      list(sig)[:6], dict(num_warps=1)))
+    return specs
+
+
+def compile_all(arch: int) -> dict:
+    """Compile every spec for ``sm_<arch>``; report PTX/cubin sizes and the vector loads seen."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    target = GPUTarget("cuda", arch, 32)
+    report = {}
+    for name, kernel, sig, constexprs, divisible, options in _specs():
+        signature = dict(sig)
+        for k in constexprs:
+            signature[k] = "constexpr"
+        ordered = {a: signature[a] for a in kernel.arg_names}
+        attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in divisible}
+        try:
+            src = ASTSource(fn=kernel, signature=ordered, constexprs=constexprs, attrs=attrs)
+            ck = triton.compile(src, target=target, options=options)
+            ptx = ck.asm.get("ptx", "")
+            cubin = ck.asm.get("cubin", b"")
+            report[name] = dict(
+                ptx=len(ptx),
+                cubin=len(cubin),
+                loads=sorted(set(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v\d\.[a-z0-9]+", ptx))),
+                fma=len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+            )
+        except Exception as e:  # reported per kernel, asserted in the test
+            report[name] = dict(error=f"{type(e).__name__}: {e}"[:2000])
+    return report
+
+
+_CACHE: dict[int, dict] = {}
+
+
+def _report(arch: int) -> dict:
+    if arch not in _CACHE:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        proc = subprocess.run([sys.executable, __file__, str(arch)], env=env, capture_output=True, text=True,
+                              timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        _CACHE[arch] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return _CACHE[arch]
+
+
+_SPEC_NAMES = [
+    f"{op}/{dt}/{model}{suffix}"
+    for dt in DTYPES
+    for model in MODELS
+    for op, suffixes in (
+        ("rms_norm", ("/residual=False", "/residual=True")),
+        ("aux_gather", ("/fc_norm=False", "/fc_norm=True")),
+        ("kv_write", ("",)),
+        ("tree_attention_partial", ("",)),
+        ("tree_attention_merge", ("",)),
+        ("kv_compact", ("",)),
+    )
+    for suffix in suffixes
+] + ["verify_greedy/depth=6/N=48", "verify_greedy/depth=4/N=5"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_kernel_compiles_to_ptx_and_cubin(arch):
+    pytest.importorskip("triton")
+    report = _report(arch)
+    assert sorted(report) == sorted(_SPEC_NAMES)
+    failed = {k: v["error"] for k, v in report.items() if "error" in v}
+    assert not failed, failed
+    for name, r in report.items():
+        assert r["ptx"] > 0 and r["cubin"] > 0, name
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_rms_norm_ptx_vector_loads_and_no_fma(arch):
+    """Read the PTX once: with H = 4096 every thread loads 16 contiguous bytes per access
+    (``ld.global.v4.b32``: 4 fp32, or 8 fp16/bf16 packed in 4 x b32), and with fp-fusion off
+    no fp32 FMA appears in the RMSNorm kernel (the sum of squares and the weight multiply
+    round separately, like the reference)."""
+    pytest.importorskip("triton")
+    report = _report(arch)
+    for dt in DTYPES:
+        for res in (False, True):
+            r = report[f"rms_norm/{dt}/llama3_8b/residual={res}"]
+            assert any(ld.endswith(".v4.b32") for ld in r["loads"]), (dt, r["loads"])
+            assert r["fma"] == 0, (dt, r["fma"])
+    fc = report["aux_gather/bf16/llama3_8b/fc_norm=True"]
+    assert any(ld.endswith(".v4.b32") for ld in fc["loads"]), fc["loads"]
+
+
+if __name__ == "__main__":
+    print(json.dumps(compile_all(int(sys.argv[1]))))
