@@ -23,6 +23,14 @@ def test_signatures_match_torch_ops(op):
         assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not inspect.Parameter.empty
 
 
+def test_triton_ops_has_every_torch_op():
+    torch_ops = {k for k, v in vars(TorchOps).items() if isinstance(v, staticmethod)}
+    assert torch_ops <= {k for k, v in vars(TritonOps).items() if isinstance(v, staticmethod)}
+    for op in torch_ops:  # same leading parameters, whichever ops exist now
+        want = list(inspect.signature(getattr(TorchOps, op)).parameters)
+        assert list(inspect.signature(getattr(TritonOps, op)).parameters)[: len(want)] == want, op
+
+
 def test_get_ops_triton():
     if not torch.cuda.is_available():
         assert __import__("os").environ.get("TRITON_INTERPRET") == "1"
