@@ -208,7 +208,7 @@ def _tree_attn_partial_kernel(
     k_ptr,  # [B_max, S, HKV, D]: rows at stride_kb, slots at stride_ks, (HKV, D) contiguous
     v_ptr,  # [B_max, S, HKV, D]
     prefix_ptr,  # [B] int64
-    mask_ptr,  # [B, Q, T] bool contiguous
+    mask_ptr,  # [B, Q, T] bool, strides (stride_mb, stride_mq, stride_mt) (an expanded mask is fine)
     acc_ptr,  # [B, Q, HQ, NS, D] fp32 out: unnormalised sum p @ v per split
     ml_ptr,  # [B, Q, HQ, NS, 2] fp32 out: (running max of scale*log2e*qk, running sum of p)
     stride_qb,
@@ -218,6 +218,9 @@ def _tree_attn_partial_kernel(
     stride_ks,
     stride_vb,
     stride_vs,
+    stride_mb,
+    stride_mq,
+    stride_mt,
     Q,
     T,
     kv_len,
@@ -271,7 +274,9 @@ def _tree_attn_partial_kernel(
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
         vis = row_ok[:, None] & n_ok[None, :]
         tree_bit = tl.load(
-            mask_ptr + (b * Q + qi)[:, None] * T + (n - prefix)[None, :], mask=vis & (n < tree_hi)[None, :], other=1
+            mask_ptr + b * stride_mb + qi[:, None] * stride_mq + (n - prefix)[None, :] * stride_mt,
+            mask=vis & (n < tree_hi)[None, :],
+            other=1,
         )
         vis = vis & (tree_bit != 0)
         s = tl.where(vis, s, float("-inf"))
@@ -379,7 +384,7 @@ def tree_attention(
     if B > b_max:
         raise ValueError(f"q has {B} rows but the cache holds only {b_max}")
     check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64,), shape=(B,), device=q.device)
-    check_tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3, device=q.device)
+    check_tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3, contiguous=False, device=q.device)
     if tree_mask.shape[:2] != (B, Q):
         raise ValueError(f"tree_mask must have shape ({B}, {Q}, T), got {tuple(tree_mask.shape)}")
     T = tree_mask.shape[2]
@@ -399,6 +404,7 @@ def tree_attention(
     _tree_attn_partial_kernel[(hkv * n_mtiles, ns, B)](
         q, k_cache, v_cache, prefix_lens, tree_mask, acc, ml,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2),
         Q, T, kv_len, ns, float(scale) * _LOG2E,
         HQ=hq, HKV=hkv, D=d, SPLIT=split_kv, NEG=neg, **cfg,
         num_warps=4, num_stages=2, enable_fp_fusion=ENABLE_FP_FUSION,

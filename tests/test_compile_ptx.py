@@ -74,10 +74,12 @@ def _specs():
             cfg["DOT_UPCAST"] = False  # the interpreter-only path is never compiled
             sig = dict(q_ptr=p, k_ptr=p, v_ptr=p, prefix_ptr="*i64", mask_ptr="*i1", acc_ptr="*fp32", ml_ptr="*fp32",
                        stride_qb="i32", stride_qq="i32", stride_qh="i32", stride_kb="i32", stride_ks="i32",
-                       stride_vb="i32", stride_vs="i32", Q="i32", T="i32", kv_len="i32", NS="i32", qk_scale="fp32")
+                       stride_vb="i32", stride_vs="i32", stride_mb="i32", stride_mq="i32", stride_mt="i32",
+                       Q="i32", T="i32", kv_len="i32", NS="i32", qk_scale="fp32")
             specs.append((f"tree_attention_partial/{dt_name}/{model}", ta._tree_attn_partial_kernel, sig,
                           dict(HQ=HQ, HKV=HKV, D=D, SPLIT=ta.SPLIT_KV, NEG=-1.0e30, **cfg),
-                          list(sig)[:7] + ([a for a in sig if a.startswith("stride")] if D % 16 == 0 else []),
+                          list(sig)[:7] + ([a for a in sig if a.startswith(("stride_q", "stride_k", "stride_v"))]
+                                           if D % 16 == 0 else []),
                           dict(base, num_warps=4, num_stages=2)))
             sig = dict(acc_ptr="*fp32", ml_ptr="*fp32", prefix_ptr="*i64", out_ptr=p, QH="i32", kv_len="i32", NS="i32")
             specs.append((f"tree_attention_merge/{dt_name}/{model}", ta._tree_attn_merge_kernel, sig,
