@@ -49,10 +49,12 @@ def _specs():
             H, HQ, HKV, D = m["H"], m["HQ"], m["HKV"], m["D"]
             block, warps = rn._rms_config(H)
             for res in (False, True):
-                sig = dict(x_ptr=p, r_ptr=p, w_ptr=p, y_ptr=p, s_ptr=p, stride_x="i32", stride_r="i32", eps="fp32")
+                sig = dict(x_ptr=p, r_ptr=p, w_ptr=p, y_ptr=p, s_ptr=p, M1="i32", stride_x0="i32", stride_x1="i32",
+                           stride_r0="i32", stride_r1="i32", eps="fp32")
                 specs.append((f"rms_norm/{dt_name}/{model}/residual={res}", rn._rms_norm_kernel, sig,
                               dict(H=H, BLOCK_H=block, HAS_RESIDUAL=res),
-                              ["x_ptr", "r_ptr", "w_ptr", "y_ptr", "s_ptr", "stride_x", "stride_r"],
+                              ["x_ptr", "r_ptr", "w_ptr", "y_ptr", "s_ptr", "stride_x0", "stride_x1", "stride_r0",
+                               "stride_r1"],
                               dict(base, num_warps=warps)))
             for norm in (False, True):
                 n_aux = 3

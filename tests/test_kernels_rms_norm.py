@@ -98,6 +98,14 @@ def test_rms_norm_shapes_and_strided_rows():
     x, r, w = _inputs(6, 3 * 64, torch.float16, torch.float16, 1.0, 0)
     chunk = x[:, 64:128]  # rows at stride 3H: the fc_norm chunk layout
     assert torch.equal(rms_norm(chunk, w[:64], 1e-6), rms_norm_reference(chunk, w[:64], 1e-6))
+    h = torch.randn(2, 1, 64, dtype=torch.float16, device=DEVICE).expand(2, 5, 64)  # broadcast over queries
+    r5 = torch.randn(2, 5, 64, dtype=torch.float16, device=DEVICE)
+    for a, b in ((h, None), (h, r5), (r5, h)):
+        got, want = rms_norm(a, w[:64], 1e-6, b), rms_norm_reference(a, w[:64], 1e-6, b)
+        for g_, w_ in zip(got, want) if b is not None else ((got, want),):
+            assert torch.equal(g_, w_) and g_.is_contiguous()
+    with pytest.raises(ValueError, match="do not merge into two row axes"):
+        rms_norm(torch.randn(4, 4, 4, 8, device=DEVICE).transpose(0, 2), torch.ones(8, device=DEVICE), 1e-6)
     x4 = x.view(2, 3, 3, 64)  # [B, T, heads, D] as in q_norm / k_norm
     assert rms_norm(x4, w[:64], 1e-6).shape == (2, 3, 3, 64)
     assert rms_norm(x[:0], w, 1e-6).shape == (0, 3 * 64)
