@@ -1,0 +1,347 @@
+"""Train an EAGLE-3 / EAGLE-3.1 drafter against a frozen target with the training-time test.
+
+Online capture: every batch runs through tritonspec's own ``TargetModel`` (the forward that
+serves), which yields the aux residual streams and the teacher logits; the drafter is unrolled
+``ttt_depth`` steps with ``ttt.ttt_forward`` (the serving ``Eagle3Drafter.step``), and the
+result is written by ``Eagle3Drafter.save_pretrained`` (the validated exporter).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from ..runtime.drafter import Eagle3Drafter
+from ..runtime.ops import TorchOps
+from ..runtime.target import TargetModel
+from .data import (check_tokenizer, draft_vocab_from_counts, load_token_sequences, regenerate_continuations,
+                   token_windows)
+from .ttt import ttt_forward
+
+CHECKPOINT = "checkpoint.pt"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Drafter training settings.
+
+    Parameters
+    ----------
+    steps, batch_size, seq_len : optimizer steps, windows per step, tokens per window.
+    lr, warmup_steps, grad_clip, weight_decay : AdamW(β=(0.9, 0.95)) with warm-up then cosine to 10 %.
+    ttt_depth : unrolled training-time-test steps (EAGLE-3 uses 7; the 3.1 paper 4).
+    fc_norm, norm_output : both True = EAGLE-3.1, both False = EAGLE-3.
+    draft_vocab_size : None = the full target vocabulary; else the most frequent ids (d2t/t2d).
+    aux_layer_ids : capture boundaries (0 = embeddings, N = last layer output); None = (2, N//2, N-3).
+    regenerate_new_tokens : > 0 replaces the data by target continuations of this many tokens after
+        prompts of ``regenerate_prompt_tokens`` cut from it (self-distillation; up to ``regenerate_samples``).
+    init_lm_head_from_target : start the draft lm_head from the target's rows of the draft vocabulary.
+
+    Examples
+    --------
+    >>> TrainConfig(steps=10, ttt_depth=4).fc_norm
+    True
+    """
+
+    steps: int = 1000
+    batch_size: int = 4
+    seq_len: int = 512
+    lr: float = 1e-3
+    warmup_steps: int = 20
+    grad_clip: float = 0.5
+    weight_decay: float = 0.0
+    ttt_depth: int = 7
+    fc_norm: bool = True
+    norm_output: bool = True
+    draft_vocab_size: int | None = None
+    aux_layer_ids: tuple[int, ...] | None = None
+    intermediate_size: int | None = None
+    init_lm_head_from_target: bool = True
+    regenerate_new_tokens: int = 0
+    regenerate_prompt_tokens: int = 128
+    regenerate_samples: int = 256
+    seed: int = 0
+    checkpoint_every: int = 100
+    save_format: str = "eagle3"
+    save_dtype: str = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "ttt_depth", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.seq_len < 2:
+            raise ValueError(f"seq_len={self.seq_len} must be >= 2")
+        if self.lr <= 0:
+            raise ValueError(f"lr={self.lr} must be > 0")
+        if self.save_dtype not in DTYPES:
+            raise ValueError(f"save_dtype={self.save_dtype!r}: use one of {sorted(DTYPES)}")
+        if self.save_format not in ("eagle3", "speculators"):
+            raise ValueError(f"save_format={self.save_format!r}: use 'eagle3' or 'speculators'")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1")
+
+
+@dataclass
+class TrainResult:
+    """Where the drafter went and how training ended."""
+
+    out_dir: Path
+    steps: int
+    final_loss: float
+    accuracies: list[float]  # per TTT depth, averaged over the last steps
+    history: list[dict]  # one record per step: loss, per-depth accuracy
+
+
+# ---------------------------------------------------------------------------------- pieces
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warm-up over ``warmup_steps``, then cosine decay to 10 % of ``lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+@torch.no_grad()
+def capture(target: TargetModel, ops: Any, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Aux states ``[B, T, n_aux*H_t]`` and logits ``[B, T, V]`` of the target over ``tokens [B, T]``."""
+    B, T = tokens.shape
+    positions = torch.arange(T, device=tokens.device).expand(B, T)
+    causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
+    zero = torch.zeros(B, dtype=torch.int64, device=tokens.device)
+    hidden, aux = target.forward(ops, tokens, positions, positions, zero, causal, T)
+    return aux, target.logits(hidden)
+
+
+def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) -> Eagle3Drafter:
+    """A fresh drafter for ``target`` with d2t/t2d from the token frequencies of ``seqs``."""
+    d = Eagle3Drafter.for_target(target.config, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
+                                 draft_vocab_size=cfg.draft_vocab_size, aux_layer_ids=cfg.aux_layer_ids,
+                                 seed=cfg.seed, intermediate_size=cfg.intermediate_size)
+    c = d.config
+    if c.draft_vocab_size < c.vocab_size:
+        d.set_draft_vocab(draft_vocab_from_counts(seqs, c.vocab_size, c.draft_vocab_size))
+    d.to(target.device)
+    if cfg.init_lm_head_from_target:
+        used = torch.arange(c.draft_vocab_size, device=target.device) + d.d2t
+        with torch.no_grad():
+            d.lm_head.weight.copy_(target.lm_head.float()[used])
+    from ..runtime.engine import _rope_of
+
+    d.attach_target_embedding(target.embed.float(), {"max_position_embeddings": target.max_position_embeddings,
+                                                     "rope": _rope_of(target.config)})
+    return d
+
+
+def fingerprint(target: TargetModel, cfg: TrainConfig, windows: torch.Tensor) -> dict:
+    """What a resumed run must share with the checkpoint it resumes from."""
+    data_hash = hashlib.sha256(windows.numpy().tobytes()).hexdigest()[:16]
+    keep = ("batch_size", "seq_len", "ttt_depth", "fc_norm", "norm_output", "draft_vocab_size", "aux_layer_ids",
+            "intermediate_size", "seed")
+    return {"target": {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
+                       "num_layers": target.num_layers},
+            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k in keep},
+            "data": data_hash}
+
+
+class Progress:
+    """A one-line progress bar (``\\r`` on a terminal, a log line every ``every`` steps otherwise)."""
+
+    def __init__(self, total: int, start: int, log: Callable[[str], None], every: int = 10):
+        self.total, self.start, self.log, self.every = total, start, log, every
+        self.t0 = time.time()
+        self.tty = sys.stderr.isatty() and log is print
+
+    def update(self, step: int, loss: float, accs: list[float]) -> None:
+        done = step + 1
+        rate = (done - self.start) / max(time.time() - self.t0, 1e-9)
+        eta = (self.total - done) / max(rate, 1e-9)
+        filled = int(20 * done / self.total)
+        acc = " ".join(f"{a:.2f}" for a in accs)
+        line = (f"train [{'#' * filled}{'.' * (20 - filled)}] {done}/{self.total} loss {loss:.3f} "
+                f"acc@depth {acc} | {rate:.2f} it/s eta {eta / 60:.1f} min")
+        if self.tty:
+            print("\r" + line, end="" if done < self.total else "\n", file=sys.stderr, flush=True)
+        elif done % self.every == 0 or done == self.total or done == self.start + 1:
+            self.log(line)
+
+
+# ---------------------------------------------------------------------------------- entry point
+def train_drafter(
+    target: str | Path | Any,
+    data: Any,
+    out: str | Path,
+    config: TrainConfig | None = None,
+    *,
+    tokenizer: Any = None,
+    resume: bool = True,
+    log: Callable[[str], None] = print,
+) -> TrainResult:
+    """Train a drafter for ``target`` on ``data`` and save it to ``out`` (``save_pretrained``).
+
+    Parameters
+    ----------
+    target : HF model directory or a loaded transformers ``PreTrainedModel`` (frozen).
+    data : JSONL (``text`` or ``input_ids`` records), a text file, a folder of ``*.py`` files, or a list
+        of strings / token-id lists (see ``training.data``).
+    out : output directory; ``out/checkpoint.pt`` is written every ``checkpoint_every`` steps and a
+        later call with the same settings resumes from it.
+    config : ``TrainConfig`` (defaults: EAGLE-3.1, TTT depth 7).
+
+    Examples
+    --------
+    >>> from tritonspec.training import TrainConfig, train_drafter
+    >>> r = train_drafter("target_dir", "code.jsonl", "my-drafter",
+    ...                   TrainConfig(steps=200, fc_norm=True, norm_output=True))   # doctest: +SKIP
+    >>> r.accuracies                                                                # doctest: +SKIP
+    """
+    cfg = config or TrainConfig()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    ops = TorchOps()
+    tm = TargetModel.from_pretrained(target, device=cfg.device, dtype=torch.float32)
+    tokenizer = _resolve_tokenizer(target, tokenizer, tm)
+    seqs = load_token_sequences(data, tokenizer, tm.vocab_size)
+    if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > tm.vocab_size:
+        raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} is larger than the target vocabulary "
+                         f"({tm.vocab_size}); use at most {tm.vocab_size}")
+    if cfg.regenerate_new_tokens > 0:
+        seqs = _self_distill(target, tm, seqs, cfg, out, log)
+    windows = token_windows(seqs, cfg.seq_len)
+    if windows.shape[1] < 2:
+        raise ValueError("training data has fewer than 2 tokens after tokenization: nothing to learn from")
+    drafter = build_drafter(tm, cfg, seqs)
+    tm.set_aux_layer_ids(drafter.config.aux_layer_ids)
+    tm.allocate_cache(cfg.batch_size, windows.shape[1])
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    fp = fingerprint(tm, cfg, windows)
+    start, history = _maybe_resume(out / CHECKPOINT, fp, drafter, opt, resume, log)
+    log(f"train: {sum(p.numel() for p in params) / 1e6:.2f}M drafter parameters, {windows.shape[0]} windows of "
+        f"{windows.shape[1]} tokens, TTT depth {cfg.ttt_depth}, fc_norm={cfg.fc_norm} norm_output={cfg.norm_output}, "
+        f"draft vocab {drafter.config.draft_vocab_size}, steps {start}->{cfg.steps}")
+    bar = Progress(cfg.steps, start, log)
+    drafter.train()
+    for step in range(start, cfg.steps):
+        batch = _batch(windows, step, cfg).to(tm.device)
+        aux, logits = capture(tm, ops, batch)
+        res = ttt_forward(drafter, ops, aux, batch, cfg.ttt_depth, logits)
+        for g in opt.param_groups:
+            g["lr"] = lr_at(step, cfg)
+        opt.zero_grad(set_to_none=True)
+        res.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        opt.step()
+        history.append({"step": step + 1, "loss": res.loss.item(), "acc": res.accuracies})
+        bar.update(step, _mean_recent(history, "loss"), _mean_recent_acc(history))
+        if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
+            _save_checkpoint(out / CHECKPOINT, fp, drafter, opt, step + 1, history)
+    drafter.eval()
+    drafter.save_pretrained(out, format=cfg.save_format, dtype=DTYPES[cfg.save_dtype])
+    (out / "training_args.json").write_text(json.dumps(
+        {"train_config": asdict(cfg), "fingerprint": fp, "history": history[-50:],
+         "data": str(data) if isinstance(data, (str, Path)) else f"<{type(data).__name__}>"}, indent=1))
+    (out / CHECKPOINT).unlink(missing_ok=True)
+    accs = _mean_recent_acc(history)
+    log(f"train: saved {out} (loss {_mean_recent(history, 'loss'):.3f}, accuracy per depth "
+        f"{' '.join(f'{a:.2f}' for a in accs)})")
+    return TrainResult(out, cfg.steps, _mean_recent(history, "loss"), accs, history)
+
+
+def _resolve_tokenizer(target: Any, tokenizer: Any, tm: TargetModel) -> Any:
+    from ..runtime.engine import _load_tokenizer
+
+    own = _load_tokenizer(Path(target)) if isinstance(target, (str, Path)) else None
+    if tokenizer is None:
+        return own
+    if isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+    check_tokenizer(tokenizer, tm.config, own)
+    return tokenizer
+
+
+def _self_distill(target: Any, tm: TargetModel, seqs: list[list[int]], cfg: TrainConfig, out: Path,
+                  log: Callable[[str], None]) -> list[list[int]]:
+    """Replace the data by prompts cut from it plus the target's own greedy continuations."""
+    if not isinstance(target, (str, Path)):
+        raise ValueError("regenerate_new_tokens needs the target as a model directory")
+    n = cfg.regenerate_prompt_tokens
+    prompts = [s[i: i + n] for s in seqs for i in range(0, max(1, len(s) - n + 1), n) if s[i: i + n]]
+    g = torch.Generator().manual_seed(cfg.seed)
+    order = torch.randperm(len(prompts), generator=g)[: cfg.regenerate_samples].tolist()
+    path = regenerate_continuations(target, [prompts[i] for i in order], cfg.regenerate_new_tokens,
+                                    out / "regenerated.jsonl", device=cfg.device, log=log)
+    return load_token_sequences(path, None, tm.vocab_size)
+
+
+def _batch(windows: torch.Tensor, step: int, cfg: TrainConfig) -> torch.Tensor:
+    """Windows for ``step``: a seeded permutation per epoch, so a resumed run sees the same batches."""
+    n = windows.shape[0]
+    picks = []
+    for k in range(step * cfg.batch_size, (step + 1) * cfg.batch_size):
+        epoch, i = divmod(k, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+        picks.append(int(perm[i]))
+    return windows[picks]
+
+
+def _mean_recent(history: list[dict], key: str, n: int = 10) -> float:
+    recent = history[-n:]
+    return sum(h[key] for h in recent) / max(1, len(recent))
+
+
+def _mean_recent_acc(history: list[dict], n: int = 10) -> list[float]:
+    recent = [h["acc"] for h in history[-n:]]
+    if not recent:
+        return []
+    return [sum(a[j] for a in recent) / len(recent) for j in range(len(recent[0]))]
+
+
+def _save_checkpoint(path: Path, fp: dict, drafter: Eagle3Drafter, opt: Any, step: int, history: list) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save({"fingerprint": fp, "drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step,
+                "history": history}, tmp)
+    tmp.replace(path)
+
+
+def _maybe_resume(path: Path, fp: dict, drafter: Eagle3Drafter, opt: Any, resume: bool,
+                  log: Callable[[str], None]) -> tuple[int, list]:
+    if not resume or not path.exists():
+        return 0, []
+    try:
+        state = torch.load(path, map_location=drafter.fc.weight.device, weights_only=False)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"cannot read checkpoint {path} ({e}); delete it or pass resume=False") from e
+    if not isinstance(state, dict) or state.get("fingerprint") != fp:
+        old = state.get("fingerprint") if isinstance(state, dict) else None
+        diff = _diff(old, fp)
+        raise ValueError(f"checkpoint {path} is incompatible with this run ({diff}); resume with the settings it "
+                         "was written with, or delete it / pass resume=False (--no-resume) to start over")
+    drafter.load_state_dict(state["drafter"])
+    opt.load_state_dict(state["opt"])
+    log(f"train: resumed from {path} at step {state['step']}")
+    return int(state["step"]), list(state["history"])
+
+
+def _diff(old: Any, new: dict) -> str:
+    if not isinstance(old, dict):
+        return "it is not a tritonspec training checkpoint"
+    out = []
+    for part in ("target", "config"):
+        for k, v in new[part].items():
+            if (old.get(part) or {}).get(k) != v:
+                out.append(f"{k}: checkpoint {(old.get(part) or {}).get(k)!r}, now {v!r}")
+    if old.get("data") != new["data"]:
+        out.append("the training data differs")
+    return "; ".join(out) or "unknown difference"
