@@ -90,3 +90,14 @@ class GenerationOutput:
     texts: list[str] | None
     stats: SpecStats
     finish_reasons: list[str]
+
+
+@dataclass
+class StreamPiece:
+    """One piece of ``SpeculativeRuntime.stream``: new text and token ids; the last piece also
+    carries ``finish_reason`` and ``stats``."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: SpecStats | None = None

@@ -19,14 +19,15 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .config import GenerationOutput, SpecConfig, SpecStats
+from .config import GenerationOutput, SpecConfig, SpecStats, StreamPiece
 from .drafter import Eagle3Drafter
 from .ops import get_ops, resolve_backend
+from .sampling import RowRandom, SamplingParams, process_logits
 from .target import TargetModel, default_aux_layer_ids
 from .tree import build_tree, rerank, topk_stable
 
@@ -49,6 +50,10 @@ class _State:
     L_host: list[int]
     active: list[bool]
     prompt_lens: list[int]
+    outs: list[list[int]]
+    reasons: list[str]
+    sampling: SamplingParams
+    rng: RowRandom | None
 
 
 class SpeculativeRuntime:
@@ -181,50 +186,127 @@ class SpeculativeRuntime:
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
+        seed: int | Sequence[int] | None = None,
+        stop_token_ids: Iterable[int] | None = None,
+        speculative: bool = True,
+        stop: str | Sequence[str] | None = None,
+    ) -> GenerationOutput:
+        """Generate up to ``max_new_tokens`` per prompt, exactly as the target alone would.
+
+        Greedy (``temperature=0``) output equals the target's greedy decoding; with
+        ``temperature > 0`` the output has exactly the target's (processed) distribution.
+        ``seed``: one int for every prompt, or one per prompt; the same seed gives the same output.
+        ``stop``: stop strings (the text is cut before them, the tokens end with the one that
+        completed them). ``token_ids`` include a stop token that ended the row.
+        ``speculative=False`` runs plain target decoding through the same runtime (the baseline).
+        """
+        run = self._start(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, speculative, stop)
+        for _ in run:
+            pass
+        return run.result
+
+    def stream(
+        self,
+        prompt: str | Sequence[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
         seed: int | None = None,
         stop_token_ids: Iterable[int] | None = None,
         speculative: bool = True,
-    ) -> GenerationOutput:
-        """Generate up to ``max_new_tokens`` per prompt; greedy output equals the target's own.
+        stop: str | Sequence[str] | None = None,
+    ) -> Iterator[StreamPiece]:
+        """Yield text pieces of one prompt as they are decided; the last piece carries the stats.
 
-        ``speculative=False`` runs plain target decoding through the same runtime (the baseline).
-        Output ``token_ids`` include the stop token when one ended the row.
+        Pieces never split a multi-byte character and never show text that a stop string may
+        still remove, so ``"".join(p.text for p in rt.stream(...))`` equals ``generate``'s text.
+
+        Examples
+        --------
+        >>> for piece in rt.stream("def f(x):", max_new_tokens=32):   # doctest: +SKIP
+        ...     print(piece.text, end="", flush=True)
         """
-        if temperature != 0.0 or top_p != 1.0 or top_k != 0:
-            if temperature < 0:
-                raise ValueError(f"temperature={temperature} must be >= 0")
-            raise NotImplementedError("sampling (temperature > 0, top_p, top_k) is not built yet; use temperature=0")
+        if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
+            raise ValueError("stream() takes one prompt (a string or a token id list); use generate() for batches")
+        run = self._start([prompt] if isinstance(prompt, str) else [list(prompt)], max_new_tokens, temperature,
+                          top_p, top_k, seed, stop_token_ids, speculative, stop)
+        sent, n_tok = 0, 0
+        hold = max((len(x) for x in run.sampling.stop), default=1) - 1
+        for st in run:
+            toks = st.outs[0]
+            done = not st.active[0]
+            text = self._text(toks, run.sampling) if self.tokenizer is not None else ""
+            if not done:
+                text = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its bytes
+                text = text[: max(sent, len(text) - hold)]
+            if len(text) > sent or len(toks) > n_tok:
+                yield StreamPiece(text=text[sent:], token_ids=toks[n_tok:])
+                sent, n_tok = max(sent, len(text)), len(toks)
+        out = run.result
+        final = out.texts[0] if out.texts is not None else ""
+        yield StreamPiece(text=final[sent:], token_ids=[], finish_reason=out.finish_reasons[0], stats=out.stats)
+
+    def _start(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, speculative, stop):
+        stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+        sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), stop=stops)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+        if stops and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer: load a target directory that has one or pass tokenizer=")
         batch = self._encode(prompts)
-        stops = self._stop_ids(stop_token_ids)
+        seeds = self._seeds(seed, len(batch), sampling)
         use_draft = speculative and self.drafter is not None
         if speculative and self.drafter is None:
-            warnings.warn("no drafter loaded: speculative=True runs plain decoding", stacklevel=2)
+            warnings.warn("no drafter loaded: speculative=True runs plain decoding", stacklevel=3)
+        return _Run(self._rounds(batch, max_new_tokens, sampling, seeds, self._stop_ids(stop_token_ids), use_draft),
+                    sampling)
+
+    def _rounds(self, batch, max_new_tokens, sampling, seeds, stops, use_draft) -> Iterator[_State]:
+        """The decode loop: prefill, then draft -> verify -> commit until every row has stopped.
+        Yields the state after the prefill and after each round; returns the output."""
         stats = SpecStats(accepted_per_position=[0] * self.spec.num_speculative_tokens if use_draft else [],
                           time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
-        outs: list[list[int]] = [[] for _ in batch]
-        reasons = ["length"] * len(batch)
         t0 = time.perf_counter()
-        with torch.inference_mode():
-            st = self._prefill(batch, use_draft, stats)
-            self._emit(st, [[r] for r in st.root.tolist()], outs, reasons, stops, max_new_tokens, advance=False)
-            while any(st.active):
+        with torch.inference_mode():  # never across a yield: the caller's code runs between rounds
+            st = self._prefill(batch, use_draft, sampling, seeds, stats)
+            first = st.root.tolist()
+        self._emit(st, [[r] for r in first], stops, max_new_tokens, advance=False)
+        yield st
+        while any(st.active):
+            with torch.inference_mode():
                 tree = self._draft(st, stats) if use_draft else self._root_only(st)
                 nodes, num, emitted, aux = self._verify(st, tree, stats)
                 self._commit(st, tree, nodes, num, emitted, aux, use_draft, stats)
                 em = torch.cat([emitted, num[:, None]], dim=1).tolist()  # the round's one host sync
-                nm = [row[-1] for row in em]
-                new = [row[: n + 1] if a else [] for row, n, a in zip(em, nm, st.active)]
-                if use_draft:
-                    self._count(stats, nm, st.active, tree.tokens.shape[1] - 1)
-                self._emit(st, new, outs, reasons, stops, max_new_tokens)
+            nm = [row[-1] for row in em]
+            new = [row[: n + 1] if a else [] for row, n, a in zip(em, nm, st.active)]
+            if use_draft:
+                self._count(stats, nm, st.active, tree.tokens.shape[1] - 1)
+            self._emit(st, new, stops, max_new_tokens)
+            yield st
         stats.wall_time_s = time.perf_counter() - t0
-        stats.num_new_tokens = sum(len(o) for o in outs)
+        stats.num_new_tokens = sum(len(o) for o in st.outs)
         texts = None
         if self.tokenizer is not None:
-            texts = [self.tokenizer.decode(o, skip_special_tokens=True) for o in outs]
-        return GenerationOutput(token_ids=outs, texts=texts, stats=stats, finish_reasons=reasons)
+            texts = [self._text(o, sampling) for o in st.outs]
+        return GenerationOutput(token_ids=st.outs, texts=texts, stats=stats, finish_reasons=st.reasons)
+
+    def _text(self, tokens: list[int], sampling: SamplingParams) -> str:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cut = min((i for i in (text.find(s) for s in sampling.stop) if i >= 0), default=-1)
+        return text if cut < 0 else text[:cut]
+
+    @staticmethod
+    def _seeds(seed, batch: int, sampling: SamplingParams) -> list[int]:
+        if seed is None:
+            return torch.randint(0, 2**62, (batch,)).tolist() if not sampling.greedy else [0] * batch
+        if isinstance(seed, int):
+            return [seed] * batch
+        seeds = [int(s) for s in seed]
+        if len(seeds) != batch:
+            raise ValueError(f"{len(seeds)} seeds for {batch} prompts: pass one int or one seed per prompt")
+        return seeds
 
     # ================================================================== input handling
     def _encode(self, prompts: Any) -> list[list[int]]:
@@ -268,7 +350,8 @@ class SpeculativeRuntime:
         return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
 
     # ================================================================== round steps
-    def _prefill(self, batch: list[list[int]], use_draft: bool, stats: SpecStats) -> _State:
+    def _prefill(self, batch: list[list[int]], use_draft: bool, sampling: SamplingParams, seeds: list[int],
+                 stats: SpecStats) -> _State:
         t0 = time.perf_counter()
         B, P = len(batch), max(len(p) for p in batch)
         dev = self.device
@@ -285,9 +368,16 @@ class SpeculativeRuntime:
         hidden, aux = self.target.forward(self.ops, tokens, positions, slots, zero, causal, P, capture_aux=use_draft)
         last = (lens - 1)[:, None]
         h_last = hidden.gather(1, last[..., None].expand(B, 1, hidden.shape[-1]))[:, 0]
-        root = self.target.logits(h_last).argmax(-1)
+        rng = None if sampling.greedy else RowRandom(seeds, dev)
+        logits = self.target.logits(h_last)
+        if sampling.greedy:
+            root = logits.argmax(-1)
+        else:  # the first token: an exponential-race sample of the processed distribution
+            _, xi = rng.draw(1, logits.shape[-1])
+            root = (process_logits(logits, sampling).log_softmax(-1) - xi.log()).argmax(-1)
         st = _State(L=lens.clone(), root=root, hn_last=None, carry_last=None,
-                    L_host=[len(p) for p in batch], active=[True] * B, prompt_lens=[len(p) for p in batch])
+                    L_host=[len(p) for p in batch], active=[True] * B, prompt_lens=[len(p) for p in batch],
+                    outs=[[] for _ in batch], reasons=["length"] * B, sampling=sampling, rng=rng)
         if use_draft:
             nxt = torch.cat([tokens[:, 1:], torch.zeros(B, 1, dtype=torch.int64, device=dev)], dim=1)
             nxt = nxt.scatter(1, last, root[:, None])  # pair (g_t, x_{t+1}); x_P = root
@@ -317,7 +407,7 @@ class SpeculativeRuntime:
         d, dev = self.drafter, self.device
         K, D, N = self.spec.top_k, self.spec.num_speculative_tokens, self.spec.num_draft_tokens
         B = st.L.shape[0]
-        lp = F.log_softmax(d.logits(st.hn_last), dim=-1)  # [B, Vd]
+        lp = self._draft_logprobs(st, st.hn_last)  # [B, Vd]
         score, tk = topk_stable(lp, K)  # [B, K]
         tok = d.to_target_ids(tk)
         scores, tokens, parents = [score], [tok], [torch.full((B, K), -1, dtype=torch.int64, device=dev)]
@@ -333,7 +423,7 @@ class SpeculativeRuntime:
             fmask = fmask.scatter(2, own.expand(B, K)[..., None], True)
             positions = (st.L + s - 1)[:, None].expand(B, K)
             hn, carry = d.step(self.ops, hid, tok, positions, self.dk, self.dv, st.L[:, None] + own, st.L, fmask, kv_len)
-            lp = F.log_softmax(d.logits(hn), dim=-1)  # [B, K, Vd]
+            lp = self._draft_logprobs(st, hn)  # [B, K, Vd]
             sk, tk = topk_stable(lp, K)  # [B, K, K]
             cum = (score[:, :, None] + sk).reshape(B, K * K)
             ctok = d.to_target_ids(tk).reshape(B, K * K)
@@ -356,6 +446,12 @@ class SpeculativeRuntime:
         stats.time_split_s["draft"] += time.perf_counter() - t0
         return _Tree(node_tokens, par, depth, mask, D)
 
+    def _draft_logprobs(self, st: _State, hn: torch.Tensor) -> torch.Tensor:
+        logits = self.drafter.logits(hn)
+        if not st.sampling.greedy:
+            logits = process_logits(logits, st.sampling)
+        return F.log_softmax(logits, dim=-1)
+
     def _root_only(self, st: _State) -> _Tree:
         B, dev = st.L.shape[0], self.device
         return _Tree(st.root[:, None], torch.full((B, 1), -1, dtype=torch.int64, device=dev),
@@ -369,8 +465,14 @@ class SpeculativeRuntime:
         slots = st.L[:, None] + torch.arange(N, device=self.device)
         hidden, aux = self.target.forward(self.ops, tree.tokens, positions, slots, st.L, tree.mask,
                                           max(st.L_host) + N, capture_aux=tree.max_depth > 0)
-        argmax = self.target.logits(hidden).argmax(-1)  # [B, N]
-        nodes, num, emitted = self.ops.verify_greedy(tree.tokens, tree.parents, argmax, tree.max_depth)
+        logits = self.target.logits(hidden)  # [B, N, V]
+        if st.sampling.greedy:
+            nodes, num, emitted = self.ops.verify_greedy(tree.tokens, tree.parents, logits.argmax(-1), tree.max_depth)
+        else:
+            probs = process_logits(logits, st.sampling).softmax(-1)
+            uniforms, xi = st.rng.draw(N, logits.shape[-1])
+            nodes, num, emitted = self.ops.verify_sampling(tree.tokens, tree.parents, probs, uniforms, xi,
+                                                           tree.max_depth)
         stats.time_split_s["verify"] += time.perf_counter() - t0
         return nodes, num, emitted, aux
 
@@ -391,21 +493,23 @@ class SpeculativeRuntime:
         stats.time_split_s["commit"] += time.perf_counter() - t0
 
     # ================================================================== host bookkeeping
-    def _emit(self, st: _State, new: list[list[int]], outs: list[list[int]], reasons: list[str], stops: set[int],
-              max_new_tokens: int, advance: bool = True) -> None:
-        """Append each active row's new tokens, honouring stop tokens, max_new_tokens and max_seq_len."""
+    def _emit(self, st: _State, new: list[list[int]], stops: set[int], max_new_tokens: int,
+              advance: bool = True) -> None:
+        """Append each active row's new tokens, honouring stop tokens, stop strings, max_new_tokens
+        and max_seq_len; tokens decided past a stop are dropped."""
         for b, toks in enumerate(new):
             if not st.active[b]:
                 continue
             if advance:
                 st.L_host[b] += len(toks)
+            out = st.outs[b]
             for t in toks:
-                outs[b].append(t)
-                if t in stops:
-                    reasons[b] = "stop"
+                out.append(t)
+                if t in stops or (st.sampling.stop and self._hits_stop_string(out, st.sampling)):
+                    st.reasons[b] = "stop"
                     st.active[b] = False
                     break
-                if len(outs[b]) >= max_new_tokens or st.prompt_lens[b] + len(outs[b]) >= self.max_seq_len:
+                if len(out) >= max_new_tokens or st.prompt_lens[b] + len(out) >= self.max_seq_len:
                     st.active[b] = False
                     break
             if not st.active[b]:  # a finished row idles at L=0 so that it never writes past its cache
@@ -413,6 +517,10 @@ class SpeculativeRuntime:
         done = [b for b, a in enumerate(st.active) if not a]
         if done:
             st.L = st.L.index_fill(0, torch.tensor(done, device=self.device), 0)
+
+    def _hits_stop_string(self, out: list[int], sampling: SamplingParams) -> bool:
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return any(s in text for s in sampling.stop)
 
     @staticmethod
     def _count(stats: SpecStats, num: list[int], active: list[bool], n_draft: int) -> None:
@@ -424,6 +532,16 @@ class SpeculativeRuntime:
             stats.num_accepted_tokens += n
             for i in range(n):
                 stats.accepted_per_position[i] += 1
+
+
+class _Run:
+    """Iterates a decode loop (yielding its state after each round) and keeps its return value."""
+
+    def __init__(self, gen: Iterator[_State], sampling: SamplingParams):
+        self.gen, self.sampling, self.result = gen, sampling, None
+
+    def __iter__(self) -> Iterator[_State]:
+        self.result = yield from self.gen
 
 
 def _rope_of(config: Any) -> dict:

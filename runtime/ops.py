@@ -15,6 +15,7 @@ from ..kernels.kv_compact import kv_compact_reference
 from ..kernels.rms_norm import rms_norm_reference
 from ..kernels.tree_attention import kv_write_reference, tree_attention_reference
 from ..kernels.verify import verify_greedy_reference
+from ..kernels.verify_sampling import verify_sampling_reference
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -29,6 +30,7 @@ class TorchOps:
     kv_write = staticmethod(kv_write_reference)
     tree_attention = staticmethod(tree_attention_reference)
     verify_greedy = staticmethod(verify_greedy_reference)
+    verify_sampling = staticmethod(verify_sampling_reference)
     kv_compact = staticmethod(kv_compact_reference)
 
 
