@@ -8,6 +8,7 @@ from .runtime.config import GenerationOutput, SpecConfig, SpecStats
 from .runtime.drafter import DrafterConfig, Eagle3Drafter
 from .runtime.engine import SpeculativeRuntime
 from .runtime.target import SUPPORTED_ARCHITECTURES, TargetModel
+from .demo import demo_pair
 
 __version__ = "0.1.0"
 __all__ = [

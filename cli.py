@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 TINY = "tiny-random"
+DEMO = "demo"  # the bundled demo pair (tritonspec.demo); "demo:eagle3" picks the EAGLE-3 drafter
 
 
 def _cache_dir() -> Path:
@@ -14,6 +15,11 @@ def _cache_dir() -> Path:
 
 
 def _resolve_pair(target: str, drafter: str | None) -> tuple[str, str | None]:
+    if target in (DEMO, f"{DEMO}:eagle3", f"{DEMO}:eagle3.1"):
+        from .demo import demo_pair
+
+        tdir, ddir = demo_pair(target.partition(":")[2] or "eagle3.1")
+        return str(tdir), (drafter or str(ddir))
     if target != TINY:
         return target, drafter
     from .runtime.tiny import tiny_random_pair
@@ -22,6 +28,12 @@ def _resolve_pair(target: str, drafter: str | None) -> tuple[str, str | None]:
     print(f"note: '{TINY}' is a random-weight Llama target and drafter ({tdir.parent}); the text is noise and "
           "the drafter is accepted only by chance", file=sys.stderr)
     return str(tdir), (drafter or str(ddir))
+
+
+def _default_target() -> str:
+    from .demo import available
+
+    return DEMO if available() else TINY
 
 
 def _dtype(name: str | None):
@@ -86,7 +98,8 @@ def build_parser() -> argparse.ArgumentParser:
   tritonspec generate --target ./llama --drafter ./eagle3 "Hello" --compare
   echo "Hello" | tritonspec generate --target ./llama --no-speculative""")
     g.add_argument("prompt", nargs="?", help="the prompt; '-' or nothing reads stdin")
-    g.add_argument("--target", default=TINY, help=f"HF target directory, or '{TINY}' (default)")
+    g.add_argument("--target", default=_default_target(),
+                   help=f"HF target directory, '{DEMO}' / '{DEMO}:eagle3' (the bundled pair; default) or '{TINY}'")
     g.add_argument("--drafter", default=None, help="EAGLE-3/3.1 drafter directory (none: plain decoding)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument("--num-speculative-tokens", type=int, default=6, help="draft depth (default 6)")
@@ -111,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default=None)
     e.add_argument("--aux-layer-convention", default="auto", choices=["auto", "boundary", "post_layer"])
     e.set_defaults(fn=cmd_export)
+    from .training.cli import add_parser as add_train_parser
+    add_train_parser(sub)
     return p
 
 

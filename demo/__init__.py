@@ -1,1 +1,55 @@
-"""The bundled demo pair (a small code LM and its EAGLE-3 / EAGLE-3.1 drafters)."""
+"""The bundled demo pair: a small Llama code model trained on the CPython standard library, with an
+EAGLE-3 and an EAGLE-3.1 drafter trained on the same data and budget.
+
+Built by ``python -m tritonspec.training.demo_recipe --out demo/`` (``manifest.json`` records the
+corpus file hashes, seeds and hyper-parameters); evaluation prompts live in ``prompts/*.jsonl``.
+
+>>> import tritonspec as ts
+>>> target_dir, drafter_dir = ts.demo_pair("eagle3.1")    # doctest: +SKIP
+>>> rt = ts.SpeculativeRuntime.from_pretrained(target_dir, drafter_dir)   # doctest: +SKIP
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VARIANTS = {"eagle3": "drafter-eagle3", "eagle3.1": "drafter-eagle3.1"}
+PROMPT_SETS = ("standard", "long", "perturbed")
+
+
+def available() -> bool:
+    """True when the demo weights are installed (they are built by the demo recipe)."""
+    return (ROOT / "target" / "config.json").exists() and all(
+        (ROOT / d / "config.json").exists() for d in VARIANTS.values())
+
+
+def demo_pair(variant: str = "eagle3.1") -> tuple[Path, Path]:
+    """``(target_dir, drafter_dir)`` of the bundled demo models.
+
+    Parameters
+    ----------
+    variant : ``"eagle3"`` or ``"eagle3.1"`` (the drafter with fc_norm and post-norm feedback).
+    """
+    if variant not in VARIANTS:
+        raise ValueError(f"variant={variant!r}: use one of {sorted(VARIANTS)}")
+    target, drafter = ROOT / "target", ROOT / VARIANTS[variant]
+    for d in (target, drafter):
+        if not (d / "config.json").exists():
+            raise FileNotFoundError(f"the demo weights are missing ({d}); build them with "
+                                    "`python -m tritonspec.training.demo_recipe --out <package>/demo`")
+    return target, drafter
+
+
+def prompt_set(name: str) -> list[dict]:
+    """Rows ``{"id", "source", "prompt"}`` of a bundled evaluation set (standard, long, perturbed)."""
+    import json
+
+    if name not in PROMPT_SETS:
+        raise ValueError(f"prompt set {name!r}: use one of {PROMPT_SETS}")
+    path = ROOT / "prompts" / f"{name}.jsonl"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: build the demo with the recipe")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+__all__ = ["demo_pair", "prompt_set", "available", "VARIANTS", "PROMPT_SETS"]
