@@ -1,0 +1,161 @@
+"""Drafter training end to end on tiny models: loss goes down, checkpoints resume, exports reload and
+run in the runtime, and bad input fails with a clear error."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import tritonspec as ts
+from tritonspec.cli import main
+from tritonspec.runtime.tiny import byte_tokenizer, tiny_target
+from tritonspec.training import TrainConfig, train_drafter
+from tritonspec.runtime.ops import TorchOps
+from tritonspec.training.data import draft_vocab_from_counts, load_token_sequences, token_windows
+from tritonspec.training.trainer import build_drafter, capture
+from tritonspec.training.ttt import shift_left, ttt_forward
+
+SMALL = dict(batch_size=2, seq_len=24, ttt_depth=3, lr=3e-3, warmup_steps=2, checkpoint_every=5)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    """A tiny random target with a byte tokenizer (vocab 257, EOS 256), saved as an HF directory."""
+    d = tmp_path_factory.mktemp("target")
+    model = tiny_target("llama", seed=0, vocab_size=257, eos_token_id=256)
+    model.save_pretrained(str(d))
+    byte_tokenizer(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def greedy_data(target_dir):
+    """Self-distillation data: the target's own greedy continuations of short random prompts."""
+    rt = ts.SpeculativeRuntime.from_pretrained(target_dir, None, backend="torch", max_seq_len=64, max_batch_size=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (6,), generator=g).tolist() for _ in range(4)]
+    out = rt.generate(prompts, max_new_tokens=30, speculative=False, stop_token_ids=[])
+    return [p + c for p, c in zip(prompts, out.token_ids)]
+
+
+def _mean_kl(drafter, tm, windows, depth):
+    """Mean over depths of KL(teacher restricted to the draft vocab || drafter) on ``windows``."""
+    ops = TorchOps()
+    tm.set_aux_layer_ids(drafter.config.aux_layer_ids)
+    tm.allocate_cache(windows.shape[0], windows.shape[1])
+    aux, logits = capture(tm, ops, windows)
+    with torch.no_grad():
+        out = ttt_forward(drafter, ops, aux, windows, depth, logits)
+    kls = []
+    for j, ce in enumerate(out.losses):
+        p = torch.softmax(shift_left(logits, 1 + j)[:, : windows.shape[1] - 1 - j], -1)
+        ent = -(p * p.clamp_min(1e-30).log()).sum(-1).mean()  # full-vocab entropy (draft vocab = full here)
+        kls.append(ce - ent)
+    return sum(kls) / len(kls)
+
+
+def test_loss_decreases_on_a_tiny_task(target_dir, greedy_data, tmp_path):
+    cfg = TrainConfig(steps=30, **{**SMALL, "lr": 1e-2})
+    res = train_drafter(target_dir, greedy_data, tmp_path / "d", cfg, log=lambda m: None)
+    losses = [h["loss"] for h in res.history]
+    assert sum(losses[-5:]) < sum(losses[:5]), losses
+    tm = ts.TargetModel.from_pretrained(target_dir, dtype=torch.float32)
+    windows = token_windows(greedy_data, cfg.seq_len)
+    fresh = build_drafter(tm, cfg, greedy_data)
+    trained = ts.Eagle3Drafter.from_pretrained(res.out_dir)
+    trained.attach_target_embedding(tm.embed)
+    before, after = _mean_kl(fresh, tm, windows, 3), _mean_kl(trained, tm, windows, 3)
+    assert after < 0.6 * before, (before, after)  # the learnable part of the loss shrinks a lot
+    assert len(res.accuracies) == 3
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_export_reloads_and_runs_losslessly(target_dir, greedy_data, tmp_path, variant):
+    flag = variant == "eagle3.1"
+    cfg = TrainConfig(steps=4, fc_norm=flag, norm_output=flag, draft_vocab_size=128, save_dtype="float16", **SMALL)
+    out = train_drafter(target_dir, greedy_data, tmp_path / variant, cfg, log=lambda m: None).out_dir
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["fc_norm"] is flag and raw["norm_output"] is flag and raw["draft_vocab_size"] == 128
+    d = ts.Eagle3Drafter.from_pretrained(out)
+    assert d.config.fc_norm is flag and int(d.t2d.sum()) == 128
+    rt = ts.SpeculativeRuntime.from_pretrained(target_dir, d, backend="torch", max_seq_len=96,
+                                               spec=ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6))
+    prompt = greedy_data[0][:8]
+    spec = rt.generate(prompt, max_new_tokens=12, stop_token_ids=[])
+    plain = rt.generate(prompt, max_new_tokens=12, speculative=False, stop_token_ids=[])
+    assert spec.token_ids == plain.token_ids
+
+
+def test_draft_vocab_is_the_most_frequent_ids():
+    used = draft_vocab_from_counts([[7, 7, 7, 3, 3, 9]], 12, 2)
+    assert used.tolist() == [3, 7]
+    with pytest.raises(ValueError, match="larger than the target vocabulary"):
+        draft_vocab_from_counts([[1]], 12, 13)
+
+
+def test_resume_continues_and_rejects_incompatible_checkpoint(target_dir, greedy_data, tmp_path):
+    out = tmp_path / "d"
+    cfg = TrainConfig(steps=10, **SMALL)
+    logs: list[str] = []
+    # simulate a stopped run: train 6 steps with a 10-step schedule, keeping the step-5 checkpoint
+    stopped = TrainConfig(**{**cfg.__dict__, "steps": 6})
+    train_drafter(target_dir, greedy_data, out, stopped, log=logs.append)
+    assert not (out / "checkpoint.pt").exists()  # a finished run removes its checkpoint
+    from tritonspec.training import trainer as tr
+
+    tm = ts.TargetModel.from_pretrained(target_dir, dtype=torch.float32)
+    seqs = load_token_sequences(greedy_data, None, tm.vocab_size)
+    windows = tr.token_windows(seqs, cfg.seq_len)
+    d = tr.build_drafter(tm, cfg, seqs)
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad])
+    tr._save_checkpoint(out / tr.CHECKPOINT, tr.fingerprint(tm, cfg, windows), d, opt, 5, [])
+    res = train_drafter(target_dir, greedy_data, out, cfg, log=logs.append)
+    assert any("resumed" in m and "step 5" in m for m in logs)
+    assert res.history[-1]["step"] == 10 and len(res.history) == 5
+    tr._save_checkpoint(out / tr.CHECKPOINT, tr.fingerprint(tm, cfg, windows), d, opt, 5, [])
+    other = TrainConfig(**{**cfg.__dict__, "ttt_depth": 2})
+    with pytest.raises(ValueError, match="incompatible.*ttt_depth"):
+        train_drafter(target_dir, greedy_data, out, other, log=lambda m: None)
+    train_drafter(target_dir, greedy_data, out, TrainConfig(**{**other.__dict__, "steps": 1}), resume=False,
+                  log=lambda m: None)
+
+
+def test_bad_input_is_a_clear_error(target_dir, tmp_path):
+    quiet = dict(log=lambda m: None)
+    cfg = TrainConfig(steps=1, **SMALL)
+    with pytest.raises(ValueError, match="empty"):
+        train_drafter(target_dir, [], tmp_path / "a", cfg, **quiet)
+    (tmp_path / "blank.jsonl").write_text('{"text": ""}\n')
+    with pytest.raises(ValueError, match="fewer than 2 tokens"):
+        train_drafter(target_dir, tmp_path / "blank.jsonl", tmp_path / "a", cfg, **quiet)
+    (tmp_path / "bad.jsonl").write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not valid JSON"):
+        train_drafter(target_dir, tmp_path / "bad.jsonl", tmp_path / "a", cfg, **quiet)
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(ValueError, match="not UTF-8"):
+        train_drafter(target_dir, tmp_path / "latin1.txt", tmp_path / "a", cfg, **quiet)
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        train_drafter(target_dir, [[1, 2, 999]], tmp_path / "a", cfg, **quiet)
+    with pytest.raises(ValueError, match="larger than the target vocabulary"):
+        train_drafter(target_dir, [[1, 2, 3]], tmp_path / "a", TrainConfig(draft_vocab_size=300, **SMALL), **quiet)
+    other = tmp_path / "other_tok"  # a tokenizer with more tokens than the target's vocabulary
+    other.mkdir()
+    tok = byte_tokenizer(other)
+    tok.add_tokens([f"<x{i}>" for i in range(5)])
+    tok.save_pretrained(str(other))
+    with pytest.raises(ValueError, match="does not match the target"):
+        train_drafter(target_dir, ["hello"], tmp_path / "a", cfg, tokenizer=str(other), **quiet)
+
+
+def test_train_cli(target_dir, greedy_data, tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in greedy_data))
+    out = tmp_path / "cli"
+    assert main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "2",
+                 "--seq-len", "24", "--batch-size", "2", "--ttt-depth", "2", "--variant", "eagle3"]) == 0
+    assert "accuracy_per_depth" in capsys.readouterr().out
+    assert json.loads((out / "config.json").read_text())["fc_norm"] is False
+    assert main(["train", "--target", str(target_dir), "--data", str(tmp_path / "missing.jsonl"),
+                 "--out", str(out)]) == 2
+    assert "does not exist" in capsys.readouterr().err
