@@ -28,7 +28,8 @@ def runtime(model, drafter=None, spec=None, **kw) -> ts.SpeculativeRuntime:
 __all__ = ["hf_greedy", "perm_pair", "random_prompts", "runtime", "tiny_target"]
 
 
-def perm_pair(arch: str = "llama", vocab: int = 24, seed: int = 0, alpha: float = 0.3, **flags):
+def perm_pair(arch: str = "llama", vocab: int = 24, seed: int = 0, alpha: float = 0.3, chain: list[int] | None = None,
+              **flags):
     """A target whose greedy next token is mostly ``perm(current token)`` and a drafter built to
     predict exactly ``perm(input token)``: a deliberately good drafter with deep acceptances.
 
@@ -42,6 +43,11 @@ def perm_pair(arch: str = "llama", vocab: int = 24, seed: int = 0, alpha: float 
     model = tiny_target(arch, seed=seed, vocab_size=vocab)
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(vocab, generator=g)
+    if chain:
+        rest = [t for t in torch.randperm(vocab, generator=g).tolist() if t not in chain]
+        order = list(chain) + rest  # one cycle through chain, then every other token
+        perm = torch.empty(vocab, dtype=torch.int64)
+        perm[torch.tensor(order)] = torch.tensor(order[1:] + order[:1])
     inv = torch.argsort(perm)
     with torch.no_grad():
         E = model.get_input_embeddings().weight

@@ -9,3 +9,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Tiny test models are faster on one thread, and several intra-op threads on a busy 2-core
+# machine spin against each other (a 100x slowdown was measured): one thread unless overridden.
+torch.set_num_threads(int(os.environ.get("TRITONSPEC_TEST_THREADS", "1")))
