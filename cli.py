@@ -62,18 +62,27 @@ def cmd_generate(args: argparse.Namespace) -> int:
         target, drafter, device=args.device, dtype=_dtype(args.dtype), backend=args.backend, spec=spec,
         max_batch_size=1, max_seq_len=args.max_seq_len)
     speculative = not args.no_speculative and rt.drafter is not None
-    out = rt.generate(prompt, max_new_tokens=args.max_new_tokens, speculative=speculative)
-    text = out.texts[0] if out.texts is not None else " ".join(map(str, out.token_ids[0]))
-    print(text)
-    s = out.stats
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+              seed=args.seed, stop=args.stop or None, speculative=speculative)
+    if args.stream:
+        for piece in rt.stream(prompt, **kw):
+            print(piece.text if rt.tokenizer is not None else " ".join(map(str, piece.token_ids)), end="", flush=True)
+        print()
+        s = piece.stats
+        out_ids = None
+    else:
+        out = rt.generate(prompt, **kw)
+        print(out.texts[0] if out.texts is not None else " ".join(map(str, out.token_ids[0])))
+        s, out_ids = out.stats, out.token_ids
     line = (f"[tritonspec] new_tokens={s.num_new_tokens} tokens/s={s.tokens_per_second:.1f} "
             f"mean_acceptance_length={s.mean_acceptance_length:.2f} "
             f"mode={'speculative' if speculative else 'plain'} backend={rt.backend}")
     if args.compare and speculative:
-        base = rt.generate(prompt, max_new_tokens=args.max_new_tokens, speculative=False)
-        same = base.token_ids == out.token_ids
+        base = rt.generate(prompt, **(kw | {"speculative": False}))
         line += (f" plain_tokens/s={base.stats.tokens_per_second:.1f} "
-                 f"speedup={s.tokens_per_second / max(base.stats.tokens_per_second, 1e-9):.2f}x identical={same}")
+                 f"speedup={s.tokens_per_second / max(base.stats.tokens_per_second, 1e-9):.2f}x")
+        if out_ids is not None and args.temperature == 0:
+            line += f" identical={base.token_ids == out_ids}"
     print(line, file=sys.stderr if args.quiet_stats else sys.stdout)
     return 0
 
@@ -96,7 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
   tritonspec generate "def fib(n):"                                 # tiny random pair (machinery check)
   tritonspec generate --target ./llama --drafter ./eagle3 "Hello" --compare
-  echo "Hello" | tritonspec generate --target ./llama --no-speculative""")
+  echo "Hello" | tritonspec generate --target ./llama --no-speculative
+  tritonspec generate "import os" --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" --stream""")
     g.add_argument("prompt", nargs="?", help="the prompt; '-' or nothing reads stdin")
     g.add_argument("--target", default=_default_target(),
                    help=f"HF target directory, '{DEMO}' / '{DEMO}:eagle3' (the bundled pair; default) or '{TINY}'")
@@ -105,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-speculative-tokens", type=int, default=6, help="draft depth (default 6)")
     g.add_argument("--draft-top-k", type=int, default=8, help="tree branching per level (default 8; 1 = chain)")
     g.add_argument("--num-draft-tokens", type=int, default=48, help="tokens verified per round, root included")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off); the tree uses --draft-top-k")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed; the same seed gives the same output")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends before it")
+    g.add_argument("--stream", action="store_true", help="print text pieces as they are decided")
     g.add_argument("--no-speculative", action="store_true", help="plain target decoding through the same runtime")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and print the speedup")
     g.add_argument("--device", default="cpu")

@@ -50,3 +50,17 @@ def test_export_to_speculators(pair_dirs, tmp_path, capsys):
     assert cfg["speculators_model_type"] == "eagle3" and cfg["fc_norm"] is True
     e = ts.Eagle3Drafter.from_pretrained(tmp_path / "s")
     assert e.config == ts.Eagle3Drafter.from_pretrained(d).config
+
+
+def test_generate_stream_and_sampling_flags(pair_dirs, capsys):
+    t, d = pair_dirs
+    args = ["generate", "--target", str(t), "--drafter", str(d), "--max-new-tokens", "10", "--num-speculative-tokens",
+            "2", "--draft-top-k", "2", "--num-draft-tokens", "4", "--temperature", "0.7", "--seed", "5", "x = "]
+    assert main(args) == 0
+    plain = capsys.readouterr().out
+    assert main(args + ["--stream"]) == 0
+    streamed = capsys.readouterr().out
+    assert plain.splitlines()[0] == streamed.splitlines()[0]  # same seed, same text, streamed or not
+    assert "new_tokens=10" in streamed.splitlines()[-1]
+    assert main(args + ["--top-p", "0"]) == 2
+    assert "top_p=0.0 must lie in (0, 1]" in capsys.readouterr().err
