@@ -12,11 +12,7 @@ from .kv_compact import kv_compact
 from .rms_norm import rms_norm
 from .tree_attention import kv_write, tree_attention
 from .verify import verify_greedy
-
-try:  # the sampling verifier has no Triton kernel yet: the backend runs its reference
-    from .verify_sampling import verify_sampling_reference as _verify_sampling
-except ImportError:  # pragma: no cover - module not present in this checkout
-    _verify_sampling = None
+from .verify_sampling import verify_sampling
 
 require_triton()  # importing this module without triton raises ImportError (runtime.ops relies on it)
 
@@ -31,7 +27,5 @@ class TritonOps:
     kv_write = staticmethod(kv_write)  # (k_cache, v_cache, slots, k, v)
     tree_attention = staticmethod(tree_attention)  # (q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None)
     verify_greedy = staticmethod(verify_greedy)  # (tokens, parents, target_argmax, max_depth)
+    verify_sampling = staticmethod(verify_sampling)  # (tokens, parents, probs, uniforms, exp_noise, max_depth)
     kv_compact = staticmethod(kv_compact)  # (k_cache, v_cache, start, nodes)
-    if _verify_sampling is not None:
-        # (tokens, parents, probs, uniforms, exp_noise, max_depth): PyTorch reference for now
-        verify_sampling = staticmethod(_verify_sampling)

@@ -8,7 +8,9 @@ kernels round like the interpreter and the references; see ``kernels/_triton_uti
 
 Shipped configurations: fp32/fp16/bf16 x {the tiny test model (H 72, 6/3 heads, head_dim 12),
 Llama-3-8B (H 4096, 32/8 heads, head_dim 128)}; greedy verification for the default SpecConfig
-(depth 6, 48 draft tokens) and a chain (depth 4, 5 tokens).
+(depth 6, 48 draft tokens) and a chain (depth 4, 5 tokens); sampling verification for the
+default SpecConfig at Llama-3's vocabulary (128256), 60 tree tokens at a 32000 vocabulary, and a
+chain at the tiny model's 97.
 
 The compilation runs in a subprocess without ``TRITON_INTERPRET`` (under the interpreter
 ``triton.jit`` gives interpreted functions that cannot be compiled); run this file as a script
@@ -25,6 +27,7 @@ import sys
 import pytest
 
 ARCHS = [90, 80]
+VERIFY_SAMPLING = [(6, 48, 128256), (6, 60, 32000), (4, 5, 97)]  # (depth, tree tokens, vocabulary)
 MODELS = {"tiny": dict(H=72, HQ=6, HKV=3, D=12), "llama3_8b": dict(H=4096, HQ=32, HKV=8, D=128)}
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -38,6 +41,7 @@ def _specs():
     from tritonspec.kernels import rms_norm as rn
     from tritonspec.kernels import tree_attention as ta
     from tritonspec.kernels import verify as vf
+    from tritonspec.kernels import verify_sampling as vs
     from tritonspec.kernels._triton_utils import ENABLE_FP_FUSION, next_pow2
 
     base = dict(enable_fp_fusion=ENABLE_FP_FUSION)
@@ -102,6 +106,14 @@ def _specs():
                       dict(MAX_DEPTH=depth, BLOCK_N=max(next_pow2(n), 16), BLOCK_W=max(next_pow2(depth + 1), 16),
                            NONE=-1),
                       list(sig)[:6], dict(num_warps=1)))
+    for depth, n, vocab in VERIFY_SAMPLING:
+        block_v, warps = vs._sampling_config(vocab)
+        sig = dict(tokens_ptr="*i64", parents_ptr="*i64", probs_ptr="*fp32", u_ptr="*fp32", xi_ptr="*fp32",
+                   mark_ptr="*i8", nodes_ptr="*i64", num_ptr="*i64", emitted_ptr="*i64", N="i32", V="i32")
+        specs.append((f"verify_sampling/depth={depth}/N={n}/V={vocab}", vs._verify_sampling_kernel, sig,
+                      dict(MAX_DEPTH=depth, BLOCK_N=max(next_pow2(n), 16), BLOCK_W=max(next_pow2(depth + 1), 16),
+                           BLOCK_V=block_v, ONE=vs.FIXED_ONE, NONE=-1),
+                      list(sig)[:9] + (["V"] if vocab % 16 == 0 else []), dict(base, num_warps=warps)))
     return specs
 
 
@@ -129,6 +141,9 @@ def compile_all(arch: int) -> dict:
                 cubin=len(cubin),
                 loads=sorted(set(re.findall(r"ld\.global(?:\.[a-z0-9]+)*\.v\d\.[a-z0-9]+", ptx))),
                 fma=len(re.findall(r"\bfma\.rn\.f32\b", ptx)),
+                divs=sorted(set(re.findall(r"\bdiv(?:\.[a-z0-9]+)*\.f32\b", ptx))),
+                f2i=sorted(set(re.findall(r"\bcvt(?:\.[a-z0-9]+)*\.s64\.f32\b", ptx))),
+                barriers=len(re.findall(r"\bbar\.sync\b", ptx)),
             )
         except Exception as e:  # reported per kernel, asserted in the test
             report[name] = dict(error=f"{type(e).__name__}: {e}"[:2000])
@@ -161,7 +176,9 @@ _SPEC_NAMES = [
         ("kv_compact", ("",)),
     )
     for suffix in suffixes
-] + ["verify_greedy/depth=6/N=48", "verify_greedy/depth=4/N=5"]
+] + ["verify_greedy/depth=6/N=48", "verify_greedy/depth=4/N=5"] + [
+    f"verify_sampling/depth={d}/N={n}/V={v}" for d, n, v in VERIFY_SAMPLING
+]
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -190,6 +207,21 @@ def test_rms_norm_ptx_vector_loads_and_no_fma(arch):
             assert r["fma"] == 0, (dt, r["fma"])
     fc = report["aux_gather/bf16/llama3_8b/fc_norm=True"]
     assert any(ld.endswith(".v4.b32") for ld in fc["loads"]), fc["loads"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_verify_sampling_ptx_rounds_like_the_reference(arch):
+    """The sampling verifier is bit-exact only if the compiled arithmetic rounds like torch:
+    fp32 division correctly rounded (``div.rn.f32``, not ``div.full``/``div.approx``), the fixed-point
+    conversion truncating (``cvt.rzi.s64.f32``), no FMA, and a barrier between writing the removed
+    tokens' marks and reading them back."""
+    pytest.importorskip("triton")
+    report = _report(arch)
+    for d, n, v in VERIFY_SAMPLING:
+        r = report[f"verify_sampling/depth={d}/N={n}/V={v}"]
+        assert r["divs"] == ["div.rn.f32"], r["divs"]
+        assert r["f2i"] == ["cvt.rzi.s64.f32"], r["f2i"]
+        assert r["fma"] == 0 and r["barriers"] > 0, r
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 from tritonspec.kernels.triton_ops import TritonOps  # noqa: E402
 from tritonspec.runtime.ops import TorchOps, get_ops  # noqa: E402
 
-OPS = ["rms_norm", "aux_gather", "kv_write", "tree_attention", "verify_greedy", "kv_compact"]
+OPS = ["rms_norm", "aux_gather", "kv_write", "tree_attention", "verify_greedy", "verify_sampling", "kv_compact"]
 
 
 @pytest.mark.parametrize("op", OPS)
