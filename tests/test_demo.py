@@ -1,0 +1,79 @@
+"""The bundled demo pair, its prompt sets, and the recipe that builds them."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tritonspec as ts
+from tritonspec import demo
+from tritonspec.training.corpus import is_heldout, list_corpus
+from tritonspec.training.prompt_sets import chat_wrap, tabs_for_spaces
+
+needs_demo = pytest.mark.skipif(not demo.available(), reason="demo weights not built (run the demo recipe)")
+
+
+def test_demo_pair_rejects_unknown_variant():
+    with pytest.raises(ValueError, match="eagle3.1"):
+        ts.demo_pair("eagle2")
+
+
+def test_heldout_split_is_by_path_hash_only():
+    assert is_heldout("a/b.py", 100) and not is_heldout("a/b.py", 0)
+    files = list_corpus(heldout_percent=5)
+    assert files == sorted(files, key=lambda f: f.relpath)
+    held = [f for f in files if f.heldout]
+    assert 0 < len(held) < len(files) // 5
+    assert all(is_heldout(f.relpath, 5) for f in held)
+    assert not any(part in ("test", "tests", "site-packages") for f in files for part in f.relpath.split("/")[:-1])
+
+
+def test_perturbations():
+    assert tabs_for_spaces("if x:\n    y = 1\n      z\n") == "if x:\n\ty = 1\n\t  z\n"
+    wrapped = chat_wrap("x = 1\n", "m.py", "# hdr\n")
+    assert wrapped.startswith("<|user|>") and wrapped.endswith("```python\n# hdr\nx = 1\n")
+
+
+@needs_demo
+def test_bundle_size_manifest_and_prompt_sets():
+    sizes = [p.stat().st_size for p in demo.ROOT.rglob("*.safetensors")]
+    assert len(sizes) == 3 and sum(sizes) <= 40e6
+    manifest = json.loads((demo.ROOT / "manifest.json").read_text())
+    assert manifest["config"]["seed"] == 0 and manifest["corpus"]["files"]
+    assert all(len(f["sha256"]) == 64 for f in manifest["corpus"]["files"])
+    heldout = {f["relpath"] for f in manifest["corpus"]["files"] if f["heldout"]}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(demo.ROOT / "target"))
+    for name in demo.PROMPT_SETS:
+        rows = demo.prompt_set(name)
+        assert 50 <= len(rows) <= 200
+        assert {r["source"] for r in rows} <= heldout
+    assert min(len(tok(r["prompt"])["input_ids"]) for r in demo.prompt_set("long")) >= 1500
+    assert all("\t" in r["prompt"] and r["prompt"].startswith("<|user|>") for r in demo.prompt_set("perturbed"))
+
+
+@needs_demo
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+def test_demo_pair_runs_losslessly_and_accepts(variant):
+    tdir, ddir = ts.demo_pair(variant)
+    d = ts.Eagle3Drafter.from_pretrained(ddir)
+    assert d.config.fc_norm is d.config.norm_output is (variant == "eagle3.1")
+    rt = ts.SpeculativeRuntime.from_pretrained(tdir, d, backend="torch", max_seq_len=512)
+    prompt = demo.prompt_set("standard")[0]["prompt"]
+    spec = rt.generate(prompt, max_new_tokens=24)
+    plain = rt.generate(prompt, max_new_tokens=24, speculative=False)
+    assert spec.token_ids == plain.token_ids
+    assert spec.stats.mean_acceptance_length > 1.5  # a trained drafter, not a random one
+
+
+@pytest.mark.slow
+def test_recipe_smoke_budget_builds_a_loadable_bundle(tmp_path):
+    from tritonspec.training import demo_recipe
+
+    out = demo_recipe.run(tmp_path / "out", tmp_path / "work", budget="smoke")
+    assert (out / "manifest.json").exists()
+    tdir, ddir = out / "target", out / "drafter-eagle3.1"
+    rt = ts.SpeculativeRuntime.from_pretrained(tdir, ddir, backend="torch", max_seq_len=256)
+    r = rt.generate("def f(x):", max_new_tokens=8)
+    assert r.token_ids == rt.generate("def f(x):", max_new_tokens=8, speculative=False).token_ids
