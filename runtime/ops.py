@@ -9,11 +9,12 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from ..kernels.aux_gather import aux_gather_reference
 from ..kernels.kv_compact import kv_compact_reference
 from ..kernels.rms_norm import rms_norm_reference
-from ..kernels.tree_attention import kv_write_reference, tree_attention_reference
+from ..kernels.tree_attention import kv_write_reference, tree_visibility
 from ..kernels.verify import verify_greedy_reference
 from ..kernels.verify_sampling import verify_sampling_reference
 
@@ -28,7 +29,24 @@ class TorchOps:
     rms_norm = staticmethod(rms_norm_reference)
     aux_gather = staticmethod(aux_gather_reference)
     kv_write = staticmethod(kv_write_reference)
-    tree_attention = staticmethod(tree_attention_reference)
+
+    def __init__(self) -> None:
+        self._vis: tuple | None = None  # (prefix_lens, tree_mask, kv_len, visibility) of the last call
+
+    def tree_attention(self, q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None):
+        """``kernels.tree_attention.tree_attention_reference``, with two CPU speed-ups that do not
+        change the math: the visibility mask is built once per forward (every layer passes the same
+        ``prefix_lens``/``tree_mask`` objects) and GQA heads are broadcast, not copied."""
+        B = q.shape[0]
+        S = k_cache.shape[1] if kv_len is None else kv_len
+        c = self._vis
+        if c is None or c[0] is not prefix_lens or c[1] is not tree_mask or c[2] != S:
+            c = self._vis = (prefix_lens, tree_mask, S, tree_visibility(prefix_lens, tree_mask, S)[:, None])
+        k = k_cache[:B, :S].transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
+        v = v_cache[:B, :S].transpose(1, 2).to(q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=c[3], scale=scale,
+                                             enable_gqa=q.shape[2] != k.shape[1])
+        return out.transpose(1, 2)
     verify_greedy = staticmethod(verify_greedy_reference)
     verify_sampling = staticmethod(verify_sampling_reference)
     kv_compact = staticmethod(kv_compact_reference)

@@ -68,10 +68,13 @@ class Rope:
         self.cos = (emb.cos() * scale).to(device=device, dtype=dtype)  # [max_pos, head_dim]
         self.sin = (emb.sin() * scale).to(device=device, dtype=dtype)
 
-    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        # x: [B, Q, heads, D]; positions: [B, Q]
-        cos = self.cos[positions][:, :, None, :]
-        sin = self.sin[positions][:, :, None, :]
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` ``[B, Q, 1, D]`` for positions ``[B, Q]``; gather once per forward."""
+        return self.cos[positions][:, :, None, :], self.sin[positions][:, :, None, :]
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # x: [B, Q, heads, D]; positions: [B, Q] or the (cos, sin) tables from ``tables``
+        cos, sin = self.tables(positions) if isinstance(positions, torch.Tensor) else positions
         half = x.shape[-1] // 2
         rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rot * sin

@@ -193,6 +193,7 @@ class TargetModel:
         aux_ids = self.aux_layer_ids if capture_aux else ()
         captured = {0: h} if 0 in aux_ids else {}
         scale = self.head_dim ** -0.5
+        rope = self.rope.tables(positions)
         for i, L in enumerate(self.layers):
             x = ops.rms_norm(h, L.ln1, self.eps)
             q = F.linear(x, L.wq, L.bq).view(B, Q, self.num_heads, self.head_dim)
@@ -201,7 +202,7 @@ class TargetModel:
             if L.q_norm is not None:
                 q = ops.rms_norm(q, L.q_norm, self.eps)
                 k = ops.rms_norm(k, L.k_norm, self.eps)
-            q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
+            q, k = self.rope.apply(q, rope), self.rope.apply(k, rope)
             ops.kv_write(self.k_cache[i], self.v_cache[i], slots, k, v)
             a = ops.tree_attention(q, self.k_cache[i], self.v_cache[i], prefix_lens, tree_mask, scale, kv_len)
             a = F.linear(a.reshape(B, Q, self.num_heads * self.head_dim), L.wo, L.bo)
