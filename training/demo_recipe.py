@@ -82,7 +82,7 @@ BUDGETS = {
     "full": RecipeConfig(),  # ~2 h on 2 CPU cores
     # the run made in development on 2 shared CPU cores (about an hour)
     # (TTT depth 4, as in the EAGLE-3.1 paper's drafters, to fit the drafters into the time left)
-    "quick": RecipeConfig(target_steps=450, regen_samples=256, drafter_steps=120, ttt_depth=4),
+    "quick": RecipeConfig(target_steps=450, regen_samples=256, drafter_steps=100, ttt_depth=4),
     # for tests of the recipe plumbing only (minutes; the models learn little)
     "smoke": RecipeConfig(num_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, target_steps=4,
                           target_batch_tokens=1024, target_seq_len=128, target_long_seq_len=256,
