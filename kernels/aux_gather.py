@@ -41,6 +41,14 @@ def aux_gather_reference(
 # --------------------------------------------------------------------------------------------
 from ._triton_utils import ENABLE_FP_FUSION, FLOAT_DTYPES, check_tensor, require_triton, round_to, tl, triton  # noqa: E402
 from .rms_norm import _rms_config, _rms_normalize  # noqa: E402
+from ..autotune.store import tuned  # noqa: E402
+
+
+def _gather_config(hidden: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` of the plain gather (no reduction: any config is bit-exact):
+    tuned per chunk width when the store has it, else the RMSNorm heuristic."""
+    block, num_warps = _rms_config(hidden)
+    return block, tuned("aux_gather", hidden, {"num_warps": num_warps}, dtype=dtype, device=device)["num_warps"]
 
 
 @triton.jit
@@ -110,7 +118,10 @@ def aux_gather(
     out = torch.empty((index.shape[0], width), dtype=out_dtype, device=aux.device)
     if index.shape[0] == 0 or width == 0:
         return out
-    block, num_warps = _rms_config(hidden)
+    if fc_norm_weight is not None:  # the RMSNorm kernel's config: the fused result must equal rms_norm's
+        block, num_warps = _rms_config(hidden, aux.dtype, aux.device)
+    else:
+        block, num_warps = _gather_config(hidden, aux.dtype, aux.device)
     _aux_gather_kernel[(index.shape[0], n_aux)](
         aux, index, fc_norm_weight if fc_norm_weight is not None else aux, out,
         aux.stride(0), float(eps),

@@ -46,6 +46,15 @@ def kv_compact_reference(
 # copies those slots onto themselves.
 # --------------------------------------------------------------------------------------------
 from ._triton_utils import FLOAT_DTYPES, check_tensor, next_pow2, require_triton, tl, triton  # noqa: E402
+from ..autotune.store import tuned  # noqa: E402
+
+
+def _compact_config(hd: int, block_m: int, dtype: torch.dtype | None = None,
+                    device: torch.device | None = None) -> tuple[int, int]:
+    """``(BLOCK_C, num_warps)`` per row width Hkv*D (a discrete copy: every config gives the same bits)."""
+    default = {"BLOCK_C": min(next_pow2(hd), max(8192 // block_m, 128)), "num_warps": 4}
+    cfg = tuned("kv_compact", hd, default, dtype=dtype, device=device)
+    return cfg["BLOCK_C"], cfg["num_warps"]
 
 
 @triton.jit
@@ -104,9 +113,9 @@ def kv_compact(
     if B * M * L * hd == 0:
         return
     block_m = max(next_pow2(M), 2)
-    block_c = min(next_pow2(hd), max(8192 // block_m, 128))
+    block_c, num_warps = _compact_config(hd, block_m, k_cache.dtype, k_cache.device)
     _kv_compact_kernel[(triton.cdiv(hd, block_c), B, L)](
         k_cache, v_cache, start, nodes, b_max * S * hd, S * hd,
         HD=hd, M=M, BLOCK_M=block_m, BLOCK_C=block_c, NONE=-1,
-        num_warps=4,
+        num_warps=num_warps,
     )  # fmt: skip

@@ -50,17 +50,20 @@ from ._triton_utils import (  # noqa: E402
     tl,
     triton,
 )
+from ..autotune.store import tuned  # noqa: E402
 
 MAX_HIDDEN = 65536
 
 
-def _rms_config(hidden: int) -> tuple[int, int]:
-    """``(BLOCK_H, num_warps)`` from the hidden size only (never the row count)."""
+def _rms_config(hidden: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` from the hidden size only (never the row count): the tuned
+    num_warps for this GPU/dtype (``autotune.store``, nearest hidden size) when there is one,
+    else the heuristic. Shared with the fused gather, which must match this kernel bit for bit."""
     if hidden > MAX_HIDDEN:
         raise ValueError(f"hidden size {hidden} > {MAX_HIDDEN} is not supported by the RMSNorm kernel")
     block = max(next_pow2(hidden), 16)
     num_warps = 1 if block <= 256 else 4 if block <= 1024 else 8 if block <= 4096 else 16
-    return block, num_warps
+    return block, tuned("rms_norm", hidden, {"num_warps": num_warps}, dtype=dtype, device=device)["num_warps"]
 
 
 @triton.jit
@@ -163,7 +166,7 @@ def rms_norm(
         )
     m0, m1, strides = grid
     (sx0, sx1), (sr0, sr1) = strides[0], strides[-1] if residual is not None else (0, 0)
-    block, num_warps = _rms_config(hidden)
+    block, num_warps = _rms_config(hidden, x.dtype, x.device)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else y

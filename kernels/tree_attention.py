@@ -110,6 +110,7 @@ from ._triton_utils import (  # noqa: E402
     tl,
     triton,
 )
+from ..autotune.store import tuned  # noqa: E402
 
 SPLIT_KV = 2048  # prefix keys per flash-decoding split (fixed: part of the reduction order)
 _LOG2E = 1.4426950408889634
@@ -336,13 +337,23 @@ def _tree_attn_merge_kernel(
     tl.store(out_ptr + row * D + d, round_to(out, out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _attn_config(head_dim: int, dtype: torch.dtype) -> dict:
+def _attn_tuned(head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
+    """Tiles, warps, stages and the prefix split per head_dim (never per B, Q or context length):
+    the tuned entry for this GPU/dtype (``autotune.store``) when there is a valid one, else the heuristic."""
+    default = dict(BLOCK_M=64, BLOCK_N=64 if max(next_pow2(head_dim), 16) <= 128 else 32, num_warps=4, num_stages=2,
+                   split_kv=SPLIT_KV)
+    cfg = tuned("tree_attention", head_dim, default, dtype=dtype, device=device)
+    return cfg if cfg["split_kv"] % cfg["BLOCK_N"] == 0 and min(cfg["BLOCK_M"], cfg["BLOCK_N"]) >= 16 else default
+
+
+def _attn_config(head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
     """Tile sizes from head_dim/dtype only (never from B, Q or the context length)."""
     block_d = max(next_pow2(head_dim), 16)
+    t = _attn_tuned(head_dim, dtype, device)
     return dict(
         BLOCK_D=block_d,
-        BLOCK_M=64,
-        BLOCK_N=64 if block_d <= 128 else 32,
+        BLOCK_M=t["BLOCK_M"],
+        BLOCK_N=t["BLOCK_N"],
         DOT_PRECISION="ieee" if dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
         DOT_UPCAST=dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
     )
@@ -357,7 +368,7 @@ def tree_attention(
     scale: float,
     kv_len: int | None = None,
     *,
-    split_kv: int = SPLIT_KV,
+    split_kv: int | None = None,
 ) -> torch.Tensor:  # [B, Q, Hq, D]
     """Triton twin of ``tree_attention_reference``.
 
@@ -389,7 +400,9 @@ def tree_attention(
         raise ValueError(f"tree_mask must have shape ({B}, {Q}, T), got {tuple(tree_mask.shape)}")
     T = tree_mask.shape[2]
     kv_len = S if kv_len is None else min(int(kv_len), S)
-    cfg = _attn_config(d, q.dtype)
+    cfg = _attn_config(d, q.dtype, q.device)
+    launch = _attn_tuned(d, q.dtype, q.device)
+    split_kv = launch["split_kv"] if split_kv is None else split_kv  # default: SPLIT_KV or the tuned split
     if split_kv % cfg["BLOCK_N"]:
         raise ValueError(f"split_kv={split_kv} must be a multiple of the key block {cfg['BLOCK_N']}")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -407,7 +420,7 @@ def tree_attention(
         tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2),
         Q, T, kv_len, ns, float(scale) * _LOG2E,
         HQ=hq, HKV=hkv, D=d, SPLIT=split_kv, NEG=neg, **cfg,
-        num_warps=4, num_stages=2, enable_fp_fusion=ENABLE_FP_FUSION,
+        num_warps=launch["num_warps"], num_stages=launch["num_stages"], enable_fp_fusion=ENABLE_FP_FUSION,
     )  # fmt: skip
     _tree_attn_merge_kernel[(Q * hq, B)](
         acc, ml, prefix_lens, out, Q * hq, kv_len, ns,

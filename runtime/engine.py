@@ -24,6 +24,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
+from ..autotune.profile import tuned_spec
 from .config import GenerationOutput, SpecConfig, SpecStats, StreamPiece
 from .drafter import Eagle3Drafter
 from .ops import get_ops, resolve_backend
@@ -84,7 +85,7 @@ class SpeculativeRuntime:
         self.device = target.device
         self.backend = resolve_backend(backend, self.device)
         self.ops = get_ops(self.backend)
-        self.spec = spec or SpecConfig()
+        self.spec = spec or tuned_spec(target, drafter, self.backend) or SpecConfig()  # autotune/profile.py
         if not isinstance(self.spec, SpecConfig):
             raise TypeError(f"spec must be a tritonspec.SpecConfig, got {type(self.spec).__name__}")
         if cuda_graphs not in ("auto", True, False):
@@ -163,7 +164,8 @@ class SpeculativeRuntime:
         drafter : drafter directory, an ``Eagle3Drafter``, or None (plain decoding only).
         device, dtype : where and in which precision to run (CPU default: float32).
         backend : ``"auto"`` (Triton on CUDA, else torch), ``"torch"`` or ``"triton"``.
-        spec : draft-tree shape; None = ``SpecConfig()`` defaults.
+        spec : draft-tree shape; None = the tuned profile for this pair/device (``tritonspec autotune
+            tree``) when there is one, else ``SpecConfig()`` defaults.
         max_batch_size, max_seq_len : static cache sizes (max_seq_len = prompt + generated).
         tokenizer : optional; by default read from the target directory when it has one.
         """

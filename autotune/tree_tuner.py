@@ -1,0 +1,569 @@
+"""Tree-shape tuner: pick ``(num_speculative_tokens, top_k, num_draft_tokens)`` for this device.
+
+The model (all times measured here, on this device and backend, batch size 1)::
+
+    tokens/round (D, K, N) = 1 + sum of the N-1 largest path probabilities P(v) among the
+                             candidates that EAGLE-2 expansion drafts at depth D, branching K
+    P(v)                   = prod over the path root -> v of p(depth, sibling rank)
+    time/round (D, K, N)   = draft(D, K) + verify(N) + commit(D)
+        draft(D, K)        = head(K) + (D - 1) * step(K)      one drafter step per level at width K
+        verify(N)          = target forward over N tree tokens + greedy verification (interpolated)
+        commit(D)          = KV compaction + drafter catch-up over D + 1 tokens (linear in D)
+    predicted tokens/s     = tokens/round / time/round
+    predicted speedup      = predicted tokens/s * time per plain-decoding token
+
+``p(d, r)`` is the drafter's acceptance profile: the probability that, along the target's own
+greedy continuation, the target's next token at depth d is the drafter's rank-r candidate,
+given that depths 1..d-1 were reachable. It is measured by teacher forcing: for sample prompts
+the target's greedy continuation is generated, then at each root the drafter drafts a chain
+along the *true* tokens and the rank of each true token in its draft distribution is recorded.
+The candidate tree mirrors the runtime's EAGLE-2 expansion (``runtime/tree.py``: top-K children
+per frontier node, the best K of each level expand, global rerank by score) with P standing in
+for the drafter's cumulative scores. Assumptions: ranks at successive depths are independent,
+and the drafter's scores order nodes like P; the real tree adapts per round, so measured
+acceptance is usually a little higher than predicted for wide trees.
+
+Every cost is measured through the runtime's own round steps (``_draft``, ``_verify``,
+``_commit``), so what is timed is what runs.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from ..runtime.config import SpecConfig, SpecStats
+from . import profile as prof
+from . import store
+
+TOP_KS = (1, 2, 4, 8)
+VERIFY_NS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+
+
+# ================================================================== acceptance profile
+@dataclass
+class AcceptanceProfile:
+    """``p[d-1][r]``: P(target's next token at depth d is the drafter's rank-r candidate | depth d reachable)."""
+
+    p: list[list[float]]
+    samples: list[int] = field(default_factory=list)  # roots behind each depth's estimate
+
+    @property
+    def max_depth(self) -> int:
+        return len(self.p)
+
+    @property
+    def max_rank(self) -> int:
+        return len(self.p[0]) if self.p else 0
+
+    @classmethod
+    def from_ranks(cls, ranks: torch.Tensor, max_rank: int) -> "AcceptanceProfile":
+        """``ranks [S, D]``: the true token's rank at each depth (-1: beyond max_rank or not in the
+        draft vocabulary, -2: unknown, the continuation ended)."""
+        S, D = ranks.shape
+        p, n = [], []
+        reach = torch.ones(S, dtype=torch.bool)
+        for d in range(D):
+            known = reach & (ranks[:, d] != -2)
+            cnt = int(known.sum())
+            row = [0.0] * max_rank
+            if cnt:
+                r = ranks[known, d]
+                for k in range(max_rank):
+                    row[k] = float((r == k).sum()) / cnt
+            p.append(row)
+            n.append(cnt)
+            reach = reach & (ranks[:, d] >= 0)
+        return cls(p, n)
+
+    def candidate_probs(self, depth: int, top_k: int) -> list[float]:
+        """Path probabilities of every candidate EAGLE-2 drafts at (depth, top_k), in level order."""
+        if depth > self.max_depth or top_k > self.max_rank:
+            raise ValueError(f"(depth={depth}, top_k={top_k}) exceeds the profile ({self.max_depth}, {self.max_rank})")
+        level = [self.p[0][r] for r in range(top_k)]
+        out = list(level)
+        for d in range(1, depth):
+            frontier = sorted(level, reverse=True)[:top_k]  # the best K of the level expand
+            level = [f * self.p[d][r] for f in frontier for r in range(top_k)]
+            out += level
+        return out
+
+    def tokens_per_round(self, depth: int, top_k: int) -> list[float]:
+        """``t[n]`` = expected tokens per round with ``num_draft_tokens = n + 1`` (index 0: N=1, plain)."""
+        probs = sorted(self.candidate_probs(depth, top_k), reverse=True)  # rerank: the best N-1 are kept
+        t = [1.0]
+        for q in probs:
+            t.append(t[-1] + q)
+        return t
+
+
+# ================================================================== cost model
+@dataclass
+class CostModel:
+    """Seconds per round piece on this device/backend (see the module docstring)."""
+
+    verify_n: list[int]
+    verify_s: list[float]
+    draft_head_s: dict[int, float]  # top_k -> draft time at depth 1
+    draft_step_s: dict[int, float]  # top_k -> one more drafter level at width top_k
+    commit_s: tuple[float, float]  # (a, b): commit(D) = a + b * D
+    plain_s: float  # one plain-decoding token (target forward on the root + commit)
+    overhead_s: float = 0.0  # per-round host work outside the three steps (bookkeeping, the one sync)
+
+    def verify(self, n: int) -> float:
+        xs, ys = self.verify_n, self.verify_s
+        if n <= xs[0]:
+            return ys[0]
+        for i in range(1, len(xs)):
+            if n <= xs[i]:
+                return ys[i - 1] + (ys[i] - ys[i - 1]) * (n - xs[i - 1]) / (xs[i] - xs[i - 1])
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) if len(xs) > 1 else 0.0
+        return ys[-1] + slope * (n - xs[-1])
+
+    def draft(self, depth: int, top_k: int) -> float:
+        return self.draft_head_s[top_k] + (depth - 1) * self.draft_step_s[top_k]
+
+    def commit(self, depth: int) -> float:
+        return self.commit_s[0] + self.commit_s[1] * depth
+
+    def round(self, depth: int, top_k: int, n: int) -> float:
+        return self.draft(depth, top_k) + self.verify(n) + self.commit(depth) + self.overhead_s
+
+    @property
+    def plain_token_s(self) -> float:
+        return self.plain_s + self.overhead_s
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CostModel":
+        return cls(list(d["verify_n"]), list(d["verify_s"]), {int(k): v for k, v in d["draft_head_s"].items()},
+                   {int(k): v for k, v in d["draft_step_s"].items()}, tuple(d["commit_s"]), d["plain_s"],
+                   d.get("overhead_s", 0.0))
+
+
+# ================================================================== the search
+@dataclass(frozen=True)
+class Prediction:
+    spec: SpecConfig
+    tokens_per_round: float
+    round_s: float
+    speedup: float  # predicted tokens/s over plain decoding
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_per_round / self.round_s
+
+
+def predict(spec: SpecConfig, costs: CostModel, acc: AcceptanceProfile) -> Prediction:
+    D, K, N = spec.num_speculative_tokens, spec.top_k, spec.num_draft_tokens
+    tau = acc.tokens_per_round(D, K)[N - 1]
+    t = costs.round(D, K, N)
+    return Prediction(spec, tau, t, tau / t * costs.plain_token_s)
+
+
+def search(costs: CostModel, acc: AcceptanceProfile, *, max_depth: int | None = None,
+           top_ks: Sequence[int] = TOP_KS, max_draft_tokens: int = 64) -> list[Prediction]:
+    """Every valid shape, best predicted tokens/s first (ties: fewer tree tokens, shallower, narrower)."""
+    max_depth = min(max_depth or acc.max_depth, acc.max_depth)
+    out = []
+    for K in sorted(k for k in set(top_ks) if k <= acc.max_rank and k in costs.draft_step_s):
+        for D in range(1, max_depth + 1):
+            tau = acc.tokens_per_round(D, K)
+            n_hi = min(len(tau), max_draft_tokens)  # tau[n-1] is defined for n <= candidates + 1
+            for N in range(D + 1, n_hi + 1):  # N - 1 >= D: a tree too small to reach depth D wastes draft steps
+                t = costs.round(D, K, N)
+                out.append(Prediction(SpecConfig(D, K, N), tau[N - 1], t, tau[N - 1] / t * costs.plain_token_s))
+    out.sort(key=lambda p: (-round(p.tokens_per_second, 9), p.spec.num_draft_tokens, p.spec.num_speculative_tokens,
+                            p.spec.top_k))
+    return out
+
+
+def neighbours(best: SpecConfig, ranked: list[Prediction]) -> list[Prediction]:
+    """Two shapes next to ``best``, the first that exist of: one level shallower, one deeper
+    (same top_k, the best N for each), then the best shape at the next smaller / larger top_k."""
+    D, K = best.num_speculative_tokens, best.top_k
+    ks = sorted({p.spec.top_k for p in ranked})
+    i = ks.index(K)
+    wants = [(D - 1, K), (D + 1, K)] + [(D, k) for k in ks[max(i - 1, 0):i] + ks[i + 1:i + 2]]
+    out = []
+    for d, k in wants:
+        cands = [p for p in ranked if p.spec.top_k == k and p.spec.num_speculative_tokens == d]
+        if cands and len(out) < 2:
+            out.append(cands[0])  # ranked: the best N there
+    return out
+
+
+# ================================================================== measurements through the runtime
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time(fn, device: torch.device, reps: int, restore=None) -> float:
+    """Median seconds of ``fn()`` (one warm-up call; ``restore()`` runs untimed after each call)."""
+    fn()
+    if restore:
+        restore()
+    ts = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        ts.append(time.perf_counter() - t0)
+        if restore:
+            restore()
+    return sorted(ts)[len(ts) // 2]
+
+
+def _stats(depth: int) -> SpecStats:
+    return SpecStats(accepted_per_position=[0] * depth,
+                     time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
+
+
+def _prefill(rt, prompt_ids: list[list[int]]):
+    from ..runtime.sampling import SamplingParams
+
+    return rt._prefill(prompt_ids, True, SamplingParams(), [0] * len(prompt_ids), _stats(rt.spec.num_speculative_tokens))
+
+
+def _heap_tree(root: torch.Tensor, n: int, vocab: int):
+    """A synthetic n-node tree (binary heap: node i's parent is (i-1)//2) for timing verify(n)."""
+    from ..runtime.engine import _Tree
+
+    dev = root.device
+    B = root.shape[0]
+    parents = torch.tensor([-1] + [(i - 1) // 2 for i in range(1, n)], device=dev)
+    depth = torch.tensor([0] + [int(math.log2(i + 1)) for i in range(1, n)], device=dev)
+    mask = torch.zeros(n, n, dtype=torch.bool, device=dev)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            mask[i, j] = True
+            j = int(parents[j]) if j > 0 else -1
+    tokens = torch.cat([root[:, None], torch.arange(1, n, device=dev).remainder(vocab)[None].expand(B, n - 1)], 1)
+    return _Tree(tokens, parents[None].expand(B, n).clone(), depth[None].expand(B, n).clone(), mask[None].expand(B, n, n),
+                 int(depth.max()))
+
+
+def measure_costs(rt, prompt_ids: list[int], *, max_depth: int, top_ks: Sequence[int],
+                  verify_ns: Sequence[int] = VERIFY_NS, max_n: int = 64, reps: int = 5) -> CostModel:
+    """Time the round pieces at batch size 1 on a context of ``len(prompt_ids)`` tokens."""
+    dev = rt.device
+    saved_spec = rt.spec
+    with torch.inference_mode():
+        st = _prefill(rt, [prompt_ids])
+        snap = (st.L, st.root, st.hn_last, st.carry_last, list(st.L_host))
+
+        def restore():
+            st.L, st.root, st.hn_last, st.carry_last, st.L_host = snap[0], snap[1], snap[2], snap[3], list(snap[4])
+
+        stats = _stats(max_depth)
+        room = rt.target.k_cache.shape[2] - 1 - len(prompt_ids)  # tree slots after the prompt
+        ns = sorted({1, 2} | {n for n in verify_ns if n <= min(room, max_n)})
+        verify_s = []
+        for n in ns:
+            tree = rt._root_only(st) if n == 1 else _heap_tree(st.root, n, rt.target.vocab_size)
+            verify_s.append(_time(lambda: rt._verify(st, tree, stats), dev, reps))
+        head, step = {}, {}
+        for K in top_ks:
+            t = {}
+            for D in sorted({1, max_depth}):
+                rt.spec = SpecConfig(D, K, min(K + (D - 1) * K * K + 1, 64))
+                t[D] = _time(lambda: rt._draft(st, stats), dev, reps)
+            head[K] = t[1]
+            step[K] = max((t[max_depth] - t[1]) / (max_depth - 1), 0.0) if max_depth > 1 else 0.0
+        commit = {}
+        for D in sorted({1, max_depth}):
+            rt.spec = SpecConfig.chain(D)
+            tree = rt._draft(st, stats)
+            out = rt._verify(st, tree, stats)
+            commit[D] = _time(lambda: rt._commit(st, tree, *out, True, stats), dev, reps, restore)
+        b = max((commit[max_depth] - commit[1]) / (max_depth - 1), 0.0) if max_depth > 1 else 0.0
+        a = commit[1] - b
+        root = rt._root_only(st)
+        vout = rt._verify(st, root, stats)
+        plain_commit = _time(lambda: rt._commit(st, root, *vout, False, stats), dev, reps, restore)
+        restore()
+    rt.spec = saved_spec
+    return CostModel(ns, _monotone(verify_s), head, step, (a, b), verify_s[0] + plain_commit)
+
+
+def _monotone(ys: list[float]) -> list[float]:
+    """Least-squares non-decreasing fit (pool adjacent violators): verify(N) cannot fall with N,
+    whatever timing noise says."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, c1), (m2, c2) = blocks[-2], blocks[-1]
+            blocks[-2:] = [[(m1 * c1 + m2 * c2) / (c1 + c2), c1 + c2]]
+    return [m for m, c in blocks for _ in range(c)]
+
+
+def _draft_ids(drafter, vocab: int, device) -> torch.Tensor:
+    """target id -> draft id (-1: not in the draft vocabulary)."""
+    vd = drafter.config.draft_vocab_size
+    t2d = torch.full((vocab,), -1, dtype=torch.int64, device=device)
+    ids = torch.arange(vd, device=device)
+    t2d[drafter.to_target_ids(ids)] = ids
+    return t2d
+
+
+def _rank(lp: torch.Tensor, draft_id: torch.Tensor, max_rank: int) -> torch.Tensor:
+    """Rank of ``draft_id`` in ``lp [B, Vd]`` under the runtime's stable top-k order; -1 if >= max_rank
+    or not drafted."""
+    v = lp.gather(1, draft_id.clamp(min=0)[:, None])
+    idx = torch.arange(lp.shape[1], device=lp.device)[None]
+    r = (lp > v).sum(1) + ((lp == v) & (idx < draft_id[:, None])).sum(1)
+    return torch.where((draft_id >= 0) & (r < max_rank), r, -1)
+
+
+def forced_chain_ranks(rt, st, future: torch.Tensor, max_rank: int, t2d: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced draft from the current state: the drafter drafts a chain along ``future
+    [B, D]`` (the true next tokens, -1 = unknown) exactly as ``_draft`` drafts one tree branch;
+    returns each true token's rank ``[B, D]`` (-1: beyond max_rank, -2: unknown)."""
+    d = rt.drafter
+    B, D = future.shape
+    dev = rt.device
+    lp = rt._draft_logprobs(st, st.hn_last)  # [B, Vd]
+    ranks = [_rank(lp, t2d[future[:, 0].clamp(min=0)], max_rank)]
+    hid = st.carry_last[:, None, :]
+    width = max(D - 1, 1)
+    fmask = torch.zeros(B, 1, width, dtype=torch.bool, device=dev)
+    kv_len = max(st.L_host) + width
+    for s in range(1, D):
+        fmask[:, :, s - 1] = True
+        tok = future[:, s - 1 : s].clamp(min=0)
+        positions = (st.L + s - 1)[:, None]
+        hn, carry = d.step(rt.ops, hid, tok, positions, rt.dk, rt.dv, (st.L + s - 1)[:, None], st.L, fmask, kv_len)
+        lp = rt._draft_logprobs(st, hn)[:, 0]
+        ranks.append(_rank(lp, t2d[future[:, s].clamp(min=0)], max_rank))
+        hid = carry
+    r = torch.stack(ranks, 1)
+    return torch.where(future >= 0, r, -2)
+
+
+def measure_acceptance(rt, prompts: list[list[int]], continuations: list[list[int]], *, max_depth: int,
+                       max_rank: int, stride: int = 1) -> tuple[AcceptanceProfile, int]:
+    """Teacher-forced ranks at roots every ``stride + 1`` tokens of each continuation (the target's
+    greedy output). Returns the profile and the number of roots sampled."""
+    from ..runtime.engine import _Tree
+
+    dev = rt.device
+    t2d = _draft_ids(rt.drafter, rt.target.vocab_size, dev)
+    rows = []
+    saved_spec = rt.spec
+    rt.spec = SpecConfig.chain(max(stride, 1))
+    c = max(stride, 1)
+    with torch.inference_mode():
+        for prompt, cont in zip(prompts, continuations):
+            st = _prefill(rt, [prompt])
+            if int(st.root[0]) != cont[0]:
+                continue
+            y = torch.tensor(cont, device=dev)
+            pos = 0
+            stats = _stats(c)
+            while pos + 1 < len(cont) and max(st.L_host) + c + 1 < rt.max_seq_len:
+                fut = torch.full((1, max_depth), -1, dtype=torch.int64, device=dev)
+                nxt = y[pos + 1 : pos + 1 + max_depth]
+                fut[0, : nxt.numel()] = nxt
+                rows.append(forced_chain_ranks(rt, st, fut, max_rank, t2d)[0].cpu())
+                chain = y[pos + 1 : pos + 1 + c]
+                if chain.numel() < c or pos + c + 1 >= len(cont):
+                    break
+                n = c + 1  # advance: verify the true chain (the target accepts it) and commit
+                tree = _Tree(torch.cat([st.root, chain])[None], torch.arange(-1, n - 1, device=dev)[None],
+                             torch.arange(n, device=dev)[None], torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None],
+                             c)
+                nodes, num, emitted, aux = rt._verify(st, tree, stats)
+                if emitted[0, : c + 1].tolist() != cont[pos + 1 : pos + c + 2]:
+                    break  # verify disagrees with the continuation (numerics): stop this prompt here
+                rt._commit(st, tree, nodes, num, emitted, aux, True, stats)
+                st.L_host = [h + c + 1 for h in st.L_host]
+                pos += c + 1
+    rt.spec = saved_spec
+    if not rows:
+        raise ValueError("no acceptance samples: the prompts gave no continuation to measure on")
+    return AcceptanceProfile.from_ranks(torch.stack(rows), max_rank), len(rows)
+
+
+# ================================================================== end to end
+@dataclass
+class Check:
+    """Predicted vs measured for one shape. Speedups are decode-phase tokens/s over plain decoding
+    (same prompts, same process; the prefill, which no tree shape changes, excluded); the
+    end-to-end figure includes the prefill."""
+
+    spec: SpecConfig
+    role: str
+    predicted_tau: float
+    measured_tau: float
+    predicted_round_ms: float
+    measured_round_ms: float
+    predicted_speedup: float
+    measured_speedup: float
+    end_to_end_speedup: float
+
+
+@dataclass
+class Measured:
+    tokens: int
+    wall_s: float
+    prefill_s: float
+    rounds: int
+    accepted: int
+    n_prompts: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:  # each prompt's first token comes from the prefill
+        return (self.tokens - self.n_prompts) / max(self.wall_s - self.prefill_s, 1e-12)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    @property
+    def tau(self) -> float:
+        return 1 + self.accepted / self.rounds if self.rounds else 1.0
+
+    @property
+    def round_s(self) -> float:
+        return (self.wall_s - self.prefill_s) / max(self.rounds, 1)
+
+
+@dataclass
+class TreeTuneResult:
+    best: Prediction
+    checks: list[Check]
+    costs: CostModel
+    acceptance: AcceptanceProfile
+    plain: Measured
+    n_roots: int
+    profile_path: Path | None
+    key: dict
+    top: list[Prediction]
+
+    def table(self) -> str:
+        rows = [("shape (D, K, N)", "role", "pred tau", "meas tau", "pred ms/round", "meas ms/round", "pred speedup",
+                 "meas speedup", "end-to-end")]
+        for c in self.checks:
+            s = c.spec
+            rows.append((f"({s.num_speculative_tokens}, {s.top_k}, {s.num_draft_tokens})", c.role,
+                         f"{c.predicted_tau:.2f}", f"{c.measured_tau:.2f}", f"{c.predicted_round_ms:.2f}",
+                         f"{c.measured_round_ms:.2f}", f"{c.predicted_speedup:.2f}x", f"{c.measured_speedup:.2f}x",
+                         f"{c.end_to_end_speedup:.2f}x"))
+        p = self.plain
+        rows.append(("plain decoding", "baseline", "1.00", "1.00", f"{self.costs.plain_token_s * 1e3:.2f}",
+                     f"{p.round_s * 1e3:.2f}", f"({p.decode_tokens_per_s:.1f} tok/s)", "1.00x", "1.00x"))
+        w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        return "\n".join("  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows)
+
+
+def _run(rt, prompts, max_new_tokens, spec: SpecConfig | None) -> Measured:
+    """Generate every prompt at batch size 1 (spec None = plain decoding) and sum the stats."""
+    m = Measured(0, 0.0, 0.0, 0, 0, len(prompts))
+    if spec is not None:
+        rt.spec = spec
+    for p in prompts:
+        st = rt.generate([p], max_new_tokens=max_new_tokens, speculative=spec is not None, stop_token_ids=[]).stats
+        m.tokens += st.num_new_tokens
+        m.wall_s += st.wall_time_s
+        m.prefill_s += st.time_split_s.get("prefill", 0.0)
+        m.rounds += st.num_drafts if spec is not None else st.num_new_tokens - 1
+        m.accepted += st.num_accepted_tokens
+    return m
+
+
+def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Sequence[int]], *,
+              device: str = "cpu", dtype: torch.dtype | None = None, backend: str = "auto",
+              max_new_tokens: int = 64, max_depth: int = 8, top_ks: Sequence[int] = TOP_KS,
+              max_draft_tokens: int = 64, stride: int = 1, reps: int = 7, out_dir: str | Path | None = None,
+              dry_run: bool = False, validate: bool = True, log=None) -> TreeTuneResult:
+    """Measure costs and the acceptance profile, pick the best shape, check it, write the profile.
+
+    ``target``/``drafter``: directories or loaded objects, as ``SpeculativeRuntime.from_pretrained``
+    takes them. ``prompts``: strings (needs the target's tokenizer) or token id lists.
+    ``validate``: generate with the chosen shape, two neighbours and the default ``SpecConfig()``
+    and report measured against predicted speedups.
+    """
+    from ..runtime.drafter import Eagle3Drafter
+    from ..runtime.engine import SpeculativeRuntime, _load_tokenizer
+    from ..runtime.target import TargetModel
+
+    say = log or (lambda *_: None)
+    tm = TargetModel.from_pretrained(target, device=device, dtype=dtype)
+    d = Eagle3Drafter.from_pretrained(drafter) if isinstance(drafter, (str, Path)) else drafter
+    key = {"target": prof.target_fingerprint(tm), "drafter": prof.drafter_fingerprint(d)}
+    tok = _load_tokenizer(Path(target)) if isinstance(target, (str, Path)) else None
+    top_ks = sorted(k for k in set(top_ks) if k <= d.config.draft_vocab_size)
+    kmax, nmax = max(top_ks), max_draft_tokens
+    ids = [list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
+    if any(isinstance(p, str) for p in prompts) and tok is None:
+        raise ValueError("string prompts need the target's tokenizer; pass token id lists")
+    longest = max(len(p) for p in ids)
+    big = SpecConfig(max_depth, kmax, max(2, min(kmax + (max_depth - 1) * kmax * kmax + 1, nmax)))
+    rt = SpeculativeRuntime(tm, d, tok, backend=backend, spec=big, max_batch_size=1,
+                            max_seq_len=min(longest + max_new_tokens + 2 * max_depth + 8, tm.max_position_embeddings))
+    key.update(device=prof.device_key(rt.device), dtype=store.dtype_name(tm.dtype), backend=rt.backend)
+    say(f"[autotune tree] target={key['target']} drafter={key['drafter']} device={key['device']} "
+        f"backend={rt.backend} prompts={len(ids)}")
+
+    _run(rt, ids[:1], 8, None)  # warm-up
+    plain = _run(rt, ids, max_new_tokens, None)
+    conts = []
+    for p in ids:  # the target's greedy continuation (speculative output is identical)
+        conts.append(rt.generate([p], max_new_tokens=max_new_tokens, speculative=False, stop_token_ids=[]).token_ids[0])
+    say(f"[autotune tree] plain decoding: {plain.decode_tokens_per_s:.1f} tokens/s; measuring costs ...")
+    costs = measure_costs(rt, ids[0], max_depth=max_depth, top_ks=top_ks, max_n=nmax, reps=reps)
+    # host work per round outside draft/verify/commit, read off plain decoding (the same for every shape)
+    costs.overhead_s = max(plain.round_s - costs.plain_s, 0.0)
+    say("[autotune tree] measuring the acceptance profile (teacher-forced drafts) ...")
+    acc, n_roots = measure_acceptance(rt, ids, conts, max_depth=max_depth, max_rank=kmax, stride=stride)
+    ranked = search(costs, acc, max_depth=max_depth, top_ks=top_ks, max_draft_tokens=nmax)
+    best = ranked[0]
+    checks: list[Check] = []
+    if validate:
+        default = SpecConfig()
+        shapes = [(best.spec, "chosen")] + [(n.spec, "neighbour") for n in neighbours(best.spec, ranked)]
+        if default.num_speculative_tokens <= max_depth and default.top_k <= kmax and all(s != default for s, _ in shapes):
+            shapes.append((default, "default"))
+        for spec, role in shapes:
+            pred = predict(spec, costs, acc)
+            m = _run(rt, ids, max_new_tokens, spec)
+            checks.append(Check(spec, role, pred.tokens_per_round, m.tau, pred.round_s * 1e3, m.round_s * 1e3,
+                                pred.speedup, m.decode_tokens_per_s / plain.decode_tokens_per_s,
+                                m.tokens_per_s / plain.tokens_per_s))
+            say(f"[autotune tree] {role} {spec}: predicted {pred.speedup:.2f}x, measured {checks[-1].measured_speedup:.2f}x")
+    path = None
+    if not dry_run:
+        path = write_profile(out_dir, key, best, costs, acc, checks, plain, n_roots, max_new_tokens)
+    rt.spec = big
+    return TreeTuneResult(best, checks, costs, acc, plain, n_roots, path, key, ranked[:10])
+
+
+def write_profile(out_dir, key: dict, best: Prediction, costs: CostModel, acc: AcceptanceProfile, checks: list[Check],
+                  plain: Measured, n_roots: int, max_new_tokens: int) -> Path:
+    out = Path(out_dir) if out_dir is not None else store.user_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    name = store.config_filename(prof.KIND, key["device"], key["dtype"],
+                                 {"target": key["target"], "drafter": key["drafter"]})[:-5] + f",backend={key['backend']}.json"
+    s = best.spec
+    data = {
+        "kind": prof.KIND, **key, "versions": store.versions(), "threads": torch.get_num_threads(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "spec": {"num_speculative_tokens": s.num_speculative_tokens, "top_k": s.top_k, "num_draft_tokens": s.num_draft_tokens},
+        "predicted": {"tokens_per_round": best.tokens_per_round, "round_s": best.round_s, "speedup": best.speedup},
+        "measured_with": {"prompts": plain.n_prompts, "max_new_tokens": max_new_tokens, "acceptance_roots": n_roots,
+                          "plain_decode_tokens_per_s": plain.decode_tokens_per_s, "batch_size": 1},
+        "costs": asdict(costs), "acceptance": asdict(acc),
+        "checks": [{**asdict(c), "spec": [c.spec.num_speculative_tokens, c.spec.top_k, c.spec.num_draft_tokens]}
+                   for c in checks],
+    }
+    path = out / name
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
