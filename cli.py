@@ -142,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_export)
     from .training.cli import add_parser as add_train_parser
     add_train_parser(sub)
+    from .autotune.cli import add_parser as add_autotune_parser
+    add_autotune_parser(sub)
     return p
 
 

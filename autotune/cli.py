@@ -1,0 +1,155 @@
+"""``tritonspec autotune``: the argparse builder, registered by ``tritonspec.cli``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
+                   "def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"", "for i in range(10):",
+                   "The quick brown fox", "def quicksort(xs):", "with open(path) as f:"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``autotune`` subcommand (``kernels`` and ``tree``) to ``subparsers`` and return its parser."""
+    a = subparsers.add_parser(
+        "autotune", help="tune kernel launch configs and the draft-tree shape for this device",
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+  tritonspec autotune kernels                                    # Llama-3-8B shapes (+ the demo target), bf16
+  tritonspec autotune kernels --shapes ./llama --dtype float16 --out ./tuned
+  tritonspec autotune tree --target ./llama --drafter ./eagle3 --prompts prompts.jsonl
+  tritonspec autotune tree --target demo --num-prompts 4 --dry-run
+results go to $TRITONSPEC_TUNED_DIR or ~/.cache/tritonspec/tuned (override with --out); the kernel
+launchers and SpeculativeRuntime(spec=None) read them from there.""")
+    sub = a.add_subparsers(dest="autotune_command", required=True)
+
+    k = sub.add_parser("kernels", help="search launch configs of the Triton kernels (needs a GPU)",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""Each op is tuned per
+hidden size / head_dim (the reduction kernels: never per row count, so tuning cannot break batch
+invariance); winners are merged into <op>,device_name=<GPU>,dtype=<dtype>.json.""")
+    k.add_argument("--shapes", action="append", default=[], metavar="MODEL_DIR",
+                   help="HF model directory whose shapes to tune (repeatable; 'llama-3-8b' = the built-in "
+                        "Llama-3-8B shape; default: llama-3-8b and the demo target when bundled)")
+    k.add_argument("--dtype", default=None, help="bfloat16 (default on a GPU) | float16 | float32")
+    k.add_argument("--ops", default=None, help="comma-separated subset of rms_norm,aux_gather,tree_attention,"
+                                               "verify_greedy,kv_compact")
+    k.add_argument("--device", default="cuda")
+    _common(k)
+    k.set_defaults(fn=cmd_kernels)
+
+    t = sub.add_parser("tree", help="pick (num_speculative_tokens, top_k, num_draft_tokens) for a target + drafter",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""Measures the target's
+verify cost against tree size and the drafter's step cost on this device and backend, and the
+drafter's acceptance per depth and sibling rank on the prompts (teacher-forced along the target's
+greedy continuation); picks the shape with the best predicted tokens/s and checks it, two
+neighbours and the default shape by generating (measured vs predicted speedup).""")
+    t.add_argument("--target", required=True, help="HF target directory, or 'demo' / 'demo:eagle3' (the bundled pair)")
+    t.add_argument("--drafter", default=None, help="drafter directory (default with 'demo': its drafter)")
+    t.add_argument("--prompts", default=None,
+                   help="a .jsonl of {\"prompt\"|\"text\": ...} rows or a text file (one prompt per line); default: "
+                        "the demo's standard set for 'demo', else a few built-in code prompts")
+    t.add_argument("--num-prompts", type=int, default=8, help="use the first N prompts (default 8)")
+    t.add_argument("--max-new-tokens", type=int, default=64)
+    t.add_argument("--max-depth", type=int, default=8, help="deepest num_speculative_tokens searched (default 8)")
+    t.add_argument("--top-k", default="1,2,4,8", help="top_k values searched (default 1,2,4,8)")
+    t.add_argument("--max-draft-tokens", type=int, default=64, help="largest num_draft_tokens searched (default 64)")
+    t.add_argument("--device", default="cpu")
+    t.add_argument("--dtype", default=None)
+    t.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    t.add_argument("--no-validate", action="store_true", help="skip the measured check of the chosen shape")
+    _common(t)
+    t.set_defaults(fn=cmd_tree)
+    return a
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--out", default=None, help="output folder (default: $TRITONSPEC_TUNED_DIR or "
+                                               "~/.cache/tritonspec/tuned)")
+    p.add_argument("--dry-run", action="store_true", help="measure and print the winners; write nothing")
+
+
+def cmd_kernels(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from ..cli import _dtype
+    from . import kernel_tuner as kt
+
+    dev = torch.device(args.device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("kernel tuning needs a CUDA GPU (for a machinery check on the CPU, run with "
+                             "TRITON_INTERPRET=1 --device cpu and small --shapes; its timings mean nothing)")
+        dev = torch.device("cpu")
+    dtype = _dtype(args.dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    shapes = [kt.LLAMA3_8B if s == "llama-3-8b" else kt.shape_from_model_dir(s) for s in args.shapes]
+    if not shapes:
+        shapes = [kt.LLAMA3_8B]
+        from ..demo import available, demo_pair
+
+        if available():
+            shapes.append(kt.shape_from_model_dir(demo_pair("eagle3.1")[0]))
+    ops = tuple(args.ops.split(",")) if args.ops else kt.OPS
+    results, files = kt.tune_kernels(shapes, dtype, dev, ops=ops, out_dir=args.out, dry_run=args.dry_run)
+    print(kt.format_results(results))
+    for f in files:
+        print(f"wrote {f}")
+    if args.dry_run:
+        print("dry run: nothing written")
+    return 0
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a .jsonl (``prompt`` or ``text`` field per row) or a text file (one per line)."""
+    path = Path(path)
+    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
+    if path.suffix == ".jsonl":
+        rows = [json.loads(ln) for ln in lines]
+        out = [r.get("prompt", r.get("text")) if isinstance(r, dict) else r for r in rows]
+        if any(not isinstance(p, str) for p in out):
+            raise ValueError(f"{path}: every row needs a 'prompt' or 'text' string")
+        return out
+    return lines
+
+
+def cmd_tree(args: argparse.Namespace) -> int:
+    from ..cli import _dtype, _resolve_pair
+    from .tree_tuner import tune_tree
+
+    is_demo = args.target.startswith("demo")
+    target, drafter = _resolve_pair(args.target, args.drafter)
+    if drafter is None:
+        raise ValueError("--drafter is required (a tree needs a drafter)")
+    if args.prompts:
+        prompts = read_prompts(args.prompts)
+    elif is_demo:
+        from ..demo import prompt_set
+
+        prompts = [r["prompt"] for r in prompt_set("standard")]
+    else:
+        prompts = DEFAULT_PROMPTS
+    prompts = prompts[: args.num_prompts]
+    if not (Path(target) / "tokenizer.json").exists() and not (Path(target) / "tokenizer_config.json").exists():
+        import torch
+
+        vocab = json.loads((Path(target) / "config.json").read_text())["vocab_size"]
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, vocab, (16,), generator=g).tolist() for _ in prompts]
+        print("note: the target has no tokenizer; using random token prompts", file=sys.stderr)
+    top_ks = [int(x) for x in args.top_k.split(",")]
+    res = tune_tree(target, drafter, prompts, device=args.device, dtype=_dtype(args.dtype), backend=args.backend,
+                    max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, top_ks=top_ks,
+                    max_draft_tokens=args.max_draft_tokens, out_dir=args.out, dry_run=args.dry_run,
+                    validate=not args.no_validate, log=lambda m: print(m, file=sys.stderr))
+    b = res.best
+    s = b.spec
+    print(f"chosen: num_speculative_tokens={s.num_speculative_tokens} top_k={s.top_k} num_draft_tokens={s.num_draft_tokens} "
+          f"(predicted tau {b.tokens_per_round:.2f}, {b.round_s * 1e3:.2f} ms/round, {b.speedup:.2f}x over plain)")
+    if res.checks:
+        print(res.table())
+    print(f"device={res.key['device']} backend={res.key['backend']} dtype={res.key['dtype']} "
+          f"acceptance roots={res.n_roots} prompts={len(prompts)}")
+    print(f"wrote {res.profile_path}" if res.profile_path else "dry run: nothing written")
+    return 0
