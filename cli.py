@@ -97,6 +97,27 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_drift(args: argparse.Namespace) -> int:
+    import tritonspec as ts
+    from .runtime.drift import measure_drift, read_prompts, write_report
+
+    target, drafters = args.target, list(args.drafter)
+    if target in (DEMO, f"{DEMO}:eagle3", f"{DEMO}:eagle3.1"):
+        from .demo import demo_pair
+
+        target = str(demo_pair("eagle3")[0])
+        drafters = drafters or [str(demo_pair(v)[1]) for v in ("eagle3", "eagle3.1")]
+    if not drafters:
+        raise ValueError("pass at least one --drafter")
+    prompts = read_prompts(args.prompts, args.num_prompts)
+    report = measure_drift(target, drafters, prompts, spec=ts.SpecConfig.chain(args.depth),
+                           max_new_tokens=args.max_new_tokens, n_sink=args.n_sink, device=args.device)
+    files = write_report(report, args.out)
+    print(report.summary())
+    print(f"wrote {', '.join(f.name for f in files)} to {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tritonspec", description="EAGLE-3/3.1 speculative decoding with Triton hot paths")
     sub = p.add_subparsers(dest="command", required=True)
@@ -140,6 +161,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default=None)
     e.add_argument("--aux-layer-convention", default="auto", choices=["auto", "boundary", "post_layer"])
     e.set_defaults(fn=cmd_export)
+
+    dr = sub.add_parser("drift", help="measure attention drift per draft depth (EAGLE-3 vs 3.1), JSON + PNG plots",
+                        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+  tritonspec drift --target ./llama --drafter ./eagle3 --drafter ./eagle3.1 --prompts prompts.jsonl --out drift/
+  tritonspec drift --target demo --prompts demo/prompts/long.jsonl --num-prompts 20 --out drift-long/""")
+    dr.add_argument("--target", required=True, help="HF target directory, or 'demo' (both demo drafters)")
+    dr.add_argument("--drafter", action="append", default=[], help="drafter directory (repeatable)")
+    dr.add_argument("--prompts", required=True, help="JSONL (prompt/text field) or text file (blank-line separated)")
+    dr.add_argument("--out", required=True)
+    dr.add_argument("--num-prompts", type=int, default=None)
+    dr.add_argument("--max-new-tokens", type=int, default=64)
+    dr.add_argument("--depth", type=int, default=6, help="chain depth measured (default 6)")
+    dr.add_argument("--n-sink", type=int, default=1, help="leading slots counted as the attention sink")
+    dr.add_argument("--device", default="cpu")
+    dr.set_defaults(fn=cmd_drift)
     from .training.cli import add_parser as add_train_parser
     add_train_parser(sub)
     from .autotune.cli import add_parser as add_autotune_parser

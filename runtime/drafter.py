@@ -161,6 +161,10 @@ class Eagle3Drafter(nn.Module):
         self.has_own_embedding = False
         self.target_info: dict | None = None  # max_position_embeddings / rope of the target, for export checks
         self._rope: Rope | None = None
+        # diagnostics (runtime/drift.py): when True, each step also stores its attention probabilities
+        # [B, Hq, Q, S] in ``last_attention``; an extra computation that never changes the outputs
+        self.capture_attention = False
+        self.last_attention: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -295,6 +299,8 @@ class Eagle3Drafter(nn.Module):
         q, k = rope.apply(q, positions), rope.apply(k, positions)
         ops.kv_write(k_cache, v_cache, slots, k, val)
         o = ops.tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, c.head_dim ** -0.5, kv_len)
+        if self.capture_attention:
+            self.last_attention = _attention_probs(q, k_cache, prefix_lens, tree_mask, c.head_dim ** -0.5, kv_len)
         o = F.linear(o.reshape(B, Q, -1), a.o_proj.weight)
         x, r = ops.rms_norm(o, m.post_attention_layernorm.weight, eps, residual=v if c.norm_before_residual else hidden)
         h = r + F.linear(F.silu(F.linear(x, m.mlp.gate_proj.weight)) * F.linear(x, m.mlp.up_proj.weight),
@@ -380,6 +386,19 @@ class Eagle3Drafter(nn.Module):
         save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
         (out / "config.json").write_text(json.dumps(_config_to_dict(c, format, dtype or self.fc.weight.dtype), indent=2))
         return out
+
+
+def _attention_probs(q, k_cache, prefix_lens, tree_mask, scale, kv_len) -> torch.Tensor:
+    """The attention probabilities ``[B, Hq, Q, S]`` that ``tree_attention`` applies (float32)."""
+    from ..kernels.tree_attention import tree_visibility
+
+    B, _, hq, _ = q.shape
+    S = k_cache.shape[1] if kv_len is None else kv_len
+    k = k_cache[:B, :S].float()  # [B, S, Hkv, D]
+    k = k.repeat_interleave(hq // k.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bshd->bhqs", q.float(), k) * scale
+    vis = tree_visibility(prefix_lens, tree_mask, S)[:, None]  # [B, 1, Q, S]
+    return scores.masked_fill(~vis, float("-inf")).softmax(-1)
 
 
 # ---------------------------------------------------------------------- config (de)serialisation

@@ -55,6 +55,7 @@ class _State:
     reasons: list[str]
     sampling: SamplingParams
     rng: RowRandom | None
+    drift_depth1: tuple | None = None  # (attention [B, Hq, 1, S], prefix lens) for drift diagnostics
 
 
 class SpeculativeRuntime:
@@ -108,6 +109,7 @@ class SpeculativeRuntime:
             raise ValueError(f"the target uses sliding-window attention (window {window}), which is not supported; "
                              f"pass max_seq_len <= {window}")
         self.drafter = drafter
+        self.drift = None  # a runtime.drift.DriftRecorder while measuring attention drift
         if drafter is not None:
             self._attach_drafter(drafter)
         K, D, N = self.spec.top_k, self.spec.num_speculative_tokens, self.spec.num_draft_tokens
@@ -402,6 +404,10 @@ class SpeculativeRuntime:
         last = (n_valid - 1).clamp(min=0)[:, None, None].expand(B, 1, hn.shape[-1])
         st.hn_last = hn.gather(1, last)[:, 0]
         st.carry_last = carry.gather(1, last)[:, 0]
+        if self.drift is not None:  # depth 1 of the next round is this catch-up's last position
+            attn = d.last_attention  # [B, Hq, Qc, S]
+            idx = last[:, :1, :1].reshape(B, 1, 1, 1).expand(B, attn.shape[1], 1, attn.shape[-1])
+            st.drift_depth1 = (attn.gather(2, idx), start + n_valid)
 
     def _draft(self, st: _State, stats: SpecStats) -> _Tree:
         """EAGLE-2 expansion from the last catch-up state, then global rerank (tree.py)."""
@@ -420,11 +426,17 @@ class SpeculativeRuntime:
         fmask = torch.zeros(B, K, width, dtype=torch.bool, device=dev)
         kv_len = max(st.L_host) + width
         offset = K
+        if self.drift is not None:
+            active = torch.tensor(st.active, device=dev)
+            attn1, prefix1 = st.drift_depth1
+            self.drift.observe(1, attn1, prefix1, st.carry_last[:, None], active)
         for s in range(1, D):
             own = (s - 1) * K + torch.arange(K, device=dev)
             fmask = fmask.scatter(2, own.expand(B, K)[..., None], True)
             positions = (st.L + s - 1)[:, None].expand(B, K)
             hn, carry = d.step(self.ops, hid, tok, positions, self.dk, self.dv, st.L[:, None] + own, st.L, fmask, kv_len)
+            if self.drift is not None:
+                self.drift.observe(s + 1, d.last_attention, st.L, carry, active)
             lp = self._draft_logprobs(st, hn)  # [B, K, Vd]
             sk, tk = topk_stable(lp, K)  # [B, K, K]
             cum = (score[:, :, None] + sk).reshape(B, K * K)
