@@ -29,7 +29,7 @@ __all__ = ["hf_greedy", "perm_pair", "random_prompts", "runtime", "tiny_target"]
 
 
 def perm_pair(arch: str = "llama", vocab: int = 24, seed: int = 0, alpha: float = 0.3, chain: list[int] | None = None,
-              **flags):
+              *, target_overrides: dict | None = None, **flags):
     """A target whose greedy next token is mostly ``perm(current token)`` and a drafter built to
     predict exactly ``perm(input token)``: a deliberately good drafter with deep acceptances.
 
@@ -38,9 +38,10 @@ def perm_pair(arch: str = "llama", vocab: int = 24, seed: int = 0, alpha: float 
     so acceptance is high but not total. Drafter: attention that looks at the query token itself
     (large self-similarity scores), values = the normed token embedding, MLP off, residual damped
     (``norm_before_residual`` with a tiny ``hidden_norm``), ``lm_head`` = the target's permuted
-    embeddings on the dimensions the attention carries.
+    embeddings on the dimensions the attention carries. ``target_overrides`` go to ``tiny_target``
+    (smaller sizes for the interpreter-bound Triton-backend tests); ``flags`` to the drafter.
     """
-    model = tiny_target(arch, seed=seed, vocab_size=vocab)
+    model = tiny_target(arch, seed=seed, vocab_size=vocab, **(target_overrides or {}))
     g = torch.Generator().manual_seed(seed)
     perm = torch.randperm(vocab, generator=g)
     if chain:
