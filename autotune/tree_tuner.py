@@ -554,7 +554,8 @@ def write_profile(out_dir, key: dict, best: Prediction, costs: CostModel, acc: A
                                  {"target": key["target"], "drafter": key["drafter"]})[:-5] + f",backend={key['backend']}.json"
     s = best.spec
     data = {
-        "kind": prof.KIND, **key, "versions": store.versions(), "threads": torch.get_num_threads(),
+        "kind": prof.KIND, "target": key["target"], "drafter": key["drafter"], "device_name": key["device"],
+        "dtype": key["dtype"], "backend": key["backend"], "versions": store.versions(), "threads": torch.get_num_threads(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "spec": {"num_speculative_tokens": s.num_speculative_tokens, "top_k": s.top_k, "num_draft_tokens": s.num_draft_tokens},
         "predicted": {"tokens_per_round": best.tokens_per_round, "round_s": best.round_s, "speedup": best.speedup},

@@ -1,0 +1,142 @@
+"""The tree-shape tuner: the acceptance model by hand, the known optimum on synthetic cost and
+acceptance models, and an end-to-end run on the CPU with a tiny target + drafter whose profile
+``SpeculativeRuntime(spec=None)`` then uses."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from _util import perm_pair, random_prompts, runtime
+
+import tritonspec as ts
+from tritonspec.autotune import store
+from tritonspec.autotune.profile import find_profile, tuned_spec
+from tritonspec.autotune.tree_tuner import AcceptanceProfile, CostModel, _monotone, neighbours, predict, search, tune_tree
+
+
+@pytest.fixture(autouse=True)
+def tuned_dir(tmp_path, monkeypatch):
+    d = tmp_path / "tuned"
+    monkeypatch.setenv(store.ENV_DIR, str(d))
+    store.clear_cache()
+    yield d
+    store.clear_cache()
+
+
+def _costs(verify, head=lambda k: 0.0, step=lambda k: 0.0, commit=(0.0, 0.0), plain=1.0, ks=(1, 2, 4, 8)):
+    ns = list(range(1, 129))
+    return CostModel(ns, [verify(n) for n in ns], {k: head(k) for k in ks}, {k: step(k) for k in ks}, commit, plain)
+
+
+def test_profile_from_ranks():
+    ranks = torch.tensor([[0, 1], [0, -1], [1, 0], [-1, -2]])
+    acc = AcceptanceProfile.from_ranks(ranks, max_rank=2)
+    assert acc.p[0] == [0.5, 0.25] and acc.samples == [4, 3]
+    assert acc.p[1] == pytest.approx([1 / 3, 1 / 3])  # rows reachable at depth 2: 0, 1, 2
+
+
+def test_tokens_per_round_by_hand():
+    acc = AcceptanceProfile([[0.5, 0.3], [0.6, 0.2], [0.5, 0.5]])
+    # depth 2, top_k 2: level 1 {.5, .3}; level 2 {.30, .10, .18, .06}; rerank keeps the best N-1
+    assert acc.tokens_per_round(2, 2) == pytest.approx([1, 1.5, 1.8, 2.1, 2.28, 2.38, 2.44])
+    # depth 3: only the best 2 of level 2 (.30, .18) expand, each with children .5/.5 of it
+    assert sorted(acc.candidate_probs(3, 2)[6:]) == pytest.approx(sorted([.15, .15, .09, .09]))
+    assert acc.tokens_per_round(1, 1) == [1, 1.5]
+
+
+def test_picks_the_known_chain_optimum():
+    """Only the drafter's top-1 is ever right (p = 0.8 per depth), verify costs the same for any N:
+    the best shape is a chain (top_k 1, N = D + 1) whose depth maximises (1 + sum 0.8^i) / time."""
+    p = [[0.8] + [0.0] * 7 for _ in range(10)]
+    acc = AcceptanceProfile(p)
+    costs = _costs(lambda n: 1.0, head=lambda k: 0.05 * k, step=lambda k: 0.1 + 0.05 * k, commit=(0.05, 0.01))
+
+    def rate(D):  # the same model written out for a chain
+        return (1 + sum(0.8 ** i for i in range(1, D + 1))) / (0.05 + (D - 1) * 0.15 + 1.0 + 0.05 + 0.01 * D)
+
+    best_d = max(range(1, 11), key=rate)
+    best = search(costs, acc, max_depth=10)[0]
+    assert (best.spec.num_speculative_tokens, best.spec.top_k, best.spec.num_draft_tokens) == (best_d, 1, best_d + 1)
+    assert best.speedup == pytest.approx(rate(best_d))
+    assert 2 < best_d < 10  # an interior optimum, not an edge of the grid
+
+
+def test_picks_the_verify_knee():
+    """A GPU-like verify cost, flat up to 16 tree tokens then steep: the best N is the knee."""
+    acc = AcceptanceProfile([[0.6 * 0.5 ** r for r in range(8)] for _ in range(8)])
+    costs = _costs(lambda n: 1.0 if n <= 16 else 1.0 + 0.1 * (n - 16), head=lambda k: 0.01, step=lambda k: 0.01)
+    ranked = search(costs, acc)
+    assert ranked[0].spec.num_draft_tokens == 16
+    assert ranked[0].tokens_per_second >= max(r.tokens_per_second for r in ranked)
+    assert all(r.spec.num_draft_tokens - 1 >= r.spec.num_speculative_tokens for r in ranked)
+
+
+def test_neighbours_and_monotone_verify():
+    acc = AcceptanceProfile([[0.6 * 0.5 ** r for r in range(8)] for _ in range(8)])
+    costs = _costs(lambda n: 1.0 + 0.02 * n, step=lambda k: 0.05 * k)
+    ranked = search(costs, acc)
+    best = ranked[0].spec
+    nb = neighbours(best, ranked)
+    assert len(nb) == 2 and all(n.spec != best for n in nb)
+    assert predict(best, costs, acc) == ranked[0]
+    assert _monotone([3.0, 1.0, 2.0, 5.0, 4.0]) == [2.0, 2.0, 2.0, 4.5, 4.5]
+
+
+def test_end_to_end_on_cpu_then_used_by_the_runtime(tuned_dir):
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    prompts = random_prompts(24, [5, 7, 6], seed=1)
+    res = tune_tree(model, drafter, prompts, max_new_tokens=16, max_depth=3, top_ks=(1, 2), max_draft_tokens=12,
+                    reps=2, out_dir=tuned_dir)
+    assert res.profile_path is not None and res.profile_path.parent == tuned_dir
+    assert res.profile_path.name.startswith("tree_shape,target=") and ",backend=torch.json" in res.profile_path.name
+    data = json.loads(res.profile_path.read_text())
+    assert data["spec"] == {"num_speculative_tokens": res.best.spec.num_speculative_tokens, "top_k": res.best.spec.top_k,
+                            "num_draft_tokens": res.best.spec.num_draft_tokens}
+    assert data["versions"]["torch"] and data["device_name"].startswith("cpu-") and data["acceptance"]["p"]
+    assert res.n_roots >= 10 and 0 < res.acceptance.p[0][0] <= 1
+    roles = [c.role for c in res.checks]
+    assert roles[0] == "chosen" and roles.count("neighbour") == 2
+    for c in res.checks:
+        assert c.measured_tau >= 1 and c.measured_speedup > 0 and c.predicted_speedup > 0
+    assert "chosen" in res.table() and "plain decoding" in res.table()
+
+    rt = runtime(model, drafter, spec=None)  # the tuned profile for this pair and device
+    assert rt.spec == res.best.spec
+    out = rt.generate(prompts[:1], max_new_tokens=8)
+    assert out.token_ids == rt.generate(prompts[:1], max_new_tokens=8, speculative=False).token_ids
+    assert runtime(model, drafter, spec=ts.SpecConfig.chain(2)).spec == ts.SpecConfig.chain(2)  # explicit wins
+    _, other = perm_pair("llama", vocab=24, seed=1, alpha=0.3)  # another drafter: no profile, the defaults
+    assert runtime(model, other, spec=None).spec == ts.SpecConfig()
+
+    res.profile_path.write_text("{broken")
+    with pytest.warns(store.TunedConfigWarning, match="ignoring the tuned tree profile"):
+        assert runtime(model, drafter, spec=None).spec == ts.SpecConfig()
+
+
+def test_no_profile_is_silent_and_plain_runtime_needs_none(tuned_dir):
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    tm = ts.TargetModel.from_pretrained(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", store.TunedConfigWarning)
+        assert find_profile(tm, drafter, "torch") is None and tuned_spec(tm, drafter, "torch") is None
+        assert tuned_spec(tm, None, "torch") is None
+
+
+def test_cli_tree_on_a_tiny_pair(tmp_path, tuned_dir, capsys):
+    from tritonspec.cli import main
+    from tritonspec.runtime.tiny import tiny_random_pair
+
+    t, d = tiny_random_pair(tmp_path / "pair")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"id": 1, "prompt": "def f(x):"}\n{"id": 2, "prompt": "import os"}\n')
+    argv = ["autotune", "tree", "--target", str(t), "--drafter", str(d), "--prompts", str(prompts), "--max-new-tokens",
+            "8", "--max-depth", "2", "--top-k", "1,2", "--max-draft-tokens", "6"]
+    assert main(argv + ["--dry-run", "--no-validate"]) == 0
+    out = capsys.readouterr().out
+    assert "chosen: num_speculative_tokens=" in out and "dry run: nothing written" in out and not tuned_dir.exists()
+    assert main(argv + ["--out", str(tmp_path / "o")]) == 0
+    out = capsys.readouterr().out
+    assert "meas speedup" in out and "plain decoding" in out and "wrote " in out
+    assert len(list((tmp_path / "o").glob("tree_shape,*.json"))) == 1
