@@ -35,6 +35,9 @@ import torch
 from .corpus import EOS, list_corpus, read_text, stdlib_root, train_bpe_tokenizer
 
 
+VARIANTS = ("eagle3", "eagle3.1")
+
+
 @dataclass(frozen=True)
 class RecipeConfig:
     """Every knob of the demo recipe (written to ``manifest.json`` next to the weights)."""
@@ -50,7 +53,7 @@ class RecipeConfig:
     num_heads: int = 4
     num_kv_heads: int = 2
     max_position_embeddings: int = 2048
-    target_steps: int = 1200
+    target_steps: int = 1200  # ~40 min on 2 idle CPU cores (0.5 steps/s measured for this size)
     target_batch_tokens: int = 4096
     target_seq_len: int = 256
     target_long_seq_len: int = 2048  # the last target_long_frac of the steps, so long prompts are in range
@@ -61,7 +64,7 @@ class RecipeConfig:
     regen_samples: int = 256
     regen_prompt_tokens: int = 192
     regen_new_tokens: int = 128
-    drafter_steps: int = 600
+    drafter_steps: int = 500
     drafter_seq_len: int = 320
     drafter_batch: int = 4
     drafter_lr: float = 1e-3
@@ -81,8 +84,7 @@ class RecipeConfig:
 BUDGETS = {
     "full": RecipeConfig(),  # ~2 h on 2 CPU cores
     # the run made in development on 2 shared CPU cores (about an hour)
-    # (TTT depth 4, as in the EAGLE-3.1 paper's drafters, to fit the drafters into the time left)
-    "quick": RecipeConfig(target_steps=450, regen_samples=256, drafter_steps=100, ttt_depth=4),
+    "quick": RecipeConfig(target_steps=900, regen_samples=256, drafter_steps=200),
     # for tests of the recipe plumbing only (minutes; the models learn little)
     "smoke": RecipeConfig(num_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, target_steps=4,
                           target_batch_tokens=1024, target_seq_len=128, target_long_seq_len=256,
@@ -225,7 +227,7 @@ def stage_prompts(cfg: RecipeConfig, work: Path, root: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------- 4. drafters
-def stage_drafters(cfg: RecipeConfig, work: Path, device: torch.device) -> None:
+def stage_drafters(cfg: RecipeConfig, work: Path, device: torch.device, variants: tuple[str, ...] = VARIANTS) -> None:
     from .data import regenerate_continuations
     from .trainer import TrainConfig, train_drafter
 
@@ -235,7 +237,8 @@ def stage_drafters(cfg: RecipeConfig, work: Path, device: torch.device) -> None:
         rng = np.random.default_rng([cfg.seed, 1])
         prompts = [w.tolist() for w in sample_windows(stream, cfg.regen_samples, cfg.regen_prompt_tokens, rng)]
         regenerate_continuations(work / "target", prompts, cfg.regen_new_tokens, regen, device=device, log=log)
-    for name, flags in (("eagle3", False), ("eagle3.1", True)):
+    for name in variants:
+        flags = name == "eagle3.1"
         out = work / f"drafter-{name}"
         if (out / "config.json").exists():
             continue
@@ -269,13 +272,12 @@ STAGES = ("corpus", "target", "prompts", "drafters", "bundle")
 
 
 def run(out: Path, work: Path, budget: str = "full", root: Path | None = None, until: str = "bundle",
-        overrides: dict | None = None) -> Path:
+        overrides: dict | None = None, variants: tuple[str, ...] = VARIANTS) -> Path:
     """Run the recipe stages up to ``until``; returns ``out``."""
     cfg = replace(BUDGETS[budget], **(overrides or {}))
     root = Path(root) if root is not None else stdlib_root()
     work.mkdir(parents=True, exist_ok=True)
     (work / "recipe_config.json").write_text(json.dumps({"budget": budget, **asdict(cfg)}, indent=1))
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     device = pick_device()
     timings_path = work / "timings.json"
     wall = json.loads(timings_path.read_text()) if timings_path.exists() else {}
@@ -288,7 +290,7 @@ def run(out: Path, work: Path, budget: str = "full", root: Path | None = None, u
         elif stage == "prompts":
             stage_prompts(cfg, work, root)
         elif stage == "drafters":
-            stage_drafters(cfg, work, device)
+            stage_drafters(cfg, work, device, variants)
         else:
             stage_bundle(cfg, work, out, budget, wall)
         wall[stage] = wall.get(stage, 0.0) + (time.time() - t0)
@@ -304,10 +306,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", default="full", choices=sorted(BUDGETS))
     p.add_argument("--until", default="bundle", choices=STAGES, help="stop after this stage")
     p.add_argument("--stdlib", default=None, help="corpus root (default: this Python's standard library)")
+    p.add_argument("--variant", default=None, choices=VARIANTS,
+                   help="train only this drafter (to train the two in parallel processes after the first wrote the data)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch CPU threads (default 1: on shared cores, 2 threads ran 20x slower from oversubscription)")
     args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
     out = Path(args.out)
     work = Path(args.work) if args.work else out.resolve().parent / ".demo-work"
-    run(out, work, args.budget, args.stdlib, args.until)
+    run(out, work, args.budget, args.stdlib, args.until, variants=(args.variant,) if args.variant else VARIANTS)
     return 0
 
 
