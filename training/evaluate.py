@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-top-k", type=int, default=8)
     p.add_argument("--num-draft-tokens", type=int, default=48)
     p.add_argument("--out", default=None, help="write the Markdown report here")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the cores are shared)")
     a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
     spec = SpecConfig(a.num_speculative_tokens, a.draft_top_k, a.num_draft_tokens)
     run(a.n, a.max_new_tokens, spec, Path(a.out) if a.out else None)
     return 0
