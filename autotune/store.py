@@ -255,12 +255,11 @@ def tuned(op: str, value: int, default: dict, *, dtype: torch.dtype | str | None
         return {**default, **_FORCED[op]}
     if dtype is None or device is None:
         return default
-    dev = torch.device(device)
-    dt = dtype_name(dtype)
-    key = (op, tuple((shape or {}).items()), dt, dev, int(value), tuple(default.items()))
+    key = (op, value, dtype, device, shape and tuple(shape.items()), tuple(default.items()))
     hit = _RESOLVED.get(key)
     if hit is not None:
         return hit
+    dev, dt = torch.device(device), dtype_name(dtype)
     name = device_name(dev)
     table = load_table(op, dt, name, compute_capability(dev), shape)
     cfg = default
