@@ -30,6 +30,8 @@ SPECS = {"chain": ts.SpecConfig.chain(3), "tree": ts.SpecConfig(num_speculative_
 PROMPT_LENS = [5, 1, 9]
 NEW = 12
 SEQ = 40
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # on a GPU the kernels run compiled
+RT = dict(max_seq_len=SEQ, device=DEVICE, dtype=torch.float32)
 
 
 def _pair(**flags):
@@ -40,7 +42,7 @@ def _both(model, drafter, spec, prompts, **gen):
     """The same generation through both backends: ``(torch output, triton output)``."""
     outs = []
     for backend in ("torch", "triton"):
-        rt = runtime(model, drafter, spec, backend=backend, max_seq_len=SEQ)
+        rt = runtime(model, drafter, spec, backend=backend, **RT)
         assert rt.ops.name == backend
         outs.append(rt.generate(prompts, max_new_tokens=NEW, **gen))
     return outs
@@ -57,8 +59,7 @@ def test_greedy_triton_equals_plain_greedy_and_torch(shape, batch):
     model, drafter = _pair()
     prompts = random_prompts(VOCAB, PROMPT_LENS[:batch], seed=batch)
     ref, tri = _both(model, drafter, SPECS[shape], prompts)
-    plain = runtime(model, None, backend="torch", max_seq_len=SEQ).generate(prompts, max_new_tokens=NEW,
-                                                                           speculative=False)
+    plain = runtime(model, None, backend="torch", **RT).generate(prompts, max_new_tokens=NEW, speculative=False)
     assert tri.token_ids == plain.token_ids == ref.token_ids
     assert all(len(t) == NEW for t in tri.token_ids)
     _check_stats_equal(tri, ref)
@@ -105,7 +106,7 @@ def test_triton_backend_uses_every_kernel(monkeypatch):
     from tritonspec.kernels.triton_ops import TritonOps
 
     model, drafter = _pair(fc_norm=True, norm_output=True)
-    rt = runtime(model, drafter, SPECS["chain"], backend="triton", max_seq_len=SEQ)
+    rt = runtime(model, drafter, SPECS["chain"], backend="triton", **RT)
     called = set()
     for name in ("rms_norm", "aux_gather", "kv_write", "tree_attention", "verify_greedy", "verify_sampling",
                  "kv_compact"):

@@ -1,0 +1,236 @@
+"""The GPU check of the Triton kernels: one prepared script for a session that has a GPU.
+
+    python perf/gpu_check.py             # everything, about 5-7 minutes on an H200 (hard cap --budget-s)
+    python perf/gpu_check.py --dry-run   # print the plan and the commands, run nothing
+
+Steps, in order, each a subprocess whose output is streamed here and saved under ``$OUT`` (when
+set, else ``perf/gpu_check_out/``):
+
+1. install the project offline: ``pip install --no-deps --no-build-isolation -e .``
+2. the kernel tests compiled on the GPU (no interpreter when CUDA is present):
+   ``pytest tests/test_kernels_*.py tests/test_backend_triton.py`` (``-n 8`` when pytest-xdist is
+   there: compilation is CPU-bound)
+3. the kernel benchmarks at Llama-3-8B shapes (H 4096, 32/8 heads, head_dim 128, 60 tree tokens,
+   2K-32K context, vocabulary 128256; set in ``perf/bench_kernels_*.py`` when CUDA is present),
+   pytest-benchmark JSON to ``bench.json``
+4. a device-to-device copy baseline (1 GiB ``copy_``, bytes read + written / time, CUDA events)
+5. the table, printed last and written to ``summary.md``: op, shape, us/call, GB/s, % of the copy
+   GB/s; the figures ``perf/RESULTS.md`` asks for.
+
+Each step gets a timeout carved from ``--budget-s`` (default 450 s, under the 8-minute limit of a
+device command with room to spare); a step that runs out is killed and the script goes on, so
+the table always comes out. ``--skip-install``, ``--skip-tests`` and ``--bench FILE...`` select
+parts; without CUDA the same code runs the reference rows at CPU shapes and a host-memory copy
+(how ``tests/test_perf_gpu_check.py`` exercises it).
+"""
+from __future__ import annotations
+
+import argparse
+import glob
+import importlib.util
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+INFO_KEYS_HIDDEN = {"device", "us_per_call", "bytes", "gbps", "timestamp", "provider"}
+
+
+def out_dir() -> Path:
+    return Path(os.environ["OUT"]) if os.environ.get("OUT") else ROOT / "perf" / "gpu_check_out"
+
+
+def has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def plan(args, out: Path) -> list[tuple[str, list[str], float]]:
+    """``[(step, argv, timeout_s)]`` for the subprocess steps."""
+    py = sys.executable
+    steps = []
+    if not args.skip_install:
+        steps.append(("install", [py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."],
+                      120.0))
+    if not args.skip_tests:
+        tests = sorted(glob.glob(str(ROOT / "tests" / "test_kernels_*.py"))) + [str(ROOT / "tests" / "test_backend_triton.py")]
+        cmd = [py, "-m", "pytest", *[os.path.relpath(t, ROOT) for t in tests], "-q", "-p", "no:cacheprovider",
+               "--durations=10"]
+        if args.workers and has("xdist"):
+            cmd += ["-n", str(args.workers)]
+        steps.append(("tests", cmd, args.test_timeout_s))
+    benches = args.bench or sorted(os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / "perf" / "bench_kernels_*.py")))
+    if benches:
+        steps.append(("bench", [py, "-m", "pytest", *benches, "--benchmark-only", "-q", "-p", "no:cacheprovider",
+                                f"--benchmark-json={out / 'bench.json'}"], float("inf")))
+    return steps
+
+
+def run_step(name: str, argv: list[str], timeout_s: float, out: Path) -> dict:
+    """Run ``argv`` in the repo root, tee its output to the console and ``<name>.log``; kill the
+    whole process group at ``timeout_s``."""
+    print(f"\n=== {name}: {shlex.join(argv)}  (timeout {timeout_s:.0f} s)", flush=True)
+    t0 = time.perf_counter()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(out / f"{name}.log", "w") as log:
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                start_new_session=True)
+
+        def pump():
+            for line in proc.stdout:
+                sys.stdout.write(line)
+                log.write(line)
+            sys.stdout.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=max(timeout_s, 1.0))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = "timeout"
+            proc.wait()
+        reader.join(timeout=10)
+    wall = time.perf_counter() - t0
+    print(f"=== {name}: rc={rc} in {wall:.1f} s", flush=True)
+    return dict(step=name, rc=rc, wall_s=round(wall, 1))
+
+
+def copy_baseline(mib: int = 1024, iters: int = 20) -> dict:
+    """Device-to-device ``dst.copy_(src)`` GB/s (bytes read + written); host memory without CUDA."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda:
+        mib, iters = min(mib, 64), min(iters, 5)
+    dev = "cuda" if cuda else "cpu"
+    src = torch.empty(mib * 2**20, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            dst.copy_(src)
+        end.record()
+        end.synchronize()
+        sec = start.elapsed_time(end) / 1e3 / iters
+    else:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            dst.copy_(src)
+        sec = (time.perf_counter() - t0) / iters
+    return dict(device=torch.cuda.get_device_name() if cuda else "cpu", mib=mib, gbps=round(2 * src.numel() / sec / 1e9, 1))
+
+
+def table_rows(bench: dict, copy_gbps: float | None) -> list[dict]:
+    """One row per benchmark of a pytest-benchmark JSON (``extra_info`` as ``perf/conftest.py`` fills it)."""
+    rows = []
+    for b in bench.get("benchmarks", []):
+        info = b.get("extra_info", {})
+        if "us_per_call" not in info:
+            continue
+        shape = " ".join(f"{k}={v}" for k, v in info.items() if k not in INFO_KEYS_HIDDEN)
+        gbps = info.get("gbps")
+        rows.append(dict(
+            op=b["name"].removeprefix("test_"),
+            shape=shape,
+            us=info["us_per_call"],
+            gbps=gbps,
+            pct_copy=100 * gbps / copy_gbps if gbps is not None and copy_gbps else None,
+        ))
+    return rows
+
+
+def format_table(rows: list[dict], copy: dict | None) -> str:
+    head = "| op | shape | us/call | GB/s | % of copy GB/s |\n| --- | --- | ---: | ---: | ---: |"
+    def fmt(v):  # 3 significant digits below 100, whole numbers above
+        return "-" if v is None else f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
+
+    lines = [f"| {r['op']} | {r['shape']} | {fmt(r['us'])} | {fmt(r['gbps'])} | {fmt(r['pct_copy'])} |" for r in rows]
+    note = (f"\ncopy baseline: {copy['gbps']} GB/s ({copy['mib']} MiB dst.copy_(src) on {copy['device']}, "
+            "read + write)") if copy else "\ncopy baseline: not measured"
+    return "\n".join([head, *lines]) + "\n" + note
+
+
+def environment() -> dict:
+    import torch
+
+    env = dict(python=sys.version.split()[0], torch=torch.__version__, cuda=torch.cuda.is_available())
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if env["cuda"]:
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, sm=f"{p.major}{p.minor}", sms=p.multi_processor_count)
+    return env
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
+    ap.add_argument("--skip-install", action="store_true")
+    ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--bench", nargs="*", default=None, help="benchmark files (default: perf/bench_kernels_*.py)")
+    ap.add_argument("--budget-s", type=float, default=450.0, help="hard cap for the whole script (default 450)")
+    ap.add_argument("--test-timeout-s", type=float, default=210.0)
+    ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the tests (0: none)")
+    args = ap.parse_args(argv)
+    out = out_dir()
+    steps = plan(args, out)
+    reserve = 30.0  # the copy baseline and the table
+
+    if args.dry_run:
+        print(f"gpu_check plan (budget {args.budget_s:.0f} s, output to {out}):")
+        for i, (name, cmd, timeout_s) in enumerate(steps, 1):
+            t = "the rest of the budget" if timeout_s == float("inf") else f"<= {timeout_s:.0f} s"
+            print(f"{i}. {name} ({t}): {shlex.join(cmd)}")
+        print(f"{len(steps) + 1}. copy baseline: 1 GiB device-to-device dst.copy_(src), CUDA events, 20 copies")
+        print(f"{len(steps) + 2}. table: op, shape, us/call, GB/s, % of copy GB/s -> {out / 'summary.md'}")
+        return 0
+
+    deadline = time.perf_counter() + args.budget_s
+    out.mkdir(parents=True, exist_ok=True)
+    env = environment()
+    print("environment:", json.dumps(env), flush=True)
+    results = []
+    for name, cmd, timeout_s in steps:
+        left = deadline - time.perf_counter() - reserve
+        if left < 5:
+            results.append(dict(step=name, rc="skipped: budget spent"))
+            continue
+        results.append(run_step(name, cmd, min(timeout_s, left), out))
+
+    copy = None
+    try:
+        copy = copy_baseline()
+    except Exception as e:  # noqa: BLE001 - reported, the table still prints
+        print(f"copy baseline failed: {type(e).__name__}: {e}")
+    bench_path = out / "bench.json"
+    bench = json.loads(bench_path.read_text()) if bench_path.exists() else {}
+    rows = table_rows(bench, copy["gbps"] if copy else None)
+    table = format_table(rows, copy)
+    date = time.strftime("%Y-%m-%d")
+    steps_md = "\n".join(f"- {r['step']}: rc={r['rc']}" + (f", {r['wall_s']} s" if "wall_s" in r else "")
+                         for r in results)
+    (out / "summary.md").write_text(f"# gpu_check {date}\n\nenvironment: `{json.dumps(env)}`\n\n{steps_md}\n\n{table}\n")
+    (out / "summary.json").write_text(json.dumps(dict(date=date, environment=env, steps=results, copy=copy, rows=rows),
+                                                 indent=1))
+    print(f"\n=== summary ({date}, {env.get('gpu', 'no GPU')}; steps: "
+          + ", ".join(f"{r['step']}={r['rc']}" for r in results) + ")")
+    print(table)
+    return 0 if all(r["rc"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

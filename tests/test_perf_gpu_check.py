@@ -1,0 +1,70 @@
+"""perf/gpu_check.py, the prepared GPU check: its plan (--dry-run) and the table it prints last,
+checked without a GPU (the GPU run itself happens in a session that has one)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "perf" / "gpu_check.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_dry_run_prints_every_step_and_runs_nothing(gpu_check, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    assert gpu_check.main(["--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "pip install -q --no-deps --no-build-isolation -e ." in text
+    assert "tests/test_kernels_verify_sampling.py" in text and "tests/test_backend_triton.py" in text
+    assert "perf/bench_kernels_verify_sampling.py" in text and "perf/bench_kernels_tree_attention.py" in text
+    assert f"--benchmark-json={tmp_path / 'out' / 'bench.json'}" in text
+    assert "copy baseline" in text and "% of copy GB/s" in text
+    assert not (tmp_path / "out").exists(), "a dry run writes nothing"
+    gpu_check.main(["--dry-run", "--skip-install", "--skip-tests", "--bench", "perf/bench_kernels_verify.py"])
+    text = capsys.readouterr().out
+    assert "pip install" not in text and "tests/test_kernels" not in text and "bench_kernels_rms_norm" not in text
+
+
+def test_table_from_benchmark_json(gpu_check):
+    bench = {"benchmarks": [
+        {"name": "test_rms_norm[triton-60-True]", "extra_info": {
+            "provider": "triton", "rows": 60, "hidden": 4096, "residual": True, "dtype": "torch.bfloat16",
+            "device": "NVIDIA H200", "us_per_call": 4.2, "bytes": 1966080, "gbps": 468.1, "timestamp": "x"}},
+        {"name": "test_verify_sampling[torch-8]", "extra_info": {"provider": "torch", "batch": 8,
+                                                                 "us_per_call": 1234.5, "gbps": 0.5}},
+        {"name": "test_no_info", "extra_info": {}},
+    ]}
+    rows = gpu_check.table_rows(bench, copy_gbps=4000.0)
+    assert [r["op"] for r in rows] == ["rms_norm[triton-60-True]", "verify_sampling[torch-8]"]
+    assert rows[0]["shape"] == "rows=60 hidden=4096 residual=True dtype=torch.bfloat16"
+    assert rows[0]["pct_copy"] == pytest.approx(100 * 468.1 / 4000.0)
+    table = gpu_check.format_table(rows, dict(gbps=4000.0, mib=1024, device="NVIDIA H200"))
+    lines = table.splitlines()
+    assert lines[0] == "| op | shape | us/call | GB/s | % of copy GB/s |"
+    assert lines[2] == "| rms_norm[triton-60-True] | rows=60 hidden=4096 residual=True dtype=torch.bfloat16 | 4.2 | 468 | 11.7 |"
+    assert lines[3] == "| verify_sampling[torch-8] | batch=8 | 1234 | 0.5 | 0.0125 |"
+    assert "copy baseline: 4000.0 GB/s (1024 MiB" in table
+    assert gpu_check.table_rows({}, None) == []
+    assert "not measured" in gpu_check.format_table([], None)
+
+
+def test_copy_baseline_and_a_benchmark_end_to_end(gpu_check, tmp_path, monkeypatch, capsys):
+    """The non-dry path on this machine: one small benchmark file, the copy baseline, the table."""
+    monkeypatch.setenv("OUT", str(tmp_path))
+    rc = gpu_check.main(["--skip-install", "--skip-tests", "--bench", "perf/bench_kernels_verify.py", "--budget-s", "300"])
+    text = capsys.readouterr().out
+    assert rc == 0, text[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["copy"]["gbps"] > 0 and summary["steps"] == [dict(step="bench", rc=0, wall_s=summary["steps"][0]["wall_s"])]
+    assert {r["op"] for r in summary["rows"]} >= {"verify_greedy[torch-1]", "verify_greedy[torch-8]"}
+    assert text.rstrip().splitlines()[-1].startswith("copy baseline:")
+    assert (tmp_path / "summary.md").read_text().count("| verify_greedy[torch-") == 2
