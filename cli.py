@@ -118,6 +118,39 @@ def cmd_drift(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from .runtime.bench import SYSTEMS, Bench, format_table
+
+    systems = args.systems.split(",")
+    bad = [s for s in systems if s not in SYSTEMS]
+    if bad:
+        raise ValueError(f"unknown systems {bad}; choose from {', '.join(SYSTEMS)}")
+    if args.target in (DEMO, f"{DEMO}:eagle3", f"{DEMO}:eagle3.1"):
+        from . import demo
+
+        target, d3 = demo.demo_pair("eagle3")
+        drafters = {"eagle3": d3, "eagle3.1": demo.demo_pair("eagle3.1")[1]}
+        draft_lm = demo.ROOT / "draft-lm"
+        sets = {name: [r["prompt"] for r in demo.prompt_set(name)] for name in args.sets.split(",")}
+    else:
+        if not args.prompts:
+            raise ValueError("--prompts FILE is needed with a --target other than the demo pair")
+        from .runtime.drift import read_prompts
+
+        target, draft_lm = args.target, args.draft_lm
+        drafters = dict(d.split("=", 1) for d in args.drafter)
+        sets = {Path(args.prompts).stem: read_prompts(args.prompts)}
+    bench = Bench(target, drafters, draft_lm, max_seq_len=args.max_seq_len, device=args.device)
+    results = []
+    for name, prompts in sets.items():
+        for system in systems:
+            if bench.available(system, args.batch) is None:
+                results.append(bench.run(system, prompts[: args.num_prompts], name, args.temperature, args.batch,
+                                         args.max_new_tokens))
+    print(format_table(results))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tritonspec", description="EAGLE-3/3.1 speculative decoding with Triton hot paths")
     sub = p.add_subparsers(dest="command", required=True)
@@ -161,6 +194,26 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--dtype", default=None)
     e.add_argument("--aux-layer-convention", default="auto", choices=["auto", "boundary", "post_layer"])
     e.set_defaults(fn=cmd_export)
+
+    b = sub.add_parser("bench", help="quick side-by-side throughput table (ours vs transformers), same prompts",
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+  tritonspec bench                                   # demo pair, standard set, 4 prompts x 32 tokens, greedy
+  tritonspec bench --sets standard,long,perturbed --systems ours-plain,ours-eagle3,ours-eagle3.1 --temperature 1
+  tritonspec bench --target ./llama --drafter eagle3=./eagle3 --prompts p.jsonl
+full reports: python -m pytest perf/bench_e2e.py --benchmark-json perf/e2e.json && python perf/report.py perf/e2e.json""")
+    b.add_argument("--target", default=DEMO)
+    b.add_argument("--drafter", action="append", default=[], help="NAME=DIR (repeatable), for a --target directory")
+    b.add_argument("--draft-lm", default=None, help="draft LM directory for hf-assisted")
+    b.add_argument("--prompts", default=None, help="prompt file for a --target directory")
+    b.add_argument("--sets", default="standard", help="demo prompt sets, comma separated")
+    b.add_argument("--systems", default="ours-plain,hf-greedy,ours-eagle3,ours-eagle3.1")
+    b.add_argument("--num-prompts", type=int, default=4)
+    b.add_argument("--max-new-tokens", type=int, default=32)
+    b.add_argument("--temperature", type=float, default=0.0)
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--max-seq-len", type=int, default=2560)
+    b.add_argument("--device", default="cpu")
+    b.set_defaults(fn=cmd_bench)
 
     dr = sub.add_parser("drift", help="measure attention drift per draft depth (EAGLE-3 vs 3.1), JSON + PNG plots",
                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:

@@ -59,3 +59,44 @@ def kernel_bench(benchmark):
 
 def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# End-to-end suites (perf/bench_e2e.py): one Bench (all systems loaded once) per session.
+def pytest_addoption(parser):
+    parser.addoption("--e2e-prompts", type=int, default=None,
+                     help="prompts per set for perf/bench_e2e.py (default 8; 1 with --benchmark-disable)")
+    parser.addoption("--e2e-tokens", type=int, default=None,
+                     help="new tokens per prompt for perf/bench_e2e.py (default 64; 8 with --benchmark-disable)")
+
+
+@pytest.fixture(scope="session")
+def e2e(request, tmp_path_factory):
+    """``(bench, prompt_sets, pair_name, n_prompts, max_new_tokens)`` on the demo pair when it is
+    built, else on the tiny random pair (so the suites keep working in CI)."""
+    from tritonspec.runtime.bench import Bench
+
+    quick = request.config.getoption("benchmark_disable", False)
+    if quick:  # a correctness pass (CI): one thread avoids intra-op threads spinning on busy cores
+        torch.set_num_threads(1)
+    n = request.config.getoption("--e2e-prompts") or (1 if quick else 8)
+    tokens = request.config.getoption("--e2e-tokens") or (8 if quick else 64)
+    from tritonspec import demo
+
+    if demo.available():
+        target, d3 = demo.demo_pair("eagle3")
+        _, d31 = demo.demo_pair("eagle3.1")
+        sets = {name: [r["prompt"] for r in demo.prompt_set(name)] for name in demo.PROMPT_SETS}
+        bench = Bench(target, {"eagle3": d3, "eagle3.1": d31}, demo.ROOT / "draft-lm", max_seq_len=2560)
+        pair = "demo"
+    else:
+        from tritonspec.runtime.tiny import tiny_random_pair
+
+        root = tmp_path_factory.mktemp("e2e")
+        target, d31 = tiny_random_pair(root / "pair")
+        _, d3 = tiny_random_pair(root / "pair3", fc_norm=False, norm_output=False)
+        code = "def f(x):\n    return x + 1\n\n"
+        sets = {"standard": [code * 2] * 8, "long": [code * 12] * 8, "perturbed": ["\t" + code] * 8}
+        bench = Bench(target, {"eagle3": d3, "eagle3.1": d31}, None, max_seq_len=512)
+        pair = "tiny-random (demo pair not built)"
+    return bench, sets, pair, n, tokens

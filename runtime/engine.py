@@ -135,6 +135,7 @@ class SpeculativeRuntime:
             c.aux_layer_ids = ids
         if len(ids) != c.num_aux_hidden_states:
             raise ValueError(f"drafter expects {c.num_aux_hidden_states} aux states but lists aux layer ids {list(ids)}")
+        self.aux_layer_ids = tuple(ids)
         t.set_aux_layer_ids(ids)
         if self.spec.top_k > c.draft_vocab_size:
             raise ValueError(f"top_k={self.spec.top_k} exceeds the drafter's draft_vocab_size={c.draft_vocab_size}")
@@ -272,6 +273,8 @@ class SpeculativeRuntime:
         stats = SpecStats(accepted_per_position=[0] * self.spec.num_speculative_tokens if use_draft else [],
                           time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
         t0 = time.perf_counter()
+        if use_draft:  # runtimes may share one TargetModel (e.g. EAGLE-3 and 3.1 drafters side by side)
+            self.target.set_aux_layer_ids(self.aux_layer_ids)
         with torch.inference_mode():  # never across a yield: the caller's code runs between rounds
             st = self._prefill(batch, use_draft, sampling, seeds, stats)
             first = st.root.tolist()

@@ -64,3 +64,16 @@ def test_generate_stream_and_sampling_flags(pair_dirs, capsys):
     assert "new_tokens=10" in streamed.splitlines()[-1]
     assert main(args + ["--top-p", "0"]) == 2
     assert "top_p=0.0 must lie in (0, 1]" in capsys.readouterr().err
+
+
+def test_bench_prints_a_side_by_side_table(pair_dirs, tmp_path, capsys):
+    t, d = pair_dirs
+    (tmp_path / "p.jsonl").write_text('{"prompt": "def f(x):"}\n')
+    assert main(["bench", "--target", str(t), "--drafter", f"eagle3.1={d}", "--prompts", str(tmp_path / "p.jsonl"),
+                 "--systems", "ours-plain,hf-greedy,ours-eagle3.1", "--num-prompts", "1", "--max-new-tokens", "6",
+                 "--max-seq-len", "256"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[0].split()[:6] == ["set", "T", "B", "system", "tok/s", "speedup"]
+    assert [ln.split()[3] for ln in lines[1:]] == ["ours-plain", "hf-greedy", "ours-eagle3.1"]
+    assert lines[1].split()[5] == "1.00x"
+    assert main(["bench", "--target", str(t), "--systems", "nope"]) == 2

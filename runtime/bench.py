@@ -1,0 +1,176 @@
+"""End-to-end throughput of the systems users compare, measured side by side in one process.
+
+Systems (same prompts, same process, same token budget; EOS is ignored so every system
+generates exactly ``max_new_tokens`` per prompt):
+
+    ours-plain         plain target decoding through our runtime (the speedup baseline)
+    hf-greedy          transformers' ``generate`` (greedy or sampling), batched with left padding
+    hf-prompt-lookup   transformers' prompt-lookup decoding (``prompt_lookup_num_tokens``), batch 1
+    hf-assisted        transformers' assisted generation with a 2-layer draft LM, batch 1
+    ours-eagle3        our runtime with the EAGLE-3 drafter
+    ours-eagle3.1      our runtime with the EAGLE-3.1 drafter
+
+One definition of every metric (ARCHITECTURE §5): tokens/s = new tokens / wall time (prefill
+included); τ = 1 + accepted / drafts; ``accepted_per_position[i]`` / drafts = acceptance at depth
+i+1; speedup = tokens/s ÷ ours-plain tokens/s for the same prompt set, temperature and batch.
+transformers' prompt lookup and assisted generation run one prompt at a time (transformers
+supports batch 1 only there), so at batch 4 they are reported as not applicable.
+"""
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import SpecConfig
+
+SYSTEMS = ("ours-plain", "hf-greedy", "hf-prompt-lookup", "hf-assisted", "ours-eagle3", "ours-eagle3.1")
+BATCH1_ONLY = {"hf-prompt-lookup", "hf-assisted"}
+
+
+@dataclass
+class BenchResult:
+    system: str
+    prompt_set: str
+    temperature: float
+    batch: int
+    prompts: int
+    new_tokens: int
+    wall_time_s: float
+    tau: float | None = None
+    accepted_per_position: list[float] = field(default_factory=list)  # rate per depth
+    note: str = ""
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    def info(self) -> dict:
+        return asdict(self) | {"tokens_per_second": self.tokens_per_second} | environment()
+
+
+def environment() -> dict:
+    import transformers
+
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:
+        tv = None
+    from .. import __version__
+
+    return {"device": dev, "torch": torch.__version__, "transformers": transformers.__version__, "triton": tv,
+            "tritonspec": __version__, "threads": torch.get_num_threads()}
+
+
+class Bench:
+    """Loads each system once; ``run(system, prompts, ...)`` measures one configuration."""
+
+    def __init__(self, target_dir: str | Path, drafters: dict[str, str | Path], draft_lm_dir: str | Path | None = None,
+                 spec: SpecConfig | None = None, max_seq_len: int = 2560, device: str = "cpu"):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        from .drafter import Eagle3Drafter
+        from .engine import SpeculativeRuntime
+        from .target import TargetModel
+
+        self.device = torch.device(device)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
+        tm = TargetModel.from_pretrained(target_dir, device=device)
+        self.dtype = tm.dtype
+        self.runtimes = {"ours-plain": SpeculativeRuntime(tm, None, self.tokenizer, spec=spec, max_batch_size=4,
+                                                          max_seq_len=max_seq_len)}
+        for name, d in drafters.items():
+            self.runtimes[f"ours-{name}"] = SpeculativeRuntime(tm, Eagle3Drafter.from_pretrained(d), self.tokenizer,
+                                                               spec=spec, max_batch_size=4, max_seq_len=max_seq_len)
+        self.hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=self.dtype).to(device).eval()
+        self.draft_lm = None
+        if draft_lm_dir is not None and (Path(draft_lm_dir) / "config.json").exists():
+            self.draft_lm = AutoModelForCausalLM.from_pretrained(str(draft_lm_dir), dtype=self.dtype).to(device).eval()
+
+    def available(self, system: str, batch: int) -> str | None:
+        """None when the system can run this configuration, else the reason it cannot."""
+        if system in BATCH1_ONLY and batch != 1:
+            return "transformers runs prompt lookup / assisted generation at batch 1 only"
+        if system == "hf-assisted" and self.draft_lm is None:
+            return "no draft LM (build it with python -m tritonspec.training.draft_lm)"
+        if system.startswith("ours-") and system not in self.runtimes:
+            return f"no {system[5:]} drafter"
+        return None
+
+    def run(self, system: str, prompts: list[str], prompt_set: str = "", temperature: float = 0.0, batch: int = 1,
+            max_new_tokens: int = 64, seed: int = 0) -> BenchResult:
+        why = self.available(system, batch)
+        if why:
+            raise ValueError(f"{system} at batch {batch}: {why}")
+        ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
+        if system.startswith("ours-"):
+            return self._ours(system, chunks, prompt_set, temperature, batch, max_new_tokens, seed)
+        return self._hf(system, chunks, prompt_set, temperature, batch, max_new_tokens, seed)
+
+    def _ours(self, system, chunks, prompt_set, temperature, batch, max_new_tokens, seed) -> BenchResult:
+        rt = self.runtimes[system]
+        spec = system != "ours-plain"
+        tokens = drafts = accepted = 0
+        per_pos = torch.zeros(rt.spec.num_speculative_tokens)
+        t0 = time.perf_counter()
+        for i, c in enumerate(chunks):
+            out = rt.generate(c, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
+                              stop_token_ids=[], speculative=spec)
+            s = out.stats
+            tokens += s.num_new_tokens
+            drafts += s.num_drafts
+            accepted += s.num_accepted_tokens
+            if spec:
+                per_pos += torch.tensor(s.accepted_per_position, dtype=torch.float32)
+        wall = time.perf_counter() - t0
+        return BenchResult(system, prompt_set, temperature, batch, sum(len(c) for c in chunks), tokens, wall,
+                           tau=(1 + accepted / drafts) if spec and drafts else None,
+                           accepted_per_position=(per_pos / max(drafts, 1)).tolist() if spec else [])
+
+    @torch.inference_mode()
+    def _hf(self, system, chunks, prompt_set, temperature, batch, max_new_tokens, seed) -> BenchResult:
+        tok = self.tokenizer
+        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=pad,
+                                  eos_token_id=None)
+        if temperature > 0:
+            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        else:
+            kw.update(do_sample=False)
+        if system == "hf-prompt-lookup":
+            kw["prompt_lookup_num_tokens"] = 10
+        if system == "hf-assisted":
+            kw["assistant_model"] = self.draft_lm
+        tokens = 0
+        t0 = time.perf_counter()
+        for i, c in enumerate(chunks):
+            torch.manual_seed(seed + i)
+            width = max(len(x) for x in c)
+            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in c], device=self.device)
+            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in c], device=self.device)
+            out = self.hf.generate(input_ids=input_ids, attention_mask=mask, **kw)
+            tokens += (out.shape[1] - width) * len(c)
+        wall = time.perf_counter() - t0
+        return BenchResult(system, prompt_set, temperature, batch, sum(len(c) for c in chunks), tokens, wall)
+
+
+def format_table(results: list[BenchResult]) -> str:
+    """A plain-text table with speedups against ours-plain of the same set/temperature/batch."""
+    base = {(r.prompt_set, r.temperature, r.batch): r.tokens_per_second for r in results if r.system == "ours-plain"}
+    lines = [f"{'set':<10} {'T':>3} {'B':>2} {'system':<17} {'tok/s':>8} {'speedup':>8} {'tau':>5}  accept/depth"]
+    for r in results:
+        b = base.get((r.prompt_set, r.temperature, r.batch))
+        sp = f"{r.tokens_per_second / b:.2f}x" if b else "-"
+        tau = f"{r.tau:.2f}" if r.tau is not None else "-"
+        acc = " ".join(f"{a:.2f}" for a in r.accepted_per_position)
+        lines.append(f"{r.prompt_set:<10} {r.temperature:>3g} {r.batch:>2} {r.system:<17} {r.tokens_per_second:>8.1f} "
+                     f"{sp:>8} {tau:>5}  {acc}")
+    return "\n".join(lines)
