@@ -84,7 +84,7 @@ class RecipeConfig:
 BUDGETS = {
     "full": RecipeConfig(),  # ~2 h on 2 CPU cores
     # the run made in development on 2 shared CPU cores (about an hour)
-    "quick": RecipeConfig(target_steps=900, regen_samples=256, drafter_steps=200),
+    "quick": RecipeConfig(target_steps=700, regen_samples=256, drafter_steps=200),
     # for tests of the recipe plumbing only (minutes; the models learn little)
     "smoke": RecipeConfig(num_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, target_steps=4,
                           target_batch_tokens=1024, target_seq_len=128, target_long_seq_len=256,
