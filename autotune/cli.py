@@ -57,6 +57,8 @@ neighbours and the default shape by generating (measured vs predicted speedup)."
     t.add_argument("--device", default="cpu")
     t.add_argument("--dtype", default=None)
     t.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    t.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads while measuring (default: torch's; 1 is steadiest on a busy machine)")
     t.add_argument("--no-validate", action="store_true", help="skip the measured check of the chosen shape")
     _common(t)
     t.set_defaults(fn=cmd_tree)
@@ -139,6 +141,10 @@ def cmd_tree(args: argparse.Namespace) -> int:
         prompts = [torch.randint(0, vocab, (16,), generator=g).tolist() for _ in prompts]
         print("note: the target has no tokenizer; using random token prompts", file=sys.stderr)
     top_ks = [int(x) for x in args.top_k.split(",")]
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     res = tune_tree(target, drafter, prompts, device=args.device, dtype=_dtype(args.dtype), backend=args.backend,
                     max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, top_ks=top_ks,
                     max_draft_tokens=args.max_draft_tokens, out_dir=args.out, dry_run=args.dry_run,

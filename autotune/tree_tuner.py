@@ -203,23 +203,6 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time(fn, device: torch.device, reps: int, restore=None) -> float:
-    """Median seconds of ``fn()`` (one warm-up call; ``restore()`` runs untimed after each call)."""
-    fn()
-    if restore:
-        restore()
-    ts = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        ts.append(time.perf_counter() - t0)
-        if restore:
-            restore()
-    return sorted(ts)[len(ts) // 2]
-
-
 def _stats(depth: int) -> SpecStats:
     return SpecStats(accepted_per_position=[0] * depth,
                      time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
@@ -252,7 +235,11 @@ def _heap_tree(root: torch.Tensor, n: int, vocab: int):
 
 def measure_costs(rt, prompt_ids: list[int], *, max_depth: int, top_ks: Sequence[int],
                   verify_ns: Sequence[int] = VERIFY_NS, max_n: int = 64, reps: int = 5) -> CostModel:
-    """Time the round pieces at batch size 1 on a context of ``len(prompt_ids)`` tokens."""
+    """Time the round pieces at batch size 1 on a context of ``len(prompt_ids)`` tokens.
+
+    Round robin: each repetition times every piece once, in turn (a warm-up pass first), so a
+    change of machine load spreads over all pieces instead of skewing one, and no piece is timed
+    with caches left warm by its own previous call. Means over ``reps``."""
     dev = rt.device
     saved_spec = rt.spec
     with torch.inference_mode():
@@ -265,32 +252,46 @@ def measure_costs(rt, prompt_ids: list[int], *, max_depth: int, top_ks: Sequence
         stats = _stats(max_depth)
         room = rt.target.k_cache.shape[2] - 1 - len(prompt_ids)  # tree slots after the prompt
         ns = sorted({1, 2} | {n for n in verify_ns if n <= min(room, max_n)})
-        verify_s = []
+        items = {}  # key -> (spec to set or None, timed call, untimed restore or None)
         for n in ns:
             tree = rt._root_only(st) if n == 1 else _heap_tree(st.root, n, rt.target.vocab_size)
-            verify_s.append(_time(lambda: rt._verify(st, tree, stats), dev, reps))
-        head, step = {}, {}
+            items["verify", n] = (None, lambda tree=tree: rt._verify(st, tree, stats), None)
+        depths = sorted({1, max_depth})
         for K in top_ks:
-            t = {}
-            for D in sorted({1, max_depth}):
-                rt.spec = SpecConfig(D, K, min(K + (D - 1) * K * K + 1, 64))
-                t[D] = _time(lambda: rt._draft(st, stats), dev, reps)
-            head[K] = t[1]
-            step[K] = max((t[max_depth] - t[1]) / (max_depth - 1), 0.0) if max_depth > 1 else 0.0
-        commit = {}
-        for D in sorted({1, max_depth}):
+            for D in depths:
+                items["draft", D, K] = (SpecConfig(D, K, min(K + (D - 1) * K * K + 1, 64)),
+                                        lambda: rt._draft(st, stats), None)
+        for D in depths:
             rt.spec = SpecConfig.chain(D)
             tree = rt._draft(st, stats)
             out = rt._verify(st, tree, stats)
-            commit[D] = _time(lambda: rt._commit(st, tree, *out, True, stats), dev, reps, restore)
-        b = max((commit[max_depth] - commit[1]) / (max_depth - 1), 0.0) if max_depth > 1 else 0.0
-        a = commit[1] - b
+            items["commit", D] = (None, lambda tree=tree, out=out: rt._commit(st, tree, *out, True, stats), restore)
         root = rt._root_only(st)
         vout = rt._verify(st, root, stats)
-        plain_commit = _time(lambda: rt._commit(st, root, *vout, False, stats), dev, reps, restore)
-        restore()
+        items["plain_commit"] = (None, lambda: rt._commit(st, root, *vout, False, stats), restore)
+        times: dict = {k: [] for k in items}
+        for rep in range(reps + 1):
+            for k, (spec, fn, after) in items.items():
+                if spec is not None:
+                    rt.spec = spec
+                _sync(dev)
+                t0 = time.perf_counter()
+                fn()
+                _sync(dev)
+                if rep:  # pass 0 warms up
+                    times[k].append(time.perf_counter() - t0)
+                if after is not None:
+                    after()
+        # means, not medians: generation pays every stall (preemption on a busy CPU, allocator,
+        # GC), and the figures predicted here are compared with generation's summed wall time
+        med = {k: sum(v) / len(v) for k, v in times.items()}
     rt.spec = saved_spec
-    return CostModel(ns, _monotone(verify_s), head, step, (a, b), verify_s[0] + plain_commit)
+    verify_s = [med["verify", n] for n in ns]
+    span = max(max_depth - 1, 1)
+    head = {K: med["draft", 1, K] for K in top_ks}
+    step = {K: max((med["draft", max_depth, K] - med["draft", 1, K]) / span, 0.0) for K in top_ks}
+    b = max((med["commit", max_depth] - med["commit", 1]) / span, 0.0)
+    return CostModel(ns, _monotone(verify_s), head, step, (med["commit", 1] - b, b), verify_s[0] + med["plain_commit"])
 
 
 def _monotone(ys: list[float]) -> list[float]:
@@ -408,6 +409,8 @@ class Check:
     predicted_speedup: float
     measured_speedup: float
     end_to_end_speedup: float
+    predicted_split_ms: dict = field(default_factory=dict)  # draft / verify / commit / other per round
+    measured_split_ms: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -418,6 +421,7 @@ class Measured:
     rounds: int
     accepted: int
     n_prompts: int = 0
+    split_s: dict = field(default_factory=dict)  # summed time_split_s (prefill / draft / verify / commit)
 
     @property
     def decode_tokens_per_s(self) -> float:  # each prompt's first token comes from the prefill
@@ -464,19 +468,23 @@ class TreeTuneResult:
         return "\n".join("  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows)
 
 
-def _run(rt, prompts, max_new_tokens, spec: SpecConfig | None) -> Measured:
-    """Generate every prompt at batch size 1 (spec None = plain decoding) and sum the stats."""
-    m = Measured(0, 0.0, 0.0, 0, 0, len(prompts))
-    if spec is not None:
-        rt.spec = spec
+def _measure(rt, prompts, max_new_tokens, specs: list[SpecConfig | None]) -> list[Measured]:
+    """Generate every prompt at batch size 1 with each shape (None = plain decoding), shapes
+    interleaved per prompt so that a change of machine load hits them all alike."""
+    ms = [Measured(0, 0.0, 0.0, 0, 0, len(prompts)) for _ in specs]
     for p in prompts:
-        st = rt.generate([p], max_new_tokens=max_new_tokens, speculative=spec is not None, stop_token_ids=[]).stats
-        m.tokens += st.num_new_tokens
-        m.wall_s += st.wall_time_s
-        m.prefill_s += st.time_split_s.get("prefill", 0.0)
-        m.rounds += st.num_drafts if spec is not None else st.num_new_tokens - 1
-        m.accepted += st.num_accepted_tokens
-    return m
+        for spec, m in zip(specs, ms):
+            if spec is not None:
+                rt.spec = spec
+            st = rt.generate([p], max_new_tokens=max_new_tokens, speculative=spec is not None, stop_token_ids=[]).stats
+            m.tokens += st.num_new_tokens
+            m.wall_s += st.wall_time_s
+            m.prefill_s += st.time_split_s.get("prefill", 0.0)
+            m.rounds += st.num_drafts if spec is not None else st.num_new_tokens - 1
+            m.accepted += st.num_accepted_tokens
+            for k, v in st.time_split_s.items():
+                m.split_s[k] = m.split_s.get(k, 0.0) + v
+    return ms
 
 
 def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Sequence[int]], *,
@@ -513,8 +521,8 @@ def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Seque
     say(f"[autotune tree] target={key['target']} drafter={key['drafter']} device={key['device']} "
         f"backend={rt.backend} prompts={len(ids)}")
 
-    _run(rt, ids[:1], 8, None)  # warm-up
-    plain = _run(rt, ids, max_new_tokens, None)
+    _measure(rt, ids[:1], 8, [None])  # warm-up
+    plain = _measure(rt, ids, max_new_tokens, [None])[0]
     conts = []
     for p in ids:  # the target's greedy continuation (speculative output is identical)
         conts.append(rt.generate([p], max_new_tokens=max_new_tokens, speculative=False, stop_token_ids=[]).token_ids[0])
@@ -532,12 +540,20 @@ def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Seque
         shapes = [(best.spec, "chosen")] + [(n.spec, "neighbour") for n in neighbours(best.spec, ranked)]
         if default.num_speculative_tokens <= max_depth and default.top_k <= kmax and all(s != default for s, _ in shapes):
             shapes.append((default, "default"))
-        for spec, role in shapes:
+        say(f"[autotune tree] checking {len(shapes)} shapes against plain decoding ...")
+        plain, *ms = _measure(rt, ids, max_new_tokens, [None] + [spec for spec, _ in shapes])
+        for (spec, role), m in zip(shapes, ms):
             pred = predict(spec, costs, acc)
-            m = _run(rt, ids, max_new_tokens, spec)
+            D, K, N = spec.num_speculative_tokens, spec.top_k, spec.num_draft_tokens
+            psplit = {"draft": costs.draft(D, K), "verify": costs.verify(N), "commit": costs.commit(D),
+                      "other": costs.overhead_s}
+            msplit = {k: m.split_s.get(k, 0.0) / max(m.rounds, 1) for k in ("draft", "verify", "commit")}
+            msplit["other"] = m.round_s - sum(msplit.values())
             checks.append(Check(spec, role, pred.tokens_per_round, m.tau, pred.round_s * 1e3, m.round_s * 1e3,
                                 pred.speedup, m.decode_tokens_per_s / plain.decode_tokens_per_s,
-                                m.tokens_per_s / plain.tokens_per_s))
+                                m.tokens_per_s / plain.tokens_per_s,
+                                {k: round(v * 1e3, 3) for k, v in psplit.items()},
+                                {k: round(v * 1e3, 3) for k, v in msplit.items()}))
             say(f"[autotune tree] {role} {spec}: predicted {pred.speedup:.2f}x, measured {checks[-1].measured_speedup:.2f}x")
     path = None
     if not dry_run:
