@@ -16,19 +16,25 @@ OPS = ["rms_norm", "aux_gather", "kv_write", "tree_attention", "verify_greedy", 
 
 @pytest.mark.parametrize("op", OPS)
 def test_signatures_match_torch_ops(op):
-    want = list(inspect.signature(getattr(TorchOps, op)).parameters.values())
-    got = list(inspect.signature(getattr(TritonOps, op)).parameters.values())
+    want = list(inspect.signature(getattr(TorchOps(), op)).parameters.values())  # bound: no ``self``
+    got = list(inspect.signature(getattr(TritonOps(), op)).parameters.values())
     assert [(p.name, p.kind, p.default) for p in got[: len(want)]] == [(p.name, p.kind, p.default) for p in want]
     for extra in got[len(want) :]:  # launcher-only knobs are keyword-only with defaults
         assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not inspect.Parameter.empty
 
 
+def _ops(cls) -> set[str]:
+    """The op names of a backend class: its static and plain methods, private ones excluded."""
+    return {k for k, v in vars(cls).items() if isinstance(v, staticmethod) or inspect.isfunction(v)
+            if not k.startswith("_")}
+
+
 def test_triton_ops_has_every_torch_op():
-    torch_ops = {k for k, v in vars(TorchOps).items() if isinstance(v, staticmethod)}
-    assert torch_ops <= {k for k, v in vars(TritonOps).items() if isinstance(v, staticmethod)}
+    torch_ops = _ops(TorchOps)
+    assert set(OPS) <= torch_ops <= _ops(TritonOps)
     for op in torch_ops:  # same leading parameters, whichever ops exist now
-        want = list(inspect.signature(getattr(TorchOps, op)).parameters)
-        assert list(inspect.signature(getattr(TritonOps, op)).parameters)[: len(want)] == want, op
+        want = list(inspect.signature(getattr(TorchOps(), op)).parameters)
+        assert list(inspect.signature(getattr(TritonOps(), op)).parameters)[: len(want)] == want, op
 
 
 def test_get_ops_triton():
