@@ -153,6 +153,9 @@ def cmd_tree(args: argparse.Namespace) -> int:
     s = b.spec
     print(f"chosen: num_speculative_tokens={s.num_speculative_tokens} top_k={s.top_k} num_draft_tokens={s.num_draft_tokens} "
           f"(predicted tau {b.tokens_per_round:.2f}, {b.round_s * 1e3:.2f} ms/round, {b.speedup:.2f}x over plain)")
+    if b.speedup < 1:
+        print("note: every tree shape is predicted slower than plain decoding here (drafter too weak or too "
+              "costly for this target on this device); generate with speculative=False")
     if res.checks:
         print(res.table())
     print(f"device={res.key['device']} backend={res.key['backend']} dtype={res.key['dtype']} "

@@ -422,6 +422,7 @@ class Measured:
     accepted: int
     n_prompts: int = 0
     split_s: dict = field(default_factory=dict)  # summed time_split_s (prefill / draft / verify / commit)
+    token_ids: list = field(default_factory=list)  # per prompt
 
     @property
     def decode_tokens_per_s(self) -> float:  # each prompt's first token comes from the prefill
@@ -476,7 +477,9 @@ def _measure(rt, prompts, max_new_tokens, specs: list[SpecConfig | None]) -> lis
         for spec, m in zip(specs, ms):
             if spec is not None:
                 rt.spec = spec
-            st = rt.generate([p], max_new_tokens=max_new_tokens, speculative=spec is not None, stop_token_ids=[]).stats
+            out = rt.generate([p], max_new_tokens=max_new_tokens, speculative=spec is not None, stop_token_ids=[])
+            st = out.stats
+            m.token_ids.append(out.token_ids[0])
             m.tokens += st.num_new_tokens
             m.wall_s += st.wall_time_s
             m.prefill_s += st.time_split_s.get("prefill", 0.0)
@@ -523,9 +526,7 @@ def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Seque
 
     _measure(rt, ids[:1], 8, [None])  # warm-up
     plain = _measure(rt, ids, max_new_tokens, [None])[0]
-    conts = []
-    for p in ids:  # the target's greedy continuation (speculative output is identical)
-        conts.append(rt.generate([p], max_new_tokens=max_new_tokens, speculative=False, stop_token_ids=[]).token_ids[0])
+    conts = plain.token_ids  # the target's greedy continuations (speculative output is identical)
     say(f"[autotune tree] plain decoding: {plain.decode_tokens_per_s:.1f} tokens/s; measuring costs ...")
     costs = measure_costs(rt, ids[0], max_depth=max_depth, top_ks=top_ks, max_n=nmax, reps=reps)
     # host work per round outside draft/verify/commit, read off plain decoding (the same for every shape)
@@ -538,7 +539,9 @@ def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Seque
     if validate:
         default = SpecConfig()
         shapes = [(best.spec, "chosen")] + [(n.spec, "neighbour") for n in neighbours(best.spec, ranked)]
-        if default.num_speculative_tokens <= max_depth and default.top_k <= kmax and all(s != default for s, _ in shapes):
+        fits = (default.num_speculative_tokens <= max_depth and default.top_k <= kmax
+                and default.num_draft_tokens <= big.num_draft_tokens)
+        if fits and all(s != default for s, _ in shapes):
             shapes.append((default, "default"))
         say(f"[autotune tree] checking {len(shapes)} shapes against plain decoding ...")
         plain, *ms = _measure(rt, ids, max_new_tokens, [None] + [spec for spec, _ in shapes])
