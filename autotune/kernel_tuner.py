@@ -296,7 +296,7 @@ def tune_kernels(shapes: list[KernelShape], dtype: torch.dtype, device: str | to
     the files written. Run it before any CUDA-graph capture: it launches many kernels.
     """
     device = torch.device(device)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:
         torch.cuda.set_device(device)
     probs = [p for s in shapes for p in problems(s, dtype, device, ops)]
     seen, unique = set(), []
