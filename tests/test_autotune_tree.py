@@ -140,3 +140,21 @@ def test_cli_tree_on_a_tiny_pair(tmp_path, tuned_dir, capsys):
     out = capsys.readouterr().out
     assert "meas speedup" in out and "plain decoding" in out and "wrote " in out
     assert len(list((tmp_path / "o").glob("tree_shape,*.json"))) == 1
+
+
+def test_teacher_forced_profile_predicts_chain_acceptance():
+    """For a chain the model has no tree-selection assumption left: the teacher-forced profile must
+    predict the runtime's measured acceptance length (a check on the forced drafting itself)."""
+    from tritonspec.autotune.tree_tuner import _measure
+
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3, chain=[3, 7, 11, 5, 9])
+    prompts = random_prompts(24, [5, 7, 6, 8], seed=1)
+    res = tune_tree(model, drafter, prompts, max_new_tokens=24, max_depth=3, top_ks=(1,), max_draft_tokens=4,
+                    reps=1, dry_run=True, validate=False)
+    assert res.profile_path is None  # dry run
+    rt = runtime(model, drafter, spec=ts.SpecConfig.chain(3), max_batch_size=1)
+    for k in (1, 3):
+        spec = ts.SpecConfig.chain(k)
+        measured = _measure(rt, prompts, 24, [spec])[0].tau
+        # roots are sampled every other token, rounds start wherever acceptance leaves them: close, not equal
+        assert predict(spec, res.costs, res.acceptance).tokens_per_round == pytest.approx(measured, abs=0.12)
