@@ -25,9 +25,9 @@ launchers and SpeculativeRuntime(spec=None) read them from there.""")
     sub = a.add_subparsers(dest="autotune_command", required=True)
 
     k = sub.add_parser("kernels", help="search launch configs of the Triton kernels (needs a GPU)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""Each op is tuned per
-hidden size / head_dim (the reduction kernels: never per row count, so tuning cannot break batch
-invariance); winners are merged into <op>,device_name=<GPU>,dtype=<dtype>.json.""")
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""\
+Each op is tuned per hidden size / head_dim (the reduction kernels: never per row count, so tuning
+cannot break batch invariance); winners are merged into <op>,device_name=<GPU>,dtype=<dtype>.json.""")
     k.add_argument("--shapes", action="append", default=[], metavar="MODEL_DIR",
                    help="HF model directory whose shapes to tune (repeatable; 'llama-3-8b' = the built-in "
                         "Llama-3-8B shape; default: llama-3-8b and the demo target when bundled)")
@@ -39,11 +39,11 @@ invariance); winners are merged into <op>,device_name=<GPU>,dtype=<dtype>.json."
     k.set_defaults(fn=cmd_kernels)
 
     t = sub.add_parser("tree", help="pick (num_speculative_tokens, top_k, num_draft_tokens) for a target + drafter",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""Measures the target's
-verify cost against tree size and the drafter's step cost on this device and backend, and the
-drafter's acceptance per depth and sibling rank on the prompts (teacher-forced along the target's
-greedy continuation); picks the shape with the best predicted tokens/s and checks it, two
-neighbours and the default shape by generating (measured vs predicted speedup).""")
+                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""\
+Measures the target's verify cost against tree size and the drafter's step cost on this device
+and backend, and the drafter's acceptance per depth and sibling rank on the prompts (teacher-forced
+along the target's greedy continuation); picks the shape with the best predicted tokens/s and
+checks it, two neighbours and the default shape by generating (measured vs predicted speedup).""")
     t.add_argument("--target", required=True, help="HF target directory, or 'demo' / 'demo:eagle3' (the bundled pair)")
     t.add_argument("--drafter", default=None, help="drafter directory (default with 'demo': its drafter)")
     t.add_argument("--prompts", default=None,
