@@ -107,8 +107,8 @@ def verify_sampling_reference(
 # barrier between them (a no-op in the interpreter).
 #
 # Work per row: (1 + accepted) passes over V for the masses, one pass for the bonus, and
-# O(BLOCK_N^2) register work for dup/before (BLOCK_N = next_pow2(N); fine for the tree sizes
-# in use, N <= 128).
+# O(BLOCK_N^2) register work for dup/before (BLOCK_N = next_pow2(N): cheap for the tree sizes in
+# use, tens of nodes; trees of hundreds of nodes spill registers but stay exact).
 # --------------------------------------------------------------------------------------------
 from ._triton_utils import ENABLE_FP_FUSION, check_tensor, next_pow2, require_triton, tl, triton  # noqa: E402
 
