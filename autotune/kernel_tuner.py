@@ -14,8 +14,9 @@ op              bucket         timed at
 =============== ============== ====================================================================
 rms_norm        hidden size    tree-token rows, fused residual (a row count is never a key: the
                                config sets the reduction tree, so it must not vary with the batch)
-aux_gather      hidden size    plain gather (fc_norm off) of max_depth+1 rows; the fused gather
-                               uses rms_norm's entry (it must equal rms_norm bit for bit)
+aux_gather      row width      plain gather (fc_norm off, rows n_aux*H wide) of max_depth+1 rows;
+                               the fused gather uses rms_norm's entry (it must equal rms_norm bit
+                               for bit)
 tree_attention  head_dim       one row, tree-token queries over a ``context``-token prefix; the
                                prefix split size is tuned here too, per head_dim only
 verify_greedy   tree tokens N  one row (discrete: any config gives the same bits)
@@ -37,7 +38,7 @@ import torch
 from . import store
 
 OPS = ("rms_norm", "aux_gather", "tree_attention", "verify_greedy", "kv_compact")
-BUCKETS = {"rms_norm": "hidden_size", "aux_gather": "hidden_size", "tree_attention": "head_dim",
+BUCKETS = {"rms_norm": "hidden_size", "aux_gather": "row_width", "tree_attention": "head_dim",
            "verify_greedy": "num_draft_tokens", "kv_compact": "kv_width"}
 
 
@@ -86,9 +87,9 @@ def rms_norm_configs(hidden: int) -> list[dict]:
     return _warps_upto(max(next_pow2(hidden), 16))
 
 
-def aux_gather_configs(hidden: int) -> list[dict]:
-    """num_warps of the plain gather (one H-wide chunk per program)."""
-    return rms_norm_configs(hidden)
+def aux_gather_configs(width: int) -> list[dict]:
+    """num_warps of the plain gather (one program per row chunk)."""
+    return rms_norm_configs(width)
 
 
 def tree_attention_configs(head_dim: int) -> list[dict]:
@@ -140,11 +141,11 @@ def problems(shape: KernelShape, dtype: torch.dtype, device: torch.device, ops: 
         if op == "rms_norm":
             x, r, w = randn(Q, H), randn(Q, H), randn(H)
             out.append(Problem(op, H, lambda x=x, r=r, w=w: rms_norm(x, w, 1e-5, r), rms_norm_configs(H), False))
-        elif op == "aux_gather":
-            aux = randn(Q, shape.n_aux * H)
+        elif op == "aux_gather":  # as the drafter calls it with fc_norm off: one n_aux*H-wide chunk per row
+            W = shape.n_aux * H
+            aux = randn(Q, W)
             idx = torch.arange(shape.max_depth + 1, device=device)
-            out.append(Problem(op, H, lambda a=aux, i=idx: aux_gather(a, i, None, 1e-5, n_aux=shape.n_aux),
-                               aux_gather_configs(H), True))
+            out.append(Problem(op, W, lambda a=aux, i=idx: aux_gather(a, i, None, 1e-5), aux_gather_configs(W), True))
         elif op == "tree_attention":
             S = shape.context + Q + 1
             q = randn(1, Q, shape.num_heads, D)
