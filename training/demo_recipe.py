@@ -61,10 +61,10 @@ class RecipeConfig:
     target_lr: float = 2e-3
     # drafters
     draft_vocab_size: int = 2048
-    regen_samples: int = 256
+    regen_samples: int = 1024
     regen_prompt_tokens: int = 192
     regen_new_tokens: int = 128
-    drafter_steps: int = 500
+    drafter_steps: int = 1500
     drafter_seq_len: int = 320
     drafter_batch: int = 4
     drafter_lr: float = 1e-3
@@ -83,8 +83,8 @@ class RecipeConfig:
 
 BUDGETS = {
     "full": RecipeConfig(),  # ~2 h on 2 CPU cores
-    # the run made in development on 2 shared CPU cores (about an hour)
-    "quick": RecipeConfig(target_steps=700, regen_samples=256, drafter_steps=200),
+    # the run made in development on 2 shared CPU cores, one thread per process (about 75 min)
+    "quick": RecipeConfig(target_steps=700, regen_samples=1024, drafter_steps=1200),
     # for tests of the recipe plumbing only (minutes; the models learn little)
     "smoke": RecipeConfig(num_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, target_steps=4,
                           target_batch_tokens=1024, target_seq_len=128, target_long_seq_len=256,
