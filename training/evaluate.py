@@ -103,7 +103,7 @@ def _time(fn, reps: int) -> float:
     return best
 
 
-def run(n: int, max_new_tokens: int, spec: SpecConfig, out: Path | None) -> list[SetResult]:
+def run(n: int, max_new_tokens: int, spec: SpecConfig, out: Path | None, append: bool = False) -> list[SetResult]:
     from ..demo import PROMPT_SETS, demo_pair, prompt_set
 
     results: list[SetResult] = []
@@ -126,7 +126,10 @@ def run(n: int, max_new_tokens: int, spec: SpecConfig, out: Path | None) -> list
                   f"speedup={r.speedup:.2f}x identical={r.identical} accepted_per_position={r.accepted_per_position}",
                   flush=True)
     if out is not None:
-        out.write_text(render(results, n, max_new_tokens, spec, ratio))
+        text = render(results, n, max_new_tokens, spec, ratio)
+        if append and out.exists():
+            text = out.read_text() + "\n" + text.split("\n", 2)[2].replace("Measured", "## " + str(spec) + "\n\nMeasured", 1)
+        out.write_text(text)
     return results
 
 
@@ -173,11 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--draft-top-k", type=int, default=8)
     p.add_argument("--num-draft-tokens", type=int, default=48)
     p.add_argument("--out", default=None, help="write the Markdown report here")
+    p.add_argument("--append", action="store_true", help="append a section to --out instead of overwriting it")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the cores are shared)")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     spec = SpecConfig(a.num_speculative_tokens, a.draft_top_k, a.num_draft_tokens)
-    run(a.n, a.max_new_tokens, spec, Path(a.out) if a.out else None)
+    run(a.n, a.max_new_tokens, spec, Path(a.out) if a.out else None, a.append)
     return 0
 
 
