@@ -211,7 +211,7 @@ full reports: python -m pytest perf/bench_e2e.py --benchmark-json perf/e2e.json 
     b.add_argument("--max-new-tokens", type=int, default=32)
     b.add_argument("--temperature", type=float, default=0.0)
     b.add_argument("--batch", type=int, default=1)
-    b.add_argument("--max-seq-len", type=int, default=2560)
+    b.add_argument("--max-seq-len", type=int, default=None, help="default: the target's, at most 4096")
     b.add_argument("--device", default="cpu")
     b.set_defaults(fn=cmd_bench)
 

@@ -89,7 +89,7 @@ def e2e(request, tmp_path_factory):
         target, d3 = demo.demo_pair("eagle3")
         _, d31 = demo.demo_pair("eagle3.1")
         sets = {name: [r["prompt"] for r in demo.prompt_set(name)] for name in demo.PROMPT_SETS}
-        bench = Bench(target, {"eagle3": d3, "eagle3.1": d31}, demo.ROOT / "draft-lm", max_seq_len=2560)
+        bench = Bench(target, {"eagle3": d3, "eagle3.1": d31}, demo.ROOT / "draft-lm")
         pair = "demo"
     else:
         from tritonspec.runtime.tiny import tiny_random_pair

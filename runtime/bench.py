@@ -73,7 +73,7 @@ class Bench:
     """Loads each system once; ``run(system, prompts, ...)`` measures one configuration."""
 
     def __init__(self, target_dir: str | Path, drafters: dict[str, str | Path], draft_lm_dir: str | Path | None = None,
-                 spec: SpecConfig | None = None, max_seq_len: int = 2560, device: str = "cpu"):
+                 spec: SpecConfig | None = None, max_seq_len: int | None = None, device: str = "cpu"):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from .drafter import Eagle3Drafter

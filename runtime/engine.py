@@ -419,7 +419,7 @@ class SpeculativeRuntime:
         K, D, N = self.spec.top_k, self.spec.num_speculative_tokens, self.spec.num_draft_tokens
         B = st.L.shape[0]
         lp = self._draft_logprobs(st, st.hn_last)  # [B, Vd]
-        score, tk = topk_stable(lp, K)  # [B, K]
+        score, tk = lp.topk(K, dim=-1)  # [B, K] (ties over the vocabulary need no fixed order)
         tok = d.to_target_ids(tk)
         scores, tokens, parents = [score], [tok], [torch.full((B, K), -1, dtype=torch.int64, device=dev)]
         depths = [torch.ones(K, dtype=torch.int64, device=dev)]
@@ -441,7 +441,7 @@ class SpeculativeRuntime:
             if self.drift is not None:
                 self.drift.observe(s + 1, d.last_attention, st.L, carry, active)
             lp = self._draft_logprobs(st, hn)  # [B, K, Vd]
-            sk, tk = topk_stable(lp, K)  # [B, K, K]
+            sk, tk = lp.topk(K, dim=-1)  # [B, K, K]
             cum = (score[:, :, None] + sk).reshape(B, K * K)
             ctok = d.to_target_ids(tk).reshape(B, K * K)
             scores.append(cum)
