@@ -524,7 +524,7 @@ def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Seque
     say(f"[autotune tree] target={key['target']} drafter={key['drafter']} device={key['device']} "
         f"backend={rt.backend} prompts={len(ids)}")
 
-    _measure(rt, ids[:1], 8, [None])  # warm-up
+    _measure(rt, ids, max_new_tokens, [None])  # warm-up pass: first runs at each prompt length are slow
     plain = _measure(rt, ids, max_new_tokens, [None])[0]
     conts = plain.token_ids  # the target's greedy continuations (speculative output is identical)
     say(f"[autotune tree] plain decoding: {plain.decode_tokens_per_s:.1f} tokens/s; measuring costs ...")
