@@ -1,8 +1,8 @@
 """Measure the demo pair: acceptance length τ per drafter and tokens/s plain vs speculative, per prompt set.
 
 Every prompt runs alone (batch 1, greedy) through one ``SpeculativeRuntime`` per drafter; plain
-decoding runs through the same runtime (``speculative=False``), and the speculative output is
-checked token for token against it. Also measures the cost of one drafter step against one target
+decoding runs through the same runtime (``speculative=False``), back to back with the two
+speculative runs of the same prompt, and the speculative output is checked token for token. Also measures the cost of one drafter step against one target
 step (single-token decode at a 512-token context), the ratio the demo target was sized for.
 
     python -m tritonspec.training.evaluate --n 20 --max-new-tokens 64 --out demo/RESULTS.md
@@ -42,28 +42,32 @@ class SetResult:
         return self.spec_tps / self.plain_tps if self.plain_tps else 0.0
 
 
-def evaluate_set(rt: SpeculativeRuntime, name: str, variant: str, prompts: list[str], max_new_tokens: int,
-                 plain_cache: dict) -> SetResult:
-    """Run every prompt speculative and plain (plain results cached per prompt across drafters)."""
-    drafts = accepted = spec_tokens = 0
-    spec_time = 0.0
-    per_pos = [0] * rt.spec.num_speculative_tokens
-    identical = True
+def evaluate_set(rts: dict[str, SpeculativeRuntime], name: str, prompts: list[str],
+                 max_new_tokens: int) -> list[SetResult]:
+    """Run every prompt plain and with each drafter, back to back per prompt.
+
+    Interleaving keeps the comparison fair on shared cores, where the load drifts over minutes.
+    Plain decoding runs through the first runtime (the same target code and caches).
+    """
+    first = next(iter(rts.values()))
+    plain_tokens, plain_time = 0, 0.0
+    acc = {v: {"drafts": 0, "accepted": 0, "tokens": 0, "time": 0.0, "same": True,
+               "per_pos": [0] * rt.spec.num_speculative_tokens} for v, rt in rts.items()}
     for p in prompts:
-        s = rt.generate(p, max_new_tokens=max_new_tokens, speculative=True)
-        if p not in plain_cache:
-            plain_cache[p] = rt.generate(p, max_new_tokens=max_new_tokens, speculative=False)
-        b = plain_cache[p]
-        identical &= s.token_ids == b.token_ids
-        drafts += s.stats.num_drafts
-        accepted += s.stats.num_accepted_tokens
-        spec_tokens += s.stats.num_new_tokens
-        spec_time += s.stats.wall_time_s
-        per_pos = [a + c for a, c in zip(per_pos, s.stats.accepted_per_position)]
-    plain_tokens = sum(plain_cache[p].stats.num_new_tokens for p in prompts)
-    plain_time = sum(plain_cache[p].stats.wall_time_s for p in prompts)
-    return SetResult(name, variant, len(prompts), 1 + accepted / max(drafts, 1), spec_tokens / spec_time,
-                     plain_tokens / plain_time, identical, per_pos, drafts)
+        base = first.generate(p, max_new_tokens=max_new_tokens, speculative=False)
+        plain_tokens += base.stats.num_new_tokens
+        plain_time += base.stats.wall_time_s
+        for v, rt in rts.items():
+            s = rt.generate(p, max_new_tokens=max_new_tokens, speculative=True)
+            a = acc[v]
+            a["same"] &= s.token_ids == base.token_ids
+            a["drafts"] += s.stats.num_drafts
+            a["accepted"] += s.stats.num_accepted_tokens
+            a["tokens"] += s.stats.num_new_tokens
+            a["time"] += s.stats.wall_time_s
+            a["per_pos"] = [x + y for x, y in zip(a["per_pos"], s.stats.accepted_per_position)]
+    return [SetResult(name, v, len(prompts), 1 + a["accepted"] / max(a["drafts"], 1), a["tokens"] / a["time"],
+                      plain_tokens / plain_time, a["same"], a["per_pos"], a["drafts"]) for v, a in acc.items()]
 
 
 @torch.inference_mode()
@@ -107,24 +111,22 @@ def run(n: int, max_new_tokens: int, spec: SpecConfig, out: Path | None, append:
     from ..demo import PROMPT_SETS, demo_pair, prompt_set
 
     results: list[SetResult] = []
-    plain: dict[str, dict] = {name: {} for name in PROMPT_SETS}
-    ratio = None
+    rts = {}
     for variant in ("eagle3", "eagle3.1"):
         tdir, ddir = demo_pair(variant)
-        rt = SpeculativeRuntime.from_pretrained(tdir, ddir, spec=spec, max_batch_size=1, max_seq_len=2048,
-                                                backend="torch")
-        if ratio is None:
-            ratio = {ctx: step_cost_ratio(rt, ctx) for ctx in (128, 512, 1500)}
-            for ctx, (ts_, ds_) in ratio.items():
-                print(f"step cost at context {ctx}: target {ts_ * 1e3:.2f} ms, drafter {ds_ * 1e3:.2f} ms "
-                      f"(ratio 1/{ts_ / ds_:.1f})", flush=True)
-        for name in PROMPT_SETS:
-            prompts = [r["prompt"] for r in prompt_set(name)[:n]]
-            r = evaluate_set(rt, name, variant, prompts, max_new_tokens, plain[name])
+        rts[variant] = SpeculativeRuntime.from_pretrained(tdir, ddir, spec=spec, max_batch_size=1, max_seq_len=2048,
+                                                          backend="torch")
+    ratio = {ctx: step_cost_ratio(rts["eagle3"], ctx) for ctx in (128, 512, 1500)}
+    for ctx, (ts_, ds_) in ratio.items():
+        print(f"step cost at context {ctx}: target {ts_ * 1e3:.2f} ms, drafter {ds_ * 1e3:.2f} ms "
+              f"(ratio 1/{ts_ / ds_:.1f})", flush=True)
+    for name in PROMPT_SETS:
+        prompts = [r["prompt"] for r in prompt_set(name)[:n]]
+        for r in evaluate_set(rts, name, prompts, max_new_tokens):
             results.append(r)
-            print(f"{name:9s} {variant:8s} tau={r.tau:.2f} spec={r.spec_tps:.1f} tok/s plain={r.plain_tps:.1f} tok/s "
-                  f"speedup={r.speedup:.2f}x identical={r.identical} accepted_per_position={r.accepted_per_position}",
-                  flush=True)
+            print(f"{name:9s} {r.variant:8s} tau={r.tau:.2f} spec={r.spec_tps:.1f} tok/s plain={r.plain_tps:.1f} "
+                  f"tok/s speedup={r.speedup:.2f}x identical={r.identical} "
+                  f"accepted_per_position={r.accepted_per_position}", flush=True)
     if out is not None:
         text = render(results, n, max_new_tokens, spec, ratio)
         if append and out.exists():
@@ -145,7 +147,8 @@ def render(results: list[SetResult], n: int, max_new_tokens: int, spec: SpecConf
         "float32).",
         f"Greedy, batch 1, first {n} prompts of each set, `{spec}`. τ = 1 + accepted / rounds (tokens per target "
         "verify forward). tokens/s = new tokens / wall time summed over the prompts; plain decoding runs through "
-        "the same runtime. `identical` = speculative output equals plain output token for token.",
+        "the same runtime, and for each prompt plain, EAGLE-3 and EAGLE-3.1 run back to back (the cores are shared, "
+        "so the load drifts). `identical` = speculative output equals plain output token for token.",
         "",
     ]
     if ratio is not None:
