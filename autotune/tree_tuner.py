@@ -2,13 +2,16 @@
 
 The model (all times measured here, on this device and backend, batch size 1)::
 
-    tokens/round (D, K, N) = 1 + sum of the N-1 largest path probabilities P(v) among the
-                             candidates that EAGLE-2 expansion drafts at depth D, branching K
+    tokens/round (D, K, N) = 1 + sum of P(v) over the N-1 candidates with the best scores S(v)
+                             among those EAGLE-2 expansion drafts at depth D, branching K
     P(v)                   = prod over the path root -> v of p(depth, sibling rank)
-    time/round (D, K, N)   = draft(D, K) + verify(N) + commit(D)
+    S(v)                   = sum over the path of the drafter's mean log q(depth, sibling rank)
+    time/round (D, K, N)   = draft(D, K) + verify(N) + commit(D) + other
         draft(D, K)        = head(K) + (D - 1) * step(K)      one drafter step per level at width K
         verify(N)          = target forward over N tree tokens + greedy verification (interpolated)
         commit(D)          = KV compaction + drafter catch-up over D + 1 tokens (linear in D)
+        other              = host bookkeeping per round (read off plain decoding: its round time
+                             minus its measured pieces)
     predicted tokens/s     = tokens/round / time/round
     predicted speedup      = predicted tokens/s * time per plain-decoding token
 
@@ -18,10 +21,12 @@ given that depths 1..d-1 were reachable. It is measured by teacher forcing: for 
 the target's greedy continuation is generated, then at each root the drafter drafts a chain
 along the *true* tokens and the rank of each true token in its draft distribution is recorded.
 The candidate tree mirrors the runtime's EAGLE-2 expansion (``runtime/tree.py``: top-K children
-per frontier node, the best K of each level expand, global rerank by score) with P standing in
-for the drafter's cumulative scores. Assumptions: ranks at successive depths are independent,
-and the drafter's scores order nodes like P; the real tree adapts per round, so measured
-acceptance is usually a little higher than predicted for wide trees.
+per frontier node, the best K of each level expand, global rerank by score), scored the way the
+runtime scores it: by the drafter's cumulative log-probability, here its mean per (depth, rank)
+measured in the same teacher-forced pass (a drafter that is under-confident deep along the right
+path gets its deep nodes dropped for shallow siblings, as it does at run time). Assumptions:
+ranks at successive depths are independent, and one static tree stands for the per-round
+dynamic trees (which adapt to each context, so wide trees measure a little better than predicted).
 
 Every cost is measured through the runtime's own round steps (``_draft``, ``_verify``,
 ``_commit``), so what is timed is what runs.
@@ -48,10 +53,17 @@ VERIFY_NS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 # ================================================================== acceptance profile
 @dataclass
 class AcceptanceProfile:
-    """``p[d-1][r]``: P(target's next token at depth d is the drafter's rank-r candidate | depth d reachable)."""
+    """``p[d-1][r]``: P(target's next token at depth d is the drafter's rank-r candidate | depth d reachable).
+
+    ``score[d-1][r]`` (optional): the drafter's mean log-probability of its rank-r candidate at
+    depth d. EAGLE-2 expands and reranks by the drafter's cumulative log-probability, not by the
+    true acceptance; with scores the modelled tree is chosen the way the runtime chooses it (by
+    typical confidence) while its value is still counted in acceptance. Without, P orders the tree.
+    """
 
     p: list[list[float]]
     samples: list[int] = field(default_factory=list)  # roots behind each depth's estimate
+    score: list[list[float]] | None = None
 
     @property
     def max_depth(self) -> int:
@@ -62,42 +74,56 @@ class AcceptanceProfile:
         return len(self.p[0]) if self.p else 0
 
     @classmethod
-    def from_ranks(cls, ranks: torch.Tensor, max_rank: int) -> "AcceptanceProfile":
+    def from_ranks(cls, ranks: torch.Tensor, max_rank: int, logq: torch.Tensor | None = None) -> "AcceptanceProfile":
         """``ranks [S, D]``: the true token's rank at each depth (-1: beyond max_rank or not in the
-        draft vocabulary, -2: unknown, the continuation ended)."""
+        draft vocabulary, -2: unknown, the continuation ended); ``logq [S, D, max_rank]``: the
+        drafter's top log-probabilities at each depth."""
         S, D = ranks.shape
-        p, n = [], []
+        p, n, score = [], [], []
         reach = torch.ones(S, dtype=torch.bool)
         for d in range(D):
             known = reach & (ranks[:, d] != -2)
             cnt = int(known.sum())
-            row = [0.0] * max_rank
+            row, srow = [0.0] * max_rank, [0.0] * max_rank
             if cnt:
                 r = ranks[known, d]
                 for k in range(max_rank):
                     row[k] = float((r == k).sum()) / cnt
+                if logq is not None:
+                    srow = logq[known, d].double().mean(0).tolist()
             p.append(row)
+            score.append(srow)
             n.append(cnt)
             reach = reach & (ranks[:, d] >= 0)
-        return cls(p, n)
+        return cls(p, n, score if logq is not None else None)
 
-    def candidate_probs(self, depth: int, top_k: int) -> list[float]:
-        """Path probabilities of every candidate EAGLE-2 drafts at (depth, top_k), in level order."""
+    def _candidates(self, depth: int, top_k: int) -> list[tuple[float, float]]:
+        """``(P, S)`` of every candidate EAGLE-2 drafts at (depth, top_k), in level order:
+        P = path acceptance probability, S = cumulative score that orders frontier and rerank."""
         if depth > self.max_depth or top_k > self.max_rank:
             raise ValueError(f"(depth={depth}, top_k={top_k}) exceeds the profile ({self.max_depth}, {self.max_rank})")
-        level = [self.p[0][r] for r in range(top_k)]
+
+        def node(d: int, r: int, parent: tuple[float, float] = (1.0, 0.0)) -> tuple[float, float]:
+            s = self.score[d][r] if self.score is not None else math.log(max(self.p[d][r], 1e-30))
+            return parent[0] * self.p[d][r], parent[1] + s
+
+        level = [node(0, r) for r in range(top_k)]
         out = list(level)
         for d in range(1, depth):
-            frontier = sorted(level, reverse=True)[:top_k]  # the best K of the level expand
-            level = [f * self.p[d][r] for f in frontier for r in range(top_k)]
+            frontier = sorted(level, key=lambda c: -c[1])[:top_k]  # the best K of the level expand
+            level = [node(d, r, f) for f in frontier for r in range(top_k)]
             out += level
         return out
 
+    def candidate_probs(self, depth: int, top_k: int) -> list[float]:
+        """Path probabilities of every candidate EAGLE-2 drafts at (depth, top_k), in level order."""
+        return [c[0] for c in self._candidates(depth, top_k)]
+
     def tokens_per_round(self, depth: int, top_k: int) -> list[float]:
         """``t[n]`` = expected tokens per round with ``num_draft_tokens = n + 1`` (index 0: N=1, plain)."""
-        probs = sorted(self.candidate_probs(depth, top_k), reverse=True)  # rerank: the best N-1 are kept
+        kept = sorted(self._candidates(depth, top_k), key=lambda c: -c[1])  # rerank: the best N-1 scores
         t = [1.0]
-        for q in probs:
+        for q, _ in kept:
             t.append(t[-1] + q)
         return t
 
@@ -324,15 +350,17 @@ def _rank(lp: torch.Tensor, draft_id: torch.Tensor, max_rank: int) -> torch.Tens
     return torch.where((draft_id >= 0) & (r < max_rank), r, -1)
 
 
-def forced_chain_ranks(rt, st, future: torch.Tensor, max_rank: int, t2d: torch.Tensor) -> torch.Tensor:
+def forced_chain_ranks(rt, st, future: torch.Tensor, max_rank: int, t2d: torch.Tensor):
     """Teacher-forced draft from the current state: the drafter drafts a chain along ``future
     [B, D]`` (the true next tokens, -1 = unknown) exactly as ``_draft`` drafts one tree branch;
-    returns each true token's rank ``[B, D]`` (-1: beyond max_rank, -2: unknown)."""
+    returns each true token's rank ``[B, D]`` (-1: beyond max_rank, -2: unknown) and the
+    drafter's top log-probabilities ``[B, D, max_rank]``."""
     d = rt.drafter
     B, D = future.shape
     dev = rt.device
     lp = rt._draft_logprobs(st, st.hn_last)  # [B, Vd]
     ranks = [_rank(lp, t2d[future[:, 0].clamp(min=0)], max_rank)]
+    tops = [lp.topk(max_rank, dim=-1).values]
     hid = st.carry_last[:, None, :]
     width = max(D - 1, 1)
     fmask = torch.zeros(B, 1, width, dtype=torch.bool, device=dev)
@@ -344,9 +372,10 @@ def forced_chain_ranks(rt, st, future: torch.Tensor, max_rank: int, t2d: torch.T
         hn, carry = d.step(rt.ops, hid, tok, positions, rt.dk, rt.dv, (st.L + s - 1)[:, None], st.L, fmask, kv_len)
         lp = rt._draft_logprobs(st, hn)[:, 0]
         ranks.append(_rank(lp, t2d[future[:, s].clamp(min=0)], max_rank))
+        tops.append(lp.topk(max_rank, dim=-1).values)
         hid = carry
     r = torch.stack(ranks, 1)
-    return torch.where(future >= 0, r, -2)
+    return torch.where(future >= 0, r, -2), torch.stack(tops, 1).float()
 
 
 def measure_acceptance(rt, prompts: list[list[int]], continuations: list[list[int]], *, max_depth: int,
@@ -357,7 +386,7 @@ def measure_acceptance(rt, prompts: list[list[int]], continuations: list[list[in
 
     dev = rt.device
     t2d = _draft_ids(rt.drafter, rt.target.vocab_size, dev)
-    rows = []
+    rows, logqs = [], []
     saved_spec = rt.spec
     rt.spec = SpecConfig.chain(max(stride, 1))
     c = max(stride, 1)
@@ -373,7 +402,9 @@ def measure_acceptance(rt, prompts: list[list[int]], continuations: list[list[in
                 fut = torch.full((1, max_depth), -1, dtype=torch.int64, device=dev)
                 nxt = y[pos + 1 : pos + 1 + max_depth]
                 fut[0, : nxt.numel()] = nxt
-                rows.append(forced_chain_ranks(rt, st, fut, max_rank, t2d)[0].cpu())
+                r, lq = forced_chain_ranks(rt, st, fut, max_rank, t2d)
+                rows.append(r[0].cpu())
+                logqs.append(lq[0].cpu())
                 chain = y[pos + 1 : pos + 1 + c]
                 if chain.numel() < c or pos + c + 1 >= len(cont):
                     break
@@ -390,7 +421,7 @@ def measure_acceptance(rt, prompts: list[list[int]], continuations: list[list[in
     rt.spec = saved_spec
     if not rows:
         raise ValueError("no acceptance samples: the prompts gave no continuation to measure on")
-    return AcceptanceProfile.from_ranks(torch.stack(rows), max_rank), len(rows)
+    return AcceptanceProfile.from_ranks(torch.stack(rows), max_rank, torch.stack(logqs)), len(rows)
 
 
 # ================================================================== end to end

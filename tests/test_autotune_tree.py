@@ -46,6 +46,19 @@ def test_tokens_per_round_by_hand():
     assert acc.tokens_per_round(1, 1) == [1, 1.5]
 
 
+def test_tree_is_chosen_by_drafter_scores_but_valued_by_acceptance():
+    """An under-confident drafter (deep right answers scored below a shallow sibling) gets the
+    shallow sibling in its tree, as EAGLE-2's rerank does at run time: the value counts P only."""
+    import math
+
+    p = [[0.8, 0.1], [0.8, 0.1]]
+    confident = AcceptanceProfile(p)
+    shy = AcceptanceProfile(p, score=[[math.log(0.5), math.log(0.4)], [math.log(0.3), math.log(0.3)]])
+    assert confident.tokens_per_round(2, 2)[2] == pytest.approx(1 + 0.8 + 0.64)  # root's child, then its child
+    assert shy.tokens_per_round(2, 2)[2] == pytest.approx(1 + 0.8 + 0.1)  # the rank-1 sibling outranks depth 2
+    assert shy.tokens_per_round(2, 2)[-1] == pytest.approx(confident.tokens_per_round(2, 2)[-1])  # same nodes at N max
+
+
 def test_picks_the_known_chain_optimum():
     """Only the drafter's top-1 is ever right (p = 0.8 per depth), verify costs the same for any N:
     the best shape is a chain (top_k 1, N = D + 1) whose depth maximises (1 + sum 0.8^i) / time."""
