@@ -110,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("json", type=Path)
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("REPORT.md"))
+    p.add_argument("--note", default="", help="conditions of the run (machine load, spec shape), quoted in the report")
     a = p.parse_args(argv)
     rows, machine = load(a.json)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     text, speedups = render(rows, machine, a.json.name)
+    if a.note:
+        text = text.replace("\n\n", f"\n\n**Conditions.** {a.note}\n\n", 1)
     files = plots(rows, speedups, a.out.parent)
     text += "\n" + "\n".join(f"![{f.stem}]({f.name})" for f in files) + "\n"
     a.out.write_text(text)
