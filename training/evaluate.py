@@ -143,7 +143,7 @@ def render(results: list[SetResult], n: int, max_new_tokens: int, spec: SpecConf
         "",
         f"Measured {datetime.date.today().isoformat()} with `python -m tritonspec.training.evaluate --n {n} "
         f"--max-new-tokens {max_new_tokens}` on {platform.processor() or platform.machine()} "
-        f"({torch.get_num_threads()} torch threads, shared CPU cores; torch {torch.__version__}, backend torch, "
+        f"(torch threads: {torch.get_num_threads()}, 2 CPU cores shared with other work; torch {torch.__version__}, backend torch, "
         "float32).",
         f"Greedy, batch 1, first {n} prompts of each set, `{spec}`. τ = 1 + accepted / rounds (tokens per target "
         "verify forward). tokens/s = new tokens / wall time summed over the prompts; plain decoding runs through "
