@@ -57,13 +57,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt:
         raise SystemExit("empty prompt: pass it as an argument or on stdin")
     target, drafter = _resolve_pair(args.target, args.drafter)
-    spec = ts.SpecConfig(args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens)
+    shape = (args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens)
+    default = ts.SpecConfig()
+    spec = None if shape == (None, None, None) else ts.SpecConfig(  # None: a tuned profile, else the defaults
+        *(v if v is not None else d for v, d in zip(shape, (default.num_speculative_tokens, default.top_k,
+                                                             default.num_draft_tokens))))
     rt = ts.SpeculativeRuntime.from_pretrained(
         target, drafter, device=args.device, dtype=_dtype(args.dtype), backend=args.backend, spec=spec,
         max_batch_size=1, max_seq_len=args.max_seq_len)
     speculative = not args.no_speculative and rt.drafter is not None
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop or None, speculative=speculative)
+    if args.compare:  # one short warm-up per mode, so neither timing pays first-call costs
+        for mode in (speculative, False):
+            rt.generate(prompt, **(kw | {"max_new_tokens": 2, "speculative": mode}))
     if args.stream:
         for piece in rt.stream(prompt, **kw):
             print(piece.text if rt.tokenizer is not None else " ".join(map(str, piece.token_ids)), end="", flush=True)
@@ -166,9 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"HF target directory, '{DEMO}' / '{DEMO}:eagle3' (the bundled pair; default) or '{TINY}'")
     g.add_argument("--drafter", default=None, help="EAGLE-3/3.1 drafter directory (none: plain decoding)")
     g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--num-speculative-tokens", type=int, default=6, help="draft depth (default 6)")
-    g.add_argument("--draft-top-k", type=int, default=8, help="tree branching per level (default 8; 1 = chain)")
-    g.add_argument("--num-draft-tokens", type=int, default=48, help="tokens verified per round, root included")
+    g.add_argument("--num-speculative-tokens", type=int, default=None,
+                   help="draft depth (default: the tuned profile for this pair and device, else 6)")
+    g.add_argument("--draft-top-k", type=int, default=None, help="tree branching per level (default 8; 1 = chain)")
+    g.add_argument("--num-draft-tokens", type=int, default=None,
+                   help="tokens verified per round, root included (default 48)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off); the tree uses --draft-top-k")
