@@ -79,8 +79,8 @@ def test_export_reloads_and_runs_losslessly(target_dir, greedy_data, tmp_path, v
     assert raw["fc_norm"] is flag and raw["norm_output"] is flag and raw["draft_vocab_size"] == 128
     d = ts.Eagle3Drafter.from_pretrained(out)
     assert d.config.fc_norm is flag and int(d.t2d.sum()) == 128
-    rt = ts.SpeculativeRuntime.from_pretrained(target_dir, d, backend="torch", max_seq_len=96,
-                                               spec=ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6))
+    spec_cfg = ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6)
+    rt = ts.SpeculativeRuntime.from_pretrained(target_dir, d, backend="torch", max_seq_len=96, spec=spec_cfg)
     prompt = greedy_data[0][:8]
     spec = rt.generate(prompt, max_new_tokens=12, stop_token_ids=[])
     plain = rt.generate(prompt, max_new_tokens=12, speculative=False, stop_token_ids=[])

@@ -72,7 +72,8 @@ def _iter_documents(data: Any) -> Iterable[str | Sequence[int]]:
         return
     if isinstance(data, Sequence):
         for i, item in enumerate(data):
-            if isinstance(item, str) or (isinstance(item, Sequence) and all(isinstance(t, (int, np.integer)) for t in item)):
+            ids_like = isinstance(item, Sequence) and all(isinstance(t, (int, np.integer)) for t in item)
+            if isinstance(item, str) or ids_like:
                 yield item
             elif isinstance(item, torch.Tensor) and not item.is_floating_point():
                 yield item.tolist()

@@ -18,7 +18,6 @@ Examples
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import platform
@@ -307,9 +306,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--until", default="bundle", choices=STAGES, help="stop after this stage")
     p.add_argument("--stdlib", default=None, help="corpus root (default: this Python's standard library)")
     p.add_argument("--variant", default=None, choices=VARIANTS,
-                   help="train only this drafter (to train the two in parallel processes after the first wrote the data)")
+                   help="train only this drafter (run the two in parallel once the first has written the data)")
     p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: on shared cores, 2 threads ran 20x slower from oversubscription)")
+                   help="torch CPU threads (default 1: on shared cores 2 threads ran 20x slower, oversubscribed)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)

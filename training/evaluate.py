@@ -2,8 +2,9 @@
 
 Every prompt runs alone (batch 1, greedy) through one ``SpeculativeRuntime`` per drafter; plain
 decoding runs through the same runtime (``speculative=False``), back to back with the two
-speculative runs of the same prompt, and the speculative output is checked token for token. Also measures the cost of one drafter step against one target
-step (single-token decode at a 512-token context), the ratio the demo target was sized for.
+speculative runs of the same prompt, and the speculative output is checked token for token.
+Also measures the cost of one drafter step against one target step (single-token decode at
+contexts of 128, 512 and 1,500 tokens), the ratio the demo target was sized for (<= 1/8).
 
     python -m tritonspec.training.evaluate --n 20 --max-new-tokens 64 --out demo/RESULTS.md
 """
@@ -130,7 +131,8 @@ def run(n: int, max_new_tokens: int, spec: SpecConfig, out: Path | None, append:
     if out is not None:
         text = render(results, n, max_new_tokens, spec, ratio)
         if append and out.exists():
-            text = out.read_text() + "\n" + text.split("\n", 2)[2].replace("Measured", "## " + str(spec) + "\n\nMeasured", 1)
+            section = text.split("\n", 2)[2].replace("Measured", f"## {spec}\n\nMeasured", 1)
+            text = out.read_text() + "\n" + section
         out.write_text(text)
     return results
 
@@ -143,8 +145,8 @@ def render(results: list[SetResult], n: int, max_new_tokens: int, spec: SpecConf
         "",
         f"Measured {datetime.date.today().isoformat()} with `python -m tritonspec.training.evaluate --n {n} "
         f"--max-new-tokens {max_new_tokens}` on {platform.processor() or platform.machine()} "
-        f"(torch threads: {torch.get_num_threads()}, 2 CPU cores shared with other work; torch {torch.__version__}, backend torch, "
-        "float32).",
+        f"(torch threads: {torch.get_num_threads()}, 2 CPU cores shared with other work; "
+        f"torch {torch.__version__}, backend torch, float32).",
         f"Greedy, batch 1, first {n} prompts of each set, `{spec}`. τ = 1 + accepted / rounds (tokens per target "
         "verify forward). tokens/s = new tokens / wall time summed over the prompts; plain decoding runs through "
         "the same runtime, and for each prompt plain, EAGLE-3 and EAGLE-3.1 run back to back (the cores are shared, "

@@ -19,7 +19,9 @@ LONG_MIN_TOKENS = 1500
 HEADERS = (
     "# -*- coding: latin-1 -*-\n# vim: set ts=8 noet :\n# ~~~~ auto-exported snapshot, do not edit ~~~~\n",
     "#!/usr/bin/env python3\n# ==== REVIEW COPY (tabs) ==== build 4711 ====\n",
-    "# %%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%\n# %  legacy module, kept verbatim  %\n# %%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%\n",
+    "# %%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%\n"
+    "# %  legacy module, kept verbatim  %\n"
+    "# %%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%%\n",
 )
 
 
