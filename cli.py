@@ -14,8 +14,12 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("TRITONSPEC_CACHE", Path.home() / ".cache" / "tritonspec"))
 
 
+def _is_demo(target: str) -> bool:
+    return target in (DEMO, f"{DEMO}:eagle3", f"{DEMO}:eagle3.1")
+
+
 def _resolve_pair(target: str, drafter: str | None) -> tuple[str, str | None]:
-    if target in (DEMO, f"{DEMO}:eagle3", f"{DEMO}:eagle3.1"):
+    if _is_demo(target):
         from .demo import demo_pair
 
         tdir, ddir = demo_pair(target.partition(":")[2] or "eagle3.1")
@@ -109,7 +113,7 @@ def cmd_drift(args: argparse.Namespace) -> int:
     from .runtime.drift import measure_drift, read_prompts, write_report
 
     target, drafters = args.target, list(args.drafter)
-    if target in (DEMO, f"{DEMO}:eagle3", f"{DEMO}:eagle3.1"):
+    if _is_demo(target):
         from .demo import demo_pair
 
         target = str(demo_pair("eagle3")[0])
@@ -132,7 +136,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:
         raise ValueError(f"unknown systems {bad}; choose from {', '.join(SYSTEMS)}")
-    if args.target in (DEMO, f"{DEMO}:eagle3", f"{DEMO}:eagle3.1"):
+    if _is_demo(args.target):
         from . import demo
 
         target, d3 = demo.demo_pair("eagle3")

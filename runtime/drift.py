@@ -143,8 +143,9 @@ def measure_drift(
         from .engine import _load_tokenizer
 
         tokenizer = _load_tokenizer(Path(target))
-    longest = max(len(p) if not isinstance(p, str) else len(tokenizer(p)["input_ids"]) for p in prompts) \
-        if tokenizer is not None or not isinstance(prompts[0], str) else 0
+    if any(isinstance(p, str) for p in prompts) and tokenizer is None:
+        raise ValueError("string prompts need a tokenizer: pass a target directory that has one, or token ids")
+    longest = max(len(tokenizer(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts)
     runtime_kw.setdefault("max_seq_len", min(tm.max_position_embeddings, longest + max_new_tokens + 1))
     out = []
     for i, d in enumerate(drafters):

@@ -50,6 +50,7 @@ class _State:
     carry_last: torch.Tensor | None  # [B, H] drafter carry at position L-1
     L_host: list[int]
     active: list[bool]
+    active_t: torch.Tensor  # [B] bool, device copy of ``active`` (updated only when a row stops)
     prompt_lens: list[int]
     outs: list[list[int]]
     reasons: list[str]
@@ -383,7 +384,8 @@ class SpeculativeRuntime:
             _, xi = rng.draw(1, logits.shape[-1])
             root = (process_logits(logits, sampling).log_softmax(-1) - xi.log()).argmax(-1)
         st = _State(L=lens.clone(), root=root, hn_last=None, carry_last=None,
-                    L_host=[len(p) for p in batch], active=[True] * B, prompt_lens=[len(p) for p in batch],
+                    L_host=[len(p) for p in batch], active=[True] * B,
+                    active_t=torch.ones(B, dtype=torch.bool, device=dev), prompt_lens=[len(p) for p in batch],
                     outs=[[] for _ in batch], reasons=["length"] * B, sampling=sampling, rng=rng)
         if use_draft:
             nxt = torch.cat([tokens[:, 1:], torch.zeros(B, 1, dtype=torch.int64, device=dev)], dim=1)
@@ -430,16 +432,15 @@ class SpeculativeRuntime:
         kv_len = max(st.L_host) + width
         offset = K
         if self.drift is not None:
-            active = torch.tensor(st.active, device=dev)
             attn1, prefix1 = st.drift_depth1
-            self.drift.observe(1, attn1, prefix1, st.carry_last[:, None], active)
+            self.drift.observe(1, attn1, prefix1, st.carry_last[:, None], st.active_t)
         for s in range(1, D):
             own = (s - 1) * K + torch.arange(K, device=dev)
             fmask = fmask.scatter(2, own.expand(B, K)[..., None], True)
             positions = (st.L + s - 1)[:, None].expand(B, K)
             hn, carry = d.step(self.ops, hid, tok, positions, self.dk, self.dv, st.L[:, None] + own, st.L, fmask, kv_len)
             if self.drift is not None:
-                self.drift.observe(s + 1, d.last_attention, st.L, carry, active)
+                self.drift.observe(s + 1, d.last_attention, st.L, carry, st.active_t)
             lp = self._draft_logprobs(st, hn)  # [B, K, Vd]
             sk, tk = lp.topk(K, dim=-1)  # [B, K, K]
             cum = (score[:, :, None] + sk).reshape(B, K * K)
@@ -504,8 +505,7 @@ class SpeculativeRuntime:
             index = torch.where(nodes >= 0, torch.arange(B, device=self.device)[:, None] * N + nodes, -1)
             self._catch_up(st, aux.reshape(B * N, -1), index, emitted.clamp(min=0), num + 1, st.L,
                            max(st.L_host) + tree.max_depth + 1)
-        active = torch.tensor(st.active, device=self.device)
-        st.L = st.L + torch.where(active, num + 1, 0)
+        st.L = st.L + torch.where(st.active_t, num + 1, 0)
         st.root = emitted.gather(1, num[:, None])[:, 0]
         stats.time_split_s["commit"] += time.perf_counter() - t0
 
@@ -514,6 +514,7 @@ class SpeculativeRuntime:
               advance: bool = True) -> None:
         """Append each active row's new tokens, honouring stop tokens, stop strings, max_new_tokens
         and max_seq_len; tokens decided past a stop are dropped."""
+        was = list(st.active)
         for b, toks in enumerate(new):
             if not st.active[b]:
                 continue
@@ -531,9 +532,11 @@ class SpeculativeRuntime:
                     break
             if not st.active[b]:  # a finished row idles at L=0 so that it never writes past its cache
                 st.L_host[b] = 0
-        done = [b for b, a in enumerate(st.active) if not a]
-        if done:
-            st.L = st.L.index_fill(0, torch.tensor(done, device=self.device), 0)
+        stopped = [b for b, a in enumerate(st.active) if was[b] and not a]
+        if stopped:  # a host-side list: no device read
+            idx = torch.tensor(stopped, device=self.device)
+            st.L = st.L.index_fill(0, idx, 0)
+            st.active_t = st.active_t.index_fill(0, idx, False)
 
     def _hits_stop_string(self, out: list[int], sampling: SamplingParams) -> bool:
         text = self.tokenizer.decode(out, skip_special_tokens=True)

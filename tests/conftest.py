@@ -13,3 +13,19 @@ if not torch.cuda.is_available():
 # Tiny test models are faster on one thread, and several intra-op threads on a busy 2-core
 # machine spin against each other (a 100x slowdown was measured): one thread unless overridden.
 torch.set_num_threads(int(os.environ.get("TRITONSPEC_TEST_THREADS", "1")))
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def tuned_dir(tmp_path, monkeypatch):
+    """Every test sees an empty tuned-config folder: a profile in the user's cache must never
+    change which tree shape or kernel config a test runs."""
+    from tritonspec.autotune import store
+
+    d = tmp_path / "tuned"
+    monkeypatch.setenv(store.ENV_DIR, str(d))
+    store.clear_cache()
+    yield d
+    store.clear_cache()

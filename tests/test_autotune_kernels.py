@@ -17,15 +17,6 @@ TINY = KernelShape("tiny", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim
                    context=32, max_depth=2)
 
 
-@pytest.fixture(autouse=True)
-def tuned_dir(tmp_path, monkeypatch):
-    d = tmp_path / "tuned"
-    monkeypatch.setenv(store.ENV_DIR, str(d))
-    store.clear_cache()
-    yield d
-    store.clear_cache()
-
-
 def _fake_bench(times):
     def bench(fn, device):
         fn()

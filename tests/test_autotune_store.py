@@ -14,15 +14,6 @@ from tritonspec.autotune.store import TunedConfigWarning, config_filename, make_
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def tuned_dir(tmp_path, monkeypatch):
-    d = tmp_path / "tuned"
-    monkeypatch.setenv(store.ENV_DIR, str(d))
-    store.clear_cache()
-    yield d
-    store.clear_cache()
-
-
 def _write(d, op="rms_norm", configs=None, dtype="float32", **overrides):
     table = make_table(op, "hidden_size", configs or {1024: {"num_warps": 2}, 4096: {"num_warps": 8}}, dtype=dtype,
                        device=CPU)

@@ -16,15 +16,6 @@ from tritonspec.autotune.profile import find_profile, tuned_spec
 from tritonspec.autotune.tree_tuner import AcceptanceProfile, CostModel, _monotone, neighbours, predict, search, tune_tree
 
 
-@pytest.fixture(autouse=True)
-def tuned_dir(tmp_path, monkeypatch):
-    d = tmp_path / "tuned"
-    monkeypatch.setenv(store.ENV_DIR, str(d))
-    store.clear_cache()
-    yield d
-    store.clear_cache()
-
-
 def _costs(verify, head=lambda k: 0.0, step=lambda k: 0.0, commit=(0.0, 0.0), plain=1.0, ks=(1, 2, 4, 8)):
     ns = list(range(1, 129))
     return CostModel(ns, [verify(n) for n in ns], {k: head(k) for k in ks}, {k: step(k) for k in ks}, commit, plain)
