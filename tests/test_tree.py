@@ -75,3 +75,27 @@ def test_specconfig_validation():
         ts.SpecConfig(2, 2, 1)
     with pytest.raises(ValueError, match="drafts only 3 candidates"):
         ts.SpecConfig.chain(3).__class__(3, 1, 5)
+
+
+def test_torch_backend_attention_equals_the_reference():
+    """TorchOps.tree_attention (mask built once per forward, broadcast GQA) computes the reference."""
+    from tritonspec.kernels.tree_attention import tree_attention_reference
+    from tritonspec.runtime.ops import TorchOps
+
+    g = torch.Generator().manual_seed(0)
+    B, Q, Hq, Hkv, D, S, T = 3, 5, 6, 2, 8, 40, 7
+    q = torch.randn(B, Q, Hq, D, generator=g)
+    k = torch.randn(B + 1, S, Hkv, D, generator=g)
+    v = torch.randn(B + 1, S, Hkv, D, generator=g)
+    prefix = torch.tensor([0, 9, 30])
+    mask = torch.rand(B, Q, T, generator=g) < 0.5
+    mask[..., 0] = True
+    ops = TorchOps()
+    for kv_len in (None, 37):
+        want = tree_attention_reference(q, k, v, prefix, mask, 0.3, kv_len)
+        torch.testing.assert_close(ops.tree_attention(q, k, v, prefix, mask, 0.3, kv_len), want, atol=1e-6, rtol=1e-5)
+    other = mask.clone()
+    other[0, 0] = ~other[0, 0]  # a new mask object must not reuse the cached visibility
+    other[0, 0, 0] = True
+    torch.testing.assert_close(ops.tree_attention(q, k, v, prefix, other, 0.3),
+                               tree_attention_reference(q, k, v, prefix, other, 0.3), atol=1e-6, rtol=1e-5)
