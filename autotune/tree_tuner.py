@@ -270,10 +270,13 @@ def measure_costs(rt, prompt_ids: list[int], *, max_depth: int, top_ks: Sequence
     saved_spec = rt.spec
     with torch.inference_mode():
         st = _prefill(rt, [prompt_ids])
-        snap = (st.L, st.root, st.hn_last, st.carry_last, list(st.L_host))
+        live = (st.L, st.root, st.hn_last, st.carry_last)  # static buffers, updated in place by commit
+        snap = [t.clone() for t in live], list(st.L_host)
 
         def restore():
-            st.L, st.root, st.hn_last, st.carry_last, st.L_host = snap[0], snap[1], snap[2], snap[3], list(snap[4])
+            for t, s in zip(live, snap[0]):
+                t.copy_(s)
+            st.L_host = list(snap[1])
 
         stats = _stats(max_depth)
         room = rt.target.k_cache.shape[2] - 1 - len(prompt_ids)  # tree slots after the prompt

@@ -22,6 +22,9 @@ class TritonOps:
 
     name = "triton"
 
+    def begin_forward(self) -> None:
+        """Nothing cached between layers (``TorchOps.begin_forward`` has the counterpart)."""
+
     rms_norm = staticmethod(rms_norm)  # (x, weight, eps, residual=None)
     aux_gather = staticmethod(aux_gather)  # (aux, index, fc_norm_weight, eps)
     kv_write = staticmethod(kv_write)  # (k_cache, v_cache, slots, k, v)

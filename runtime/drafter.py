@@ -288,6 +288,7 @@ class Eagle3Drafter(nn.Module):
         c, m = self.config, self.midlayer
         eps = c.rms_norm_eps
         B, Q, _ = hidden.shape
+        ops.begin_forward()
         e = ops.rms_norm(self.embed_tokens(tokens).to(hidden.dtype), m.input_layernorm.weight, eps)
         v = ops.rms_norm(hidden, m.hidden_norm.weight, eps)
         z = torch.cat([e, v], dim=-1)  # [B, Q, 2H]: embedding first, hidden second

@@ -12,6 +12,12 @@ One round, for a batch of B rows with committed target length ``L[b]`` and root 
 Every step works on fixed-shape device tensors; the only host synchronisation is one read of
 the emitted tokens at the end of each round (stop conditions). Plain decoding is the same
 round with a tree that is only the root.
+
+The round (``_round``) reads and writes only static buffers (``_Buffers``: lengths, roots,
+drafter states, random keys/counters, the emitted-token row) and the caches, so on a CUDA device
+it is captured once per batch-size bucket and replayed as a CUDA graph (``runtime/graphs.py``);
+eager execution calls the very same ``_round``. Rows beyond the live batch (bucket padding,
+finished rows) are idle: their writes go to the trash slot and their output is ignored.
 """
 from __future__ import annotations
 
@@ -27,6 +33,7 @@ import torch.nn.functional as F
 from ..autotune.profile import tuned_spec
 from .config import GenerationOutput, SpecConfig, SpecStats, StreamPiece
 from .drafter import Eagle3Drafter
+from .graphs import graph_runner
 from .ops import get_ops, resolve_backend
 from .sampling import RowRandom, SamplingParams, process_logits
 from .target import TargetModel, default_aux_layer_ids
@@ -42,21 +49,50 @@ class _Tree:
     max_depth: int
 
 
+class _Buffers:
+    """Static decode state for ``max_batch_size`` rows; a round's tensors are views ``[:rows]``."""
+
+    def __init__(self, max_batch: int, hidden: int | None, width: int, device: torch.device, dtype: torch.dtype):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.L = torch.zeros(max_batch, **i64)  # [Bmax] committed target length (= drafter's encoded length)
+        self.root = torch.zeros(max_batch, **i64)  # [Bmax] last emitted token
+        self.active = torch.zeros(max_batch, dtype=torch.bool, device=device)  # [Bmax]
+        self.key = torch.zeros(max_batch, **i64)  # [Bmax] random key per request (sampling.RowRandom)
+        self.counter = torch.zeros(max_batch, **i64)  # [Bmax] rounds drawn per request
+        self.out = torch.zeros(max_batch, width, **i64)  # [Bmax, D+2] emitted tokens, then their count
+        h = (max_batch, hidden) if hidden else (max_batch, 0)
+        self.hn = torch.zeros(h, device=device, dtype=dtype)  # [Bmax, H] drafter normed hidden at L-1
+        self.carry = torch.zeros(h, device=device, dtype=dtype)  # [Bmax, H] drafter carry at L-1
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.L, self.root, self.active, self.key, self.counter, self.out, self.hn, self.carry]
+
+
 @dataclass
 class _State:
-    L: torch.Tensor  # [B] committed target length (= drafter's encoded length)
-    root: torch.Tensor  # [B] last emitted token
-    hn_last: torch.Tensor | None  # [B, H] drafter normed hidden at position L-1
-    carry_last: torch.Tensor | None  # [B, H] drafter carry at position L-1
+    bufs: _Buffers
+    rows: int  # rows of the round's tensors: live rows plus idle padding up to a graph bucket
     L_host: list[int]
     active: list[bool]
-    active_t: torch.Tensor  # [B] bool, device copy of ``active`` (updated only when a row stops)
     prompt_lens: list[int]
     outs: list[list[int]]
     reasons: list[str]
     sampling: SamplingParams
     rng: RowRandom | None
     drift_depth1: tuple | None = None  # (attention [B, Hq, 1, S], prefix lens) for drift diagnostics
+
+    def __post_init__(self) -> None:
+        self.narrow(self.rows)
+
+    def narrow(self, rows: int) -> None:
+        """Point the round's tensors at rows ``[:rows]`` of the static buffers."""
+        b = self.bufs
+        self.rows = rows
+        self.L, self.root, self.active_t = b.L[:rows], b.root[:rows], b.active[:rows]  # [rows]
+        self.hn_last, self.carry_last = b.hn[:rows], b.carry[:rows]  # [rows, H]
+        self.out = b.out[:rows]  # [rows, D+2]
+        if self.rng is not None:
+            self.rng.key, self.rng.counter = b.key[:rows], b.counter[:rows]
 
 
 class SpeculativeRuntime:
@@ -81,6 +117,7 @@ class SpeculativeRuntime:
         max_batch_size: int = 8,
         max_seq_len: int | None = None,
         cuda_graphs: str | bool = "auto",
+        cuda_graph_sizes: Sequence[int] | None = None,
     ):
         self.target = target
         self.tokenizer = tokenizer
@@ -90,14 +127,11 @@ class SpeculativeRuntime:
         self.spec = spec or tuned_spec(target, drafter, self.backend) or SpecConfig()  # autotune/profile.py
         if not isinstance(self.spec, SpecConfig):
             raise TypeError(f"spec must be a tritonspec.SpecConfig, got {type(self.spec).__name__}")
-        if cuda_graphs not in ("auto", True, False):
-            raise ValueError(f"cuda_graphs={cuda_graphs!r}: use 'auto', True or False")
-        if cuda_graphs is True:
-            warnings.warn("cuda_graphs=True: CUDA-graph capture is not built yet; running eager", stacklevel=2)
-        self.cuda_graphs = cuda_graphs
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
         self.max_batch_size = max_batch_size
+        self.cuda_graphs = cuda_graphs
+        self._graphs = graph_runner(cuda_graphs, self.device, max_batch_size, cuda_graph_sizes)  # None = eager
         limit = target.max_position_embeddings
         self.max_seq_len = max_seq_len if max_seq_len is not None else min(limit, 4096)
         if self.max_seq_len > limit:
@@ -121,6 +155,35 @@ class SpeculativeRuntime:
             self.dk = torch.zeros(shape, device=self.device, dtype=target.dtype)
             self.dv = torch.zeros(shape, device=self.device, dtype=target.dtype)
             drafter.rope(self.drafter_capacity + 1)
+        self._bufs = self._new_buffers()
+
+    def _new_buffers(self) -> _Buffers:
+        hidden = self.drafter.config.hidden_size if self.drafter is not None else None
+        return _Buffers(self.max_batch_size, hidden, self.spec.num_speculative_tokens + 2, self.device,
+                        self.target.dtype)
+
+    def warmup(self, batch_sizes: Sequence[int] | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
+               top_k: int = 0, speculative: bool = True) -> list[int]:
+        """Capture the decode-round graphs now instead of on first use (CUDA only; a no-op eager).
+
+        Runs a short dummy generation per batch-size bucket with these sampling settings (graphs
+        are keyed by bucket, tree shape and sampling settings). Returns the buckets captured.
+
+        Examples
+        --------
+        >>> rt = ts.SpeculativeRuntime.from_pretrained(t, d, device="cuda")   # doctest: +SKIP
+        >>> rt.warmup()                                                       # doctest: +SKIP
+        [1, 2, 4, 8]
+        """
+        if self._graphs is None:
+            return []
+        sizes = self._graphs.sizes if batch_sizes is None else sorted({int(b) for b in batch_sizes})
+        for b in sizes:
+            if not 1 <= b <= self.max_batch_size:
+                raise ValueError(f"warmup batch size {b} must lie in [1, max_batch_size={self.max_batch_size}]")
+            self.generate([[0]] * b, max_new_tokens=2, temperature=temperature, top_p=top_p, top_k=top_k,
+                          seed=0, stop_token_ids=(), speculative=speculative)
+        return sorted({self._graphs.bucket(b) for b in sizes} - {None})
 
     def _attach_drafter(self, d: Eagle3Drafter) -> None:
         t, c = self.target, d.config
@@ -158,6 +221,7 @@ class SpeculativeRuntime:
         max_batch_size: int = 8,
         max_seq_len: int | None = None,
         cuda_graphs: str | bool = "auto",
+        cuda_graph_sizes: Sequence[int] | None = None,
         tokenizer: Any = None,
     ) -> "SpeculativeRuntime":
         """Build a runtime from a target (HF directory or ``PreTrainedModel``) and an optional drafter.
@@ -171,6 +235,11 @@ class SpeculativeRuntime:
         spec : draft-tree shape; None = the tuned profile for this pair/device (``tritonspec autotune
             tree``) when there is one, else ``SpecConfig()`` defaults.
         max_batch_size, max_seq_len : static cache sizes (max_seq_len = prompt + generated).
+        cuda_graphs : ``"auto"`` (capture decode rounds as CUDA graphs on a CUDA device), ``True``
+            (the same; warns and runs eager without CUDA) or ``False`` (always eager, vLLM's
+            ``enforce_eager``). Capture failures warn and fall back to eager.
+        cuda_graph_sizes : batch-size buckets to capture (default 1, 2, 4, ... up to
+            ``max_batch_size``); a batch is padded up to the next bucket, larger ones run eager.
         tokenizer : optional; by default read from the target directory when it has one.
         """
         tm = TargetModel.from_pretrained(target, device=device, dtype=dtype)
@@ -182,7 +251,7 @@ class SpeculativeRuntime:
         if tokenizer is None and isinstance(target, (str, Path)):
             tokenizer = _load_tokenizer(Path(target))
         return cls(tm, d, tokenizer, backend=backend, spec=spec, max_batch_size=max_batch_size,
-                   max_seq_len=max_seq_len, cuda_graphs=cuda_graphs)
+                   max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, cuda_graph_sizes=cuda_graph_sizes)
 
     # ================================================================== public API
     def generate(
@@ -276,29 +345,72 @@ class SpeculativeRuntime:
         t0 = time.perf_counter()
         if use_draft:  # runtimes may share one TargetModel (e.g. EAGLE-3 and 3.1 drafters side by side)
             self.target.set_aux_layer_ids(self.aux_layer_ids)
+        width = (self.spec.num_speculative_tokens if use_draft else 0) + 2  # emitted tokens + their count
+        if self._bufs.out.shape[1] < width:  # the tree depth grew since construction (autotune)
+            self._bufs = self._new_buffers()
+            if self._graphs is not None:
+                self._graphs.reset()
+        n = len(batch)
         with torch.inference_mode():  # never across a yield: the caller's code runs between rounds
-            st = self._prefill(batch, use_draft, sampling, seeds, stats)
-            first = st.root.tolist()
+            st = self._prefill(batch, use_draft, sampling, seeds, stats, rows=self._rows(n, n))
+            first = st.root[:n].tolist()
         self._emit(st, [[r] for r in first], stops, max_new_tokens, advance=False)
         yield st
+        n_draft = self.spec.num_draft_tokens - 1
         while any(st.active):
+            live = max(b for b, a in enumerate(st.active) if a) + 1
+            if self._rows(live, n) < st.rows:  # finished rows at the end: a smaller bucket does
+                st.narrow(self._rows(live, n))
             with torch.inference_mode():
-                tree = self._draft(st, stats) if use_draft else self._root_only(st)
-                nodes, num, emitted, aux = self._verify(st, tree, stats)
-                self._commit(st, tree, nodes, num, emitted, aux, use_draft, stats)
-                em = torch.cat([emitted, num[:, None]], dim=1).tolist()  # the round's one host sync
-            nm = [row[-1] for row in em]
-            new = [row[: n + 1] if a else [] for row, n, a in zip(em, nm, st.active)]
+                self._run_round(st, use_draft, stats)
+                em = st.out[:, :width].tolist()  # the round's one host sync
+            nm = [row[width - 1] for row in em]
+            new = [row[: k + 1] if a else [] for row, k, a in zip(em, nm, st.active)]
             if use_draft:
-                self._count(stats, nm, st.active, tree.tokens.shape[1] - 1)
+                self._count(stats, nm, st.active, n_draft)
             self._emit(st, new, stops, max_new_tokens)
             yield st
         stats.wall_time_s = time.perf_counter() - t0
-        stats.num_new_tokens = sum(len(o) for o in st.outs)
+        outs, reasons = st.outs[:n], st.reasons[:n]  # drop bucket padding
+        stats.num_new_tokens = sum(len(o) for o in outs)
         texts = None
         if self.tokenizer is not None:
-            texts = [self._text(o, sampling) for o in st.outs]
-        return GenerationOutput(token_ids=st.outs, texts=texts, stats=stats, finish_reasons=st.reasons)
+            texts = [self._text(o, sampling) for o in outs]
+        return GenerationOutput(token_ids=outs, texts=texts, stats=stats, finish_reasons=reasons)
+
+    def _rows(self, live: int, n: int) -> int:
+        """Rows a round runs on: ``live`` (eager) or its graph bucket; never more than the batch's own
+        bucket (``n`` prompts), so padding rows stay idle."""
+        if self._graphs is None or self.drift is not None:
+            return live
+        b = self._graphs.bucket(live)
+        return live if b is None else b
+
+    def _run_round(self, st: _State, use_draft: bool, stats: SpecStats) -> None:
+        """Replay (or capture) the round's graph for this bucket, or run it eagerly."""
+        g = self._graphs
+        if g is not None and self.drift is None:
+            sp = st.sampling
+            key = (st.rows, use_draft, self.spec, sp.temperature, sp.top_p, sp.top_k)
+            t0 = time.perf_counter()
+            if g.run(key, lambda: self._round(st, use_draft, None, whole_cache=True), self._bufs.tensors()):
+                stats.time_split_s["graph"] = stats.time_split_s.get("graph", 0.0) + time.perf_counter() - t0
+                return
+        self._round(st, use_draft, stats)
+
+    def _round(self, st: _State, use_draft: bool, stats: SpecStats | None, whole_cache: bool = False) -> None:
+        """One decode round on the state's static tensors: draft -> verify -> commit, then the
+        emitted tokens and their count into ``st.out``. No host synchronisation, fixed shapes.
+
+        ``whole_cache``: attend over the whole cache (a captured graph cannot know the lengths)
+        instead of up to the host-known longest row; the visible slots, and so the math, are the same.
+        """
+        tree = self._draft(st, stats, whole_cache) if use_draft else self._root_only(st)
+        nodes, num, emitted, aux = self._verify(st, tree, stats, whole_cache)
+        self._commit(st, tree, nodes, num, emitted, aux, use_draft, stats, whole_cache)
+        w = emitted.shape[1]
+        st.out[:, :w].copy_(emitted)
+        st.out[:, w].copy_(num)
 
     def _text(self, tokens: list[int], sampling: SamplingParams) -> str:
         text = self.tokenizer.decode(tokens, skip_special_tokens=True)
@@ -359,9 +471,12 @@ class SpeculativeRuntime:
 
     # ================================================================== round steps
     def _prefill(self, batch: list[list[int]], use_draft: bool, sampling: SamplingParams, seeds: list[int],
-                 stats: SpecStats) -> _State:
+                 stats: SpecStats, rows: int | None = None) -> _State:
+        """Run the prompts, pick the first token, encode the drafter; ``rows - len(batch)`` idle rows pad
+        the state up to a graph bucket."""
         t0 = time.perf_counter()
         B, P = len(batch), max(len(p) for p in batch)
+        rows = B if rows is None else rows
         dev = self.device
         lens = torch.tensor([len(p) for p in batch], device=dev)
         tokens = torch.zeros(B, P, dtype=torch.int64, device=dev)
@@ -376,17 +491,25 @@ class SpeculativeRuntime:
         hidden, aux = self.target.forward(self.ops, tokens, positions, slots, zero, causal, P, capture_aux=use_draft)
         last = (lens - 1)[:, None]
         h_last = hidden.gather(1, last[..., None].expand(B, 1, hidden.shape[-1]))[:, 0]
-        rng = None if sampling.greedy else RowRandom(seeds, dev)
+        pad = rows - B
+        bufs = self._bufs
+        for t in bufs.tensors():
+            t[:rows].zero_()
+        rng = None
+        if not sampling.greedy:
+            rng = RowRandom(list(seeds) + [0] * pad, dev, key=bufs.key[:rows], counter=bufs.counter[:rows])
+        st = _State(bufs=bufs, rows=rows, L_host=[len(p) for p in batch] + [0] * pad, active=[True] * B + [False] * pad,
+                    prompt_lens=[len(p) for p in batch] + [0] * pad, outs=[[] for _ in range(rows)],
+                    reasons=["length"] * rows, sampling=sampling, rng=rng)
         logits = self.target.logits(h_last)
         if sampling.greedy:
             root = logits.argmax(-1)
         else:  # the first token: an exponential-race sample of the processed distribution
             _, xi = rng.draw(1, logits.shape[-1])
-            root = (process_logits(logits, sampling).log_softmax(-1) - xi.log()).argmax(-1)
-        st = _State(L=lens.clone(), root=root, hn_last=None, carry_last=None,
-                    L_host=[len(p) for p in batch], active=[True] * B,
-                    active_t=torch.ones(B, dtype=torch.bool, device=dev), prompt_lens=[len(p) for p in batch],
-                    outs=[[] for _ in batch], reasons=["length"] * B, sampling=sampling, rng=rng)
+            root = (process_logits(logits, sampling).log_softmax(-1) - xi[:B].log()).argmax(-1)
+        st.L[:B].copy_(lens)
+        st.root[:B].copy_(root)
+        st.active_t[:B].fill_(True)
         if use_draft:
             nxt = torch.cat([tokens[:, 1:], torch.zeros(B, 1, dtype=torch.int64, device=dev)], dim=1)
             nxt = nxt.scatter(1, last, root[:, None])  # pair (g_t, x_{t+1}); x_P = root
@@ -397,7 +520,8 @@ class SpeculativeRuntime:
 
     def _catch_up(self, st: _State, aux_flat: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor,
                   n_valid: torch.Tensor, start: torch.Tensor, kv_len: int) -> None:
-        """Drafter re-encodes ``n_valid`` positions from ``start`` with true target features."""
+        """Drafter re-encodes ``n_valid`` positions from ``start`` with true target features; the
+        state's first ``B`` rows get the drafter's state at the last one (B = rows of ``index``)."""
         d = self.drafter
         B, Qc = index.shape
         ar = torch.arange(Qc, device=self.device)
@@ -407,14 +531,14 @@ class SpeculativeRuntime:
         causal = torch.ones(Qc, Qc, dtype=torch.bool, device=self.device).tril().expand(B, Qc, Qc)
         hn, carry = d.step(self.ops, g, tokens, positions, self.dk, self.dv, slots, start, causal, kv_len)
         last = (n_valid - 1).clamp(min=0)[:, None, None].expand(B, 1, hn.shape[-1])
-        st.hn_last = hn.gather(1, last)[:, 0]
-        st.carry_last = carry.gather(1, last)[:, 0]
+        st.hn_last[:B].copy_(hn.gather(1, last)[:, 0])
+        st.carry_last[:B].copy_(carry.gather(1, last)[:, 0])
         if self.drift is not None:  # depth 1 of the next round is this catch-up's last position
             attn = d.last_attention  # [B, Hq, Qc, S]
             idx = last[:, :1, :1].reshape(B, 1, 1, 1).expand(B, attn.shape[1], 1, attn.shape[-1])
             st.drift_depth1 = (attn.gather(2, idx), start + n_valid)
 
-    def _draft(self, st: _State, stats: SpecStats) -> _Tree:
+    def _draft(self, st: _State, stats: SpecStats | None, whole_cache: bool = False) -> _Tree:
         """EAGLE-2 expansion from the last catch-up state, then global rerank (tree.py)."""
         t0 = time.perf_counter()
         d, dev = self.drafter, self.device
@@ -429,7 +553,7 @@ class SpeculativeRuntime:
         hid = st.carry_last[:, None, :].expand(B, K, st.carry_last.shape[-1])
         width = max((D - 1) * K, 1)
         fmask = torch.zeros(B, K, width, dtype=torch.bool, device=dev)
-        kv_len = max(st.L_host) + width
+        kv_len = None if whole_cache else max(st.L_host) + width
         offset = K
         if self.drift is not None:
             attn1, prefix1 = st.drift_depth1
@@ -438,7 +562,8 @@ class SpeculativeRuntime:
             own = (s - 1) * K + torch.arange(K, device=dev)
             fmask = fmask.scatter(2, own.expand(B, K)[..., None], True)
             positions = (st.L + s - 1)[:, None].expand(B, K)
-            hn, carry = d.step(self.ops, hid, tok, positions, self.dk, self.dv, st.L[:, None] + own, st.L, fmask, kv_len)
+            slots = torch.where(st.active_t[:, None], st.L[:, None] + own, -1)  # idle rows write nowhere
+            hn, carry = d.step(self.ops, hid, tok, positions, self.dk, self.dv, slots, st.L, fmask, kv_len)
             if self.drift is not None:
                 self.drift.observe(s + 1, d.last_attention, st.L, carry, st.active_t)
             lp = self._draft_logprobs(st, hn)  # [B, K, Vd]
@@ -461,7 +586,7 @@ class SpeculativeRuntime:
         keep = rerank(torch.cat(scores, dim=1), N - 1)
         par, depth, mask = build_tree(keep, torch.cat(parents, dim=1), torch.cat(depths), D)
         node_tokens = torch.cat([st.root[:, None], torch.cat(tokens, dim=1).gather(1, keep)], dim=1)
-        stats.time_split_s["draft"] += time.perf_counter() - t0
+        _add_time(stats, "draft", t0)
         return _Tree(node_tokens, par, depth, mask, D)
 
     def _draft_logprobs(self, st: _State, hn: torch.Tensor) -> torch.Tensor:
@@ -475,14 +600,14 @@ class SpeculativeRuntime:
         return _Tree(st.root[:, None], torch.full((B, 1), -1, dtype=torch.int64, device=dev),
                      torch.zeros(B, 1, dtype=torch.int64, device=dev), torch.ones(B, 1, 1, dtype=torch.bool, device=dev), 0)
 
-    def _verify(self, st: _State, tree: _Tree, stats: SpecStats):
+    def _verify(self, st: _State, tree: _Tree, stats: SpecStats | None, whole_cache: bool = False):
         """Target forward over the tree, then greedy verification."""
         t0 = time.perf_counter()
         B, N = tree.tokens.shape
         positions = st.L[:, None] + tree.depth
-        slots = st.L[:, None] + torch.arange(N, device=self.device)
+        slots = torch.where(st.active_t[:, None], st.L[:, None] + torch.arange(N, device=self.device), -1)
         hidden, aux = self.target.forward(self.ops, tree.tokens, positions, slots, st.L, tree.mask,
-                                          max(st.L_host) + N, capture_aux=tree.max_depth > 0)
+                                          None if whole_cache else max(st.L_host) + N, capture_aux=tree.max_depth > 0)
         logits = self.target.logits(hidden)  # [B, N, V]
         if st.sampling.greedy:
             nodes, num, emitted = self.ops.verify_greedy(tree.tokens, tree.parents, logits.argmax(-1), tree.max_depth)
@@ -491,23 +616,25 @@ class SpeculativeRuntime:
             uniforms, xi = st.rng.draw(N, logits.shape[-1])
             nodes, num, emitted = self.ops.verify_sampling(tree.tokens, tree.parents, probs, uniforms, xi,
                                                            tree.max_depth)
-        stats.time_split_s["verify"] += time.perf_counter() - t0
+        _add_time(stats, "verify", t0)
         return nodes, num, emitted, aux
 
     def _commit(self, st: _State, tree: _Tree, nodes: torch.Tensor, num: torch.Tensor, emitted: torch.Tensor,
-                aux: torch.Tensor | None, use_draft: bool, stats: SpecStats) -> None:
-        """Compact the accepted path's K/V, re-encode it in the drafter, advance L and the root."""
+                aux: torch.Tensor | None, use_draft: bool, stats: SpecStats | None, whole_cache: bool = False) -> None:
+        """Compact the accepted path's K/V, re-encode it in the drafter, advance L and the root (in place)."""
         t0 = time.perf_counter()
         B, N = tree.tokens.shape
         if tree.max_depth > 0:
-            self.ops.kv_compact(self.target.k_cache, self.target.v_cache, st.L, nodes)
+            self.ops.kv_compact(self.target.k_cache, self.target.v_cache, st.L,
+                                torch.where(st.active_t[:, None], nodes, -1))  # idle rows move nothing
         if use_draft:
             index = torch.where(nodes >= 0, torch.arange(B, device=self.device)[:, None] * N + nodes, -1)
-            self._catch_up(st, aux.reshape(B * N, -1), index, emitted.clamp(min=0), num + 1, st.L,
-                           max(st.L_host) + tree.max_depth + 1)
-        st.L = st.L + torch.where(st.active_t, num + 1, 0)
-        st.root = emitted.gather(1, num[:, None])[:, 0]
-        stats.time_split_s["commit"] += time.perf_counter() - t0
+            self._catch_up(st, aux.reshape(B * N, -1), index, emitted.clamp(min=0),
+                           torch.where(st.active_t, num + 1, 0), st.L,
+                           None if whole_cache else max(st.L_host) + tree.max_depth + 1)
+        st.L.add_(torch.where(st.active_t, num + 1, 0))
+        st.root.copy_(emitted.gather(1, num[:, None])[:, 0])
+        _add_time(stats, "commit", t0)
 
     # ================================================================== host bookkeeping
     def _emit(self, st: _State, new: list[list[int]], stops: set[int], max_new_tokens: int,
@@ -532,11 +659,11 @@ class SpeculativeRuntime:
                     break
             if not st.active[b]:  # a finished row idles at L=0 so that it never writes past its cache
                 st.L_host[b] = 0
-        stopped = [b for b, a in enumerate(st.active) if was[b] and not a]
+        stopped = [b for b, a in enumerate(st.active) if was[b] and not a and b < st.rows]
         if stopped:  # a host-side list: no device read
             idx = torch.tensor(stopped, device=self.device)
-            st.L = st.L.index_fill(0, idx, 0)
-            st.active_t = st.active_t.index_fill(0, idx, False)
+            st.L.index_fill_(0, idx, 0)
+            st.active_t.index_fill_(0, idx, False)
 
     def _hits_stop_string(self, out: list[int], sampling: SamplingParams) -> bool:
         text = self.tokenizer.decode(out, skip_special_tokens=True)
@@ -552,6 +679,11 @@ class SpeculativeRuntime:
             stats.num_accepted_tokens += n
             for i in range(n):
                 stats.accepted_per_position[i] += 1
+
+
+def _add_time(stats: SpecStats | None, phase: str, t0: float) -> None:
+    if stats is not None:
+        stats.time_split_s[phase] += time.perf_counter() - t0
 
 
 class _Run:

@@ -31,12 +31,18 @@ class TorchOps:
     kv_write = staticmethod(kv_write_reference)
 
     def __init__(self) -> None:
-        self._vis: tuple | None = None  # (prefix_lens, tree_mask, kv_len, visibility) of the last call
+        self._vis: tuple | None = None  # (prefix_lens, tree_mask, kv_len, visibility) of this forward
+
+    def begin_forward(self) -> None:
+        """A new model forward starts: forget the cached visibility mask (the round updates
+        ``prefix_lens`` in place, so the same tensor object holds new lengths in the next forward)."""
+        self._vis = None
 
     def tree_attention(self, q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None):
         """``kernels.tree_attention.tree_attention_reference``, with two CPU speed-ups that do not
         change the math: the visibility mask is built once per forward (every layer passes the same
-        ``prefix_lens``/``tree_mask`` objects) and GQA heads are broadcast, not copied."""
+        ``prefix_lens``/``tree_mask`` objects; ``begin_forward`` clears it) and GQA heads are
+        broadcast, not copied."""
         B = q.shape[0]
         S = k_cache.shape[1] if kv_len is None else kv_len
         c = self._vis

@@ -6,9 +6,11 @@ Logits processing (the order transformers uses): ``logits / temperature``, then 
 applied to the target's logits (the distribution that output follows) and to the drafter's
 (so drafted trees rank tokens the target can actually emit).
 
-Random numbers come from one ``torch.Generator`` per request, drawn in a fixed amount per round
-(N uniforms and V exponentials), so a request's output depends only on its seed, never on the
-batch it runs in.
+Random numbers are counter-based: the draw for (request seed, round counter, index) is a pure
+integer hash (``RowRandom``), computed with tensor ops from a per-row key and counter that live
+in device tensors. So a request's output depends only on its seed, never on the batch it runs
+in, and the draws need no ``torch.Generator``: a captured CUDA graph replays them as it replays
+everything else (the counter advances on the device).
 """
 from __future__ import annotations
 
@@ -56,19 +58,56 @@ def process_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     return x
 
 
-class RowRandom:
-    """One generator per request; ``draw`` gives the round's coins and exponential noise."""
+_M32 = 0xFFFFFFFF
 
-    def __init__(self, seeds: list[int], device: torch.device):
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """``(x * c) mod 2^32`` for int64 ``x`` in [0, 2^32) and a 32-bit constant ``c``, without
+    int64 overflow: the product is split at bit 16 so every partial product stays below 2^49."""
+    lo, hi = x & 0xFFFF, x >> 16
+    return (lo * c + (((hi * c) & 0xFFFF) << 16)) & _M32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (Wellons' ``lowbias32``) on int64 tensors in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+class RowRandom:
+    """Per-request counter-based random numbers, graph-safe.
+
+    Row b's draw number j of round r is ``h = mix32(mix32((j + mix32(k_b ^ mix32(r))) mod 2^32) ^ k_b)``
+    with ``k_b`` a 32-bit key hashed from the row's 64-bit seed. ``key`` and ``counter`` are
+    ``[B]`` int64 device tensors (pass views of static buffers to keep them at fixed addresses);
+    ``draw`` reads them and advances ``counter`` in place, with no host synchronisation.
+    """
+
+    def __init__(self, seeds: list[int], device: torch.device, key: torch.Tensor | None = None,
+                 counter: torch.Tensor | None = None):
         self.device = device
-        self.gens = []
-        for s in seeds:
-            g = torch.Generator(device=device)
-            g.manual_seed(int(s))
-            self.gens.append(g)
+        B = len(seeds)
+        self.key = torch.empty(B, dtype=torch.int64, device=device) if key is None else key
+        self.counter = torch.empty(B, dtype=torch.int64, device=device) if counter is None else counter
+        if self.key.shape != (B,) or self.counter.shape != (B,):
+            raise ValueError(f"key/counter buffers must have shape ({B},), got {tuple(self.key.shape)} / "
+                             f"{tuple(self.counter.shape)}")
+        words = [(v & _M32, v >> 32) for v in (int(x) & (2**64 - 1) for x in seeds)]  # seed -> two 32-bit words
+        s = torch.tensor(words, dtype=torch.int64).reshape(B, 2)
+        k = mix32(s[:, 0] ^ mix32(s[:, 1] ^ 0x9E3779B9))
+        self.key.copy_(k.to(device))
+        self.counter.zero_()
 
     def draw(self, n: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(uniforms [B, n], exp_noise [B, vocab])``, row b from generator b."""
-        u = torch.stack([torch.rand(n, generator=g, device=self.device) for g in self.gens])
-        xi = torch.stack([torch.empty(vocab, device=self.device).exponential_(generator=g) for g in self.gens])
-        return u, xi.clamp(min=torch.finfo(torch.float32).tiny)
+        """``(uniforms [B, n] in [0, 1), exp_noise [B, vocab] > 0)`` for this round; counter += 1."""
+        dev = self.key.device
+        base = mix32(self.key ^ mix32(self.counter & _M32))  # [B]
+        idx = torch.cat([torch.arange(n, device=dev), torch.arange(vocab, device=dev) + 2**31])  # coins, then noise
+        h = mix32(mix32((idx[None, :] + base[:, None]) & _M32) ^ self.key[:, None])  # [B, n + vocab]
+        u = (h[:, :n] >> 8).to(torch.float32) * 2.0**-24  # 24 bits: exact in float32, < 1
+        e = -torch.log((h[:, n:].to(torch.float64) + 0.5) * 2.0**-32)  # Exp(1) from 32 bits, > 0
+        self.counter.add_(1)
+        return u, e.to(torch.float32).clamp(min=torch.finfo(torch.float32).tiny)

@@ -189,6 +189,7 @@ class TargetModel:
         """Return ``(final-normed hidden [B, Q, H], aux [B, Q, n_aux*H] or None)``."""
         assert self.k_cache is not None, "call allocate_cache() first"
         B, Q = tokens.shape
+        ops.begin_forward()
         h = F.embedding(tokens, self.embed)  # [B, Q, H]
         aux_ids = self.aux_layer_ids if capture_aux else ()
         captured = {0: h} if 0 in aux_ids else {}

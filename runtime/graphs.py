@@ -1,0 +1,156 @@
+"""CUDA-graph capture and replay of decode rounds, one graph per (batch bucket, shape, sampling) key.
+
+The runtime's round (``SpeculativeRuntime._round``: draft -> verify -> commit) reads and writes
+only static buffers and the KV caches, with fixed shapes and no host synchronisation, so it can be
+recorded once and replayed. ``GraphRunner.run(key, fn, state)``:
+
+    first use of a key   run ``fn`` eagerly (this is the round: it also warms up Triton's JIT and
+                         cuBLAS on a side stream), then capture ``fn`` into a graph (capture
+                         records kernels without running them)
+    later uses           replay the graph
+    capture fails        warn once, run that key eagerly from then on (never a crash)
+    rows beyond the      ``run`` returns False and the caller runs the round eagerly; one
+    largest bucket       warning per runner
+
+The same ``fn`` is what eager execution calls, so the eager path (every CPU test) exercises the
+code that is captured. ``backend="emulate"`` is a CPU stand-in for tests: ``torch.fx``'s
+``make_fx`` records the aten ops the round runs and replays only those, so Python code in the
+round does not run again on replay, as with a CUDA graph. Recording executes the ops, so the
+emulator snapshots the state buffers first and restores them after (a CUDA capture executes
+nothing); the caches are only written at slots past the committed lengths, which the next
+round rewrites.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+
+MAX_GRAPHS = 64  # distinct (bucket, tree shape, sampling) keys captured per runtime; beyond: eager
+
+
+def default_sizes(max_batch_size: int) -> list[int]:
+    """Batch buckets 1, 2, 4, ... below ``max_batch_size``, and ``max_batch_size`` itself."""
+    sizes, b = [], 1
+    while b < max_batch_size:
+        sizes.append(b)
+        b *= 2
+    return sizes + [max_batch_size]
+
+
+class GraphRunner:
+    """Captured decode rounds per key; ``key[0]`` is the round's row count (a bucket).
+
+    Parameters
+    ----------
+    sizes : the batch buckets (ascending, distinct, >= 1).
+    backend : ``"cuda"`` (``torch.cuda.CUDAGraph``) or ``"emulate"`` (CPU ``make_fx`` replay, tests).
+    """
+
+    def __init__(self, sizes: Sequence[int], backend: str = "cuda", device: torch.device | None = None):
+        if backend not in ("cuda", "emulate"):
+            raise ValueError(f"graph backend {backend!r}: use 'cuda' or 'emulate'")
+        self.sizes = sorted(set(int(s) for s in sizes))
+        self.backend = backend
+        self.device = device
+        self.graphs: dict[Any, Any] = {}
+        self.failed: set = set()
+        self.captures = 0  # graphs captured (for tests and reports)
+        self.replays = 0
+        self._warned: set[str] = set()
+
+    def bucket(self, rows: int) -> int | None:
+        """The smallest bucket holding ``rows`` rows, or None when ``rows`` exceeds every bucket."""
+        return next((s for s in self.sizes if s >= rows), None)
+
+    def reset(self) -> None:
+        """Drop every graph (the buffers they point at were reallocated)."""
+        self.graphs.clear()
+        self.failed.clear()
+
+    def run(self, key: Any, fn: Callable[[], None], state: Sequence[torch.Tensor]) -> bool:
+        """Run one round through its graph (capturing it on first use). Returns False when this key
+        runs eagerly instead (the caller then calls ``fn``'s eager form itself)."""
+        if key[0] not in self.sizes:
+            self._warn_once("size", f"a round of {key[0]} rows exceeds the captured CUDA-graph batch sizes "
+                                    f"{self.sizes}; such rounds run eagerly (raise cuda_graph_sizes to capture them)")
+            return False
+        if key in self.failed:
+            return False
+        g = self.graphs.get(key)
+        if g is not None:
+            self._replay(g)
+            self.replays += 1
+            return True
+        if len(self.graphs) >= MAX_GRAPHS:
+            self._warn_once("many", f"{MAX_GRAPHS} CUDA graphs are captured already (one per batch bucket, tree "
+                                    "shape and sampling setting); further settings run eagerly")
+            return False
+        self._warm_up(fn)  # the round itself, eagerly
+        try:
+            self.graphs[key] = self._capture(fn, state)
+            self.captures += 1
+        except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
+            self.failed.add(key)
+            warnings.warn(f"CUDA-graph capture failed for batch bucket {key[0]} ({type(e).__name__}: {e}); "
+                          "running these rounds eagerly", stacklevel=4)
+        return True
+
+    # ------------------------------------------------------------------ backends
+    def _warm_up(self, fn: Callable[[], None]) -> None:
+        if self.backend == "cuda":
+            cur = torch.cuda.current_stream(self.device)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                fn()
+            cur.wait_stream(side)
+        else:
+            fn()
+
+    def _capture(self, fn: Callable[[], None], state: Sequence[torch.Tensor]) -> Any:
+        if self.backend == "cuda":
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn()
+            return g
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        saved = [t.clone() for t in state]
+        try:
+            return make_fx(fn, tracing_mode="real")()
+        finally:
+            for t, s in zip(state, saved):
+                t.copy_(s)
+
+    def _replay(self, g: Any) -> None:
+        if self.backend == "cuda":
+            g.replay()
+        else:
+            g()
+
+    def _warn_once(self, what: str, msg: str) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(msg, stacklevel=4)
+
+
+def graph_runner(cuda_graphs: str | bool, device: torch.device, max_batch_size: int,
+                 sizes: Sequence[int] | None) -> GraphRunner | None:
+    """The runner for a runtime's ``cuda_graphs`` / ``cuda_graph_sizes`` options (None = eager)."""
+    if cuda_graphs not in ("auto", True, False):
+        raise ValueError(f"cuda_graphs={cuda_graphs!r}: use 'auto', True or False")
+    if sizes is not None:
+        sizes = list(sizes)
+        bad = [s for s in sizes if not isinstance(s, int) or not 1 <= s <= max_batch_size]
+        if not sizes or bad:
+            raise ValueError(f"cuda_graph_sizes={sizes!r}: give batch sizes in [1, max_batch_size={max_batch_size}]")
+    if cuda_graphs is False:
+        return None
+    if device.type != "cuda":
+        if cuda_graphs is True:
+            warnings.warn(f"cuda_graphs=True needs a CUDA device; the runtime is on {device.type}, running eager",
+                          stacklevel=3)
+        return None
+    return GraphRunner(sizes or default_sizes(max_batch_size), "cuda", device)

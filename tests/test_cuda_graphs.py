@@ -1,0 +1,300 @@
+"""CUDA-graph decode rounds (runtime/graphs.py).
+
+On the CPU: the round (``SpeculativeRuntime._round``, the function that is captured on a GPU) has
+no host synchronisation; and a replay emulator (``make_fx``: record the round's aten ops once,
+replay only those, Python does not run again) reproduces eager output bit for bit through
+batch buckets, padding, shrinking and growth, greedy and sampled. An inverse test shows the
+emulator catches a round that leans on host state. On a GPU: real CUDA-graph replay equals eager.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tritonspec.runtime.graphs import MAX_GRAPHS, GraphRunner, default_sizes, graph_runner
+
+from _util import perm_pair, random_prompts, runtime
+
+CUDA = torch.cuda.is_available()
+SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
+            "unique_consecutive", "item"}
+
+
+def _pair(vocab=24, seed=1):
+    return perm_pair("llama", vocab=vocab, seed=seed, alpha=0.3)
+
+
+def _emulated(model, drafter, sizes=None, **kw):
+    rt = runtime(model, drafter, cuda_graphs=False, **kw)
+    rt._graphs = GraphRunner(sizes or default_sizes(rt.max_batch_size), "emulate")
+    return rt
+
+
+class _NoSync(TorchDispatchMode):
+    """Fails on any aten op that would read a device value back to the host on a GPU."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        tensor_repeats = name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor")
+        host_data = name == "lift_fresh" and args[0].dim() > 0  # torch.tensor(host list): a host->device copy
+        if name in SYNC_OPS or host_data or (tensor_repeats and not (kwargs or {}).get("output_size")):
+            raise AssertionError(f"host synchronisation in the decode round: aten.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+def _round_without_sync(rt, temperature, speculative=True, fail_on=None):
+    from tritonspec.runtime.config import SpecStats
+    from tritonspec.runtime.sampling import SamplingParams
+
+    sp = SamplingParams(temperature=temperature)
+    stats = SpecStats(accepted_per_position=[0] * rt.spec.num_speculative_tokens,
+                      time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
+    prompts = random_prompts(24, [5, 9, 3], seed=0)
+    with torch.inference_mode():
+        st = rt._prefill(prompts, speculative, sp, [1, 2, 3], stats, rows=4)
+        tolist = torch.Tensor.tolist
+
+        def no_tolist(*a, **k):
+            raise AssertionError("host synchronisation in the decode round: Tensor.tolist")
+
+        torch.Tensor.tolist = no_tolist
+        try:
+            with _NoSync():
+                rt._round(st, speculative, None, whole_cache=True)
+                if fail_on is not None:
+                    fail_on(st)
+        finally:
+            torch.Tensor.tolist = tolist
+    return st
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("speculative", [True, False])
+def test_round_has_no_host_sync(temperature, speculative):
+    model, drafter = _pair()
+    rt = runtime(model, drafter, spec=ts_spec(3, 2, 6), cuda_graphs=False)
+    st = _round_without_sync(rt, temperature, speculative)
+    assert st.out[:3, -1].min() >= 0  # the round produced counts
+
+
+def test_sync_detector_catches_item_and_tolist():  # inverse: the detector is not vacuous
+    model, drafter = _pair()
+    rt = runtime(model, drafter, spec=ts_spec(3, 2, 6), cuda_graphs=False)
+    with pytest.raises(AssertionError, match="aten.(item|_local_scalar_dense)"):
+        _round_without_sync(rt, 0.0, fail_on=lambda st: int(st.L[0]))
+    with pytest.raises(AssertionError, match="tolist"):
+        _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.tolist())
+    with pytest.raises(AssertionError, match="lift_fresh"):
+        _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.add_(torch.tensor(st.L_host[: st.rows])))
+
+
+def ts_spec(d, k, n):
+    from tritonspec import SpecConfig
+
+    return SpecConfig(num_speculative_tokens=d, top_k=k, num_draft_tokens=n)
+
+
+@pytest.mark.parametrize("spec", [(3, 2, 6), (4, 1, 5)], ids=["tree", "chain"])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_emulated_replay_equals_eager(spec, temperature):
+    model, drafter = _pair()
+    eager = runtime(model, drafter, spec=ts_spec(*spec), cuda_graphs=False)
+    graph = _emulated(model, drafter, spec=ts_spec(*spec))
+    prompts = random_prompts(24, [5, 9, 2], seed=4)  # 3 rows: bucket 4, one idle padding row
+    kw = dict(max_new_tokens=24, temperature=temperature, seed=[5, 6, 7])
+    a, b = eager.generate(prompts, **kw), graph.generate(prompts, **kw)
+    assert b.token_ids == a.token_ids and b.finish_reasons == a.finish_reasons
+    assert b.stats.num_accepted_tokens == a.stats.num_accepted_tokens
+    g = graph._graphs
+    assert g.captures >= 1 and g.replays >= 3 and not g.failed
+    assert {k[0] for k in g.graphs} <= {4, 2, 1}
+    if temperature == 0.0:  # lossless through graphs: speculative == plain greedy
+        assert b.token_ids == graph.generate(prompts, max_new_tokens=24, speculative=False).token_ids
+
+
+def test_emulated_buckets_shrink_and_grow():
+    """Rows that finish at the end of the batch move the round to a smaller bucket; a later,
+    larger batch uses a larger bucket; every output equals eager."""
+    model, drafter = _pair()
+    spec = ts_spec(3, 2, 6)
+    eager = runtime(model, drafter, spec=spec, cuda_graphs=False, max_seq_len=40, max_batch_size=8)
+    graph = _emulated(model, drafter, spec=spec, max_seq_len=40, max_batch_size=8)
+    # longer prompts hit max_seq_len sooner; in plain decoding (one token per round) the last rows
+    # finish first: 4 rows -> bucket 2 -> bucket 1
+    prompts = random_prompts(24, [3, 5, 20, 30], seed=9)
+    for batch in (prompts, prompts[:1], prompts + random_prompts(24, [4], seed=2)):
+        for speculative in (True, False):
+            kw = dict(max_new_tokens=40, speculative=speculative)
+            a, b = eager.generate(batch, **kw), graph.generate(batch, **kw)
+            assert b.token_ids == a.token_ids and b.finish_reasons == a.finish_reasons
+    plain = {k[0] for k in graph._graphs.graphs if not k[1]}
+    assert {4, 2, 1, 8} <= plain, plain  # shrink within a batch; 1 prompt; 5 prompts -> bucket 8
+    assert {4, 1, 8} <= {k[0] for k in graph._graphs.graphs if k[1]}
+    assert not graph._graphs.failed
+
+
+def test_emulator_catches_host_state_in_the_round(monkeypatch):
+    """Inverse: a round that takes positions from the host-side lengths is right eagerly but wrong
+    when replayed (the host values are frozen into the graph); the emulator shows it."""
+    model, drafter = _pair()
+    spec = ts_spec(3, 2, 6)
+    eager = runtime(model, drafter, spec=spec, cuda_graphs=False)
+    graph = _emulated(model, drafter, spec=spec)
+    prompts = random_prompts(24, [5, 9], seed=4)
+    want = eager.generate(prompts, max_new_tokens=20).token_ids
+    orig = type(graph)._verify
+
+    def host_positions(self, st, tree, stats, whole_cache=False):
+        frozen = torch.tensor(st.L_host[: st.rows], device=self.device)  # host state: baked in at capture
+        st.L.copy_(torch.where(st.active_t, frozen, st.L))
+        return orig(self, st, tree, stats, whole_cache)
+
+    monkeypatch.setattr(type(graph), "_verify", host_positions)
+    assert eager.generate(prompts, max_new_tokens=20).token_ids == want  # eagerly still right
+    assert graph.generate(prompts, max_new_tokens=20).token_ids != want  # replayed: wrong
+
+
+def test_capture_failure_warns_and_runs_eager(monkeypatch):
+    model, drafter = _pair()
+    spec = ts_spec(3, 2, 6)
+    eager = runtime(model, drafter, spec=spec, cuda_graphs=False)
+    graph = _emulated(model, drafter, spec=spec)
+
+    def boom(fn, state):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graph._graphs, "_capture", boom)
+    prompts = random_prompts(24, [5, 9], seed=4)
+    with pytest.warns(UserWarning, match="capture failed for batch bucket 2"):
+        out = graph.generate(prompts, max_new_tokens=20)
+    assert out.token_ids == eager.generate(prompts, max_new_tokens=20).token_ids
+    assert graph._graphs.failed and not graph._graphs.graphs
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the failed key stays eager, without a new warning
+        assert graph.generate(prompts, max_new_tokens=20).token_ids == out.token_ids
+
+
+def test_rounds_beyond_the_buckets_run_eager_with_one_warning():
+    model, drafter = _pair()
+    spec = ts_spec(3, 2, 6)
+    eager = runtime(model, drafter, spec=spec, cuda_graphs=False)
+    graph = _emulated(model, drafter, spec=spec, sizes=[1, 2])
+    prompts = random_prompts(24, [5, 9, 4], seed=4)
+    with pytest.warns(UserWarning, match=r"3 rows exceeds the captured CUDA-graph batch sizes \[1, 2\]"):
+        out = graph.generate(prompts, max_new_tokens=16)
+    assert out.token_ids == eager.generate(prompts, max_new_tokens=16).token_ids
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        graph.generate(prompts, max_new_tokens=4)
+    assert all(k[0] <= 2 for k in graph._graphs.graphs)
+
+
+def test_graph_keys_follow_sampling_settings():
+    model, drafter = _pair()
+    graph = _emulated(model, drafter, spec=ts_spec(3, 2, 6))
+    prompts = random_prompts(24, [5], seed=4)
+    graph.generate(prompts, max_new_tokens=8)
+    graph.generate(prompts, max_new_tokens=8, temperature=0.7, seed=1)
+    graph.generate(prompts, max_new_tokens=8, temperature=0.7, top_p=0.9, seed=1)
+    assert len(graph._graphs.graphs) == 3
+
+
+def test_runner_buckets_and_limits():
+    assert default_sizes(1) == [1] and default_sizes(8) == [1, 2, 4, 8] and default_sizes(6) == [1, 2, 4, 6]
+    r = GraphRunner([4, 1, 2, 2], "emulate")
+    assert r.sizes == [1, 2, 4] and [r.bucket(n) for n in (1, 2, 3, 4, 5)] == [1, 2, 4, 4, None]
+    calls = []
+    for i in range(MAX_GRAPHS):
+        r.graphs[(1, i)] = object()
+    with pytest.warns(UserWarning, match="further settings run eagerly"):
+        assert r.run((1, "new"), lambda: calls.append(1), []) is False
+    assert calls == []
+
+
+def test_options_are_validated():
+    model, drafter = _pair()
+    with pytest.raises(ValueError, match="cuda_graphs='yes'"):
+        runtime(model, drafter, cuda_graphs="yes")
+    with pytest.raises(ValueError, match=r"cuda_graph_sizes=\[0, 2\]"):
+        runtime(model, drafter, cuda_graph_sizes=[0, 2])
+    with pytest.raises(ValueError, match="max_batch_size=8"):
+        runtime(model, drafter, cuda_graph_sizes=[16])
+    with pytest.raises(ValueError, match="graph backend"):
+        GraphRunner([1], "hip")
+    if not CUDA:
+        with pytest.warns(UserWarning, match="cuda_graphs=True needs a CUDA device"):
+            rt = runtime(model, drafter, cuda_graphs=True)
+        assert rt._graphs is None and rt.warmup() == []
+        assert runtime(model, drafter)._graphs is None  # "auto" on a CPU: eager, silently
+    assert graph_runner(False, torch.device("cuda"), 4, None) is None
+
+
+def test_torch_ops_mask_cache_is_per_forward():
+    """The round updates the lengths in place; a new forward must not reuse the old mask
+    (inverse: without ``begin_forward`` the stale mask is served)."""
+    from tritonspec.kernels.tree_attention import tree_attention_reference
+    from tritonspec.runtime.ops import TorchOps
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 2, 8, generator=g)
+    k, v = torch.randn(1, 12, 2, 8, generator=g), torch.randn(1, 12, 2, 8, generator=g)
+    lens, mask = torch.tensor([3]), torch.ones(1, 2, 2, dtype=torch.bool).tril()
+    ops = TorchOps()
+    ops.begin_forward()
+    ops.tree_attention(q, k, v, lens, mask, 0.3, 10)
+    lens.add_(4)
+    want = tree_attention_reference(q, k, v, lens, mask, 0.3, 10)
+    stale = ops.tree_attention(q, k, v, lens, mask, 0.3, 10)
+    assert not torch.allclose(stale, want)
+    ops.begin_forward()
+    assert torch.allclose(ops.tree_attention(q, k, v, lens, mask, 0.3, 10), want, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+gpu = pytest.mark.skipif(not CUDA, reason="no GPU: CUDA-graph capture and replay need a CUDA device")
+
+
+def _cuda_pair():
+    model, drafter = _pair(vocab=24, seed=1)
+    return model, drafter
+
+
+@gpu
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_gpu_graph_replay_equals_eager(temperature, backend):
+    model, drafter = _cuda_pair()
+    spec = ts_spec(3, 2, 6)
+    kw = dict(spec=spec, device="cuda", dtype=torch.float32, backend=backend)
+    eager = runtime(model, drafter, cuda_graphs=False, **kw)
+    graph = runtime(model, drafter, cuda_graphs=True, **kw)
+    prompts = random_prompts(24, [5, 9, 2], seed=4)
+    gen = dict(max_new_tokens=24, temperature=temperature, seed=[5, 6, 7])
+    a, b = eager.generate(prompts, **gen), graph.generate(prompts, **gen)
+    assert b.token_ids == a.token_ids
+    assert graph._graphs.captures >= 1 and graph._graphs.replays >= 3 and not graph._graphs.failed
+    if temperature == 0.0:
+        assert b.token_ids == graph.generate(prompts, max_new_tokens=24, speculative=False).token_ids
+        assert b.token_ids == eager.generate(prompts, max_new_tokens=24, speculative=False).token_ids
+
+
+@gpu
+def test_gpu_buckets_shrink_grow_and_warmup():
+    model, drafter = _cuda_pair()
+    spec = ts_spec(3, 2, 6)
+    kw = dict(spec=spec, device="cuda", dtype=torch.float32, max_seq_len=40, max_batch_size=8)
+    eager = runtime(model, drafter, cuda_graphs=False, **kw)
+    graph = runtime(model, drafter, cuda_graphs=True, **kw)
+    assert graph.warmup([1, 2]) == [1, 2]
+    n0 = graph._graphs.captures
+    assert n0 >= 2
+    prompts = random_prompts(24, [3, 5, 20, 30], seed=9)
+    for batch in (prompts, prompts[:1], prompts + random_prompts(24, [4], seed=2)):
+        for speculative in (True, False):
+            kw = dict(max_new_tokens=40, speculative=speculative)
+            assert graph.generate(batch, **kw).token_ids == eager.generate(batch, **kw).token_ids
+    assert {4, 2, 1, 8} <= {k[0] for k in graph._graphs.graphs if not k[1]}
+    assert not graph._graphs.failed
