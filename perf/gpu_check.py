@@ -7,14 +7,20 @@ Steps, in order, each a subprocess whose output is streamed here and saved under
 set, else ``perf/gpu_check_out/``):
 
 1. install the project offline: ``pip install --no-deps --no-build-isolation -e .``
-2. the kernel tests compiled on the GPU (no interpreter when CUDA is present):
-   ``pytest tests/test_kernels_*.py tests/test_backend_triton.py`` (``-n 8`` when pytest-xdist is
-   there: compilation is CPU-bound)
-3. the kernel benchmarks at Llama-3-8B shapes (H 4096, 32/8 heads, head_dim 128, 60 tree tokens,
+2. the GPU tests: CUDA-graph replay against eager (``tests/test_cuda_graphs.py``), then the kernel
+   tests compiled on the GPU (no interpreter when CUDA is present):
+   ``pytest tests/test_cuda_graphs.py tests/test_kernels_*.py tests/test_backend_triton.py``
+   (``-n 8`` when pytest-xdist is there: compilation is CPU-bound)
+3. graphs against eager end to end (``perf/bench_graphs.py``): the demo pair and a random
+   Llama-3-8B-shaped bf16 target with a random drafter, plain and speculative, batch 1 and 4:
+   tokens/s, τ, ms per round, the eager draft/verify/commit split, kernel launches per round;
+   JSON to ``graphs.json``; its table is printed last with the *projected* 8B speedup (the 8B
+   pair's graph round costs combined with the demo pair's measured τ)
+4. the kernel benchmarks at Llama-3-8B shapes (H 4096, 32/8 heads, head_dim 128, 60 tree tokens,
    2K-32K context, vocabulary 128256; set in ``perf/bench_kernels_*.py`` when CUDA is present),
    pytest-benchmark JSON to ``bench.json``
-4. a device-to-device copy baseline (1 GiB ``copy_``, bytes read + written / time, CUDA events)
-5. the table, printed last and written to ``summary.md``: op, shape, us/call, GB/s, % of the copy
+5. a device-to-device copy baseline (1 GiB ``copy_``, bytes read + written / time, CUDA events)
+6. the tables, printed last and written to ``summary.md``: op, shape, us/call, GB/s, % of the copy
    GB/s; the figures ``perf/RESULTS.md`` asks for.
 
 Each step gets a timeout carved from ``--budget-s`` (default 450 s, under the 8-minute limit of a
@@ -58,12 +64,16 @@ def plan(args, out: Path) -> list[tuple[str, list[str], float]]:
         steps.append(("install", [py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."],
                       120.0))
     if not args.skip_tests:
-        tests = sorted(glob.glob(str(ROOT / "tests" / "test_kernels_*.py"))) + [str(ROOT / "tests" / "test_backend_triton.py")]
+        tests = [str(ROOT / "tests" / "test_cuda_graphs.py")] + sorted(glob.glob(str(ROOT / "tests" / "test_kernels_*.py"))) \
+            + [str(ROOT / "tests" / "test_backend_triton.py")]
         cmd = [py, "-m", "pytest", *[os.path.relpath(t, ROOT) for t in tests], "-q", "-p", "no:cacheprovider",
                "--durations=10"]
         if args.workers and has("xdist"):
             cmd += ["-n", str(args.workers)]
         steps.append(("tests", cmd, args.test_timeout_s))
+    if not args.skip_graphs:
+        steps.append(("graphs", [py, "-m", "pytest", "perf/bench_graphs.py", "--benchmark-only", "-q", "-p",
+                                 "no:cacheprovider", f"--benchmark-json={out / 'graphs.json'}"], args.graphs_timeout_s))
     benches = args.bench or sorted(os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / "perf" / "bench_kernels_*.py")))
     if benches:
         steps.append(("bench", [py, "-m", "pytest", *benches, "--benchmark-only", "-q", "-p", "no:cacheprovider",
@@ -149,6 +159,45 @@ def table_rows(bench: dict, copy_gbps: float | None) -> list[dict]:
     return rows
 
 
+def graph_rows(graphs: dict) -> list[dict]:
+    """One row per ``perf/bench_graphs.py`` benchmark (its ``extra_info``)."""
+    keys = ("pair", "mode", "runner", "batch", "tokens_s", "tau", "round_ms", "draft_ms", "verify_ms", "commit_ms",
+            "launches")
+    return [{k: b.get("extra_info", {}).get(k) for k in keys} for b in graphs.get("benchmarks", [])
+            if "round_ms" in b.get("extra_info", {})]
+
+
+def format_graph_table(rows: list[dict]) -> str:
+    """Graphs vs eager, and the projected 8B speedup (8B graph round costs x the demo pair's τ)."""
+    if not rows:
+        return "graphs vs eager: no rows (perf/bench_graphs.py did not run)"
+
+    def f(v, nd=2):
+        return "-" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
+
+    head = ("| pair | mode | runner | batch | tok/s | τ | ms/round | eager draft | eager verify | eager commit | "
+            "launches/round (eager) |\n|" + " --- |" * 4 + " ---: |" * 7)
+    lines = [f"| {r['pair']} | {r['mode']} | {r['runner']} | {r['batch']} | {f(r['tokens_s'], 1)} | {f(r['tau'])} | "
+             f"{f(r['round_ms'])} | {f(r['draft_ms'])} | {f(r['verify_ms'])} | {f(r['commit_ms'])} | {f(r['launches'])} |"
+             for r in rows]
+    at = {(r["pair"], r["mode"], r["runner"], r["batch"]): r for r in rows}
+    notes = []
+    for (pair, mode, runner, batch), r in sorted(at.items()):
+        e = at.get((pair, mode, "eager", batch))
+        if runner == "graphs" and e and e["tokens_s"]:
+            notes.append(f"- {pair} {mode} batch {batch}: graphs {r['tokens_s'] / e['tokens_s']:.2f}x eager tokens/s")
+    for batch in sorted({r["batch"] for r in rows}):
+        demo = at.get(("demo", "speculative", "graphs", batch)) or at.get(("demo", "speculative", "eager", batch))
+        p8 = at.get(("llama3-8b-random", "plain", "graphs", batch))
+        s8 = at.get(("llama3-8b-random", "speculative", "graphs", batch))
+        if demo and p8 and s8 and s8["round_ms"]:
+            proj = demo["tau"] * p8["round_ms"] / s8["round_ms"]
+            notes.append(f"- PROJECTED llama3-8b speedup, batch {batch}: τ {demo['tau']:.2f} (demo pair, same tree) x "
+                         f"plain round {p8['round_ms']:.2f} ms / speculative round {s8['round_ms']:.2f} ms = {proj:.2f}x "
+                         "(projected, not measured: the 8B drafter is random)")
+    return "\n".join([head, *lines, "", *notes])
+
+
 def format_table(rows: list[dict], copy: dict | None) -> str:
     head = "| op | shape | us/call | GB/s | % of copy GB/s |\n| --- | --- | ---: | ---: | ---: |"
     def fmt(v):  # 3 significant digits below 100, whole numbers above
@@ -181,9 +230,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
     ap.add_argument("--skip-install", action="store_true")
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--skip-graphs", action="store_true", help="skip perf/bench_graphs.py")
+    ap.add_argument("--graphs-timeout-s", type=float, default=150.0)
     ap.add_argument("--bench", nargs="*", default=None, help="benchmark files (default: perf/bench_kernels_*.py)")
     ap.add_argument("--budget-s", type=float, default=450.0, help="hard cap for the whole script (default 450)")
-    ap.add_argument("--test-timeout-s", type=float, default=210.0)
+    ap.add_argument("--test-timeout-s", type=float, default=180.0)
     ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the tests (0: none)")
     args = ap.parse_args(argv)
     out = out_dir()
@@ -196,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             t = "the rest of the budget" if timeout_s == float("inf") else f"<= {timeout_s:.0f} s"
             print(f"{i}. {name} ({t}): {shlex.join(cmd)}")
         print(f"{len(steps) + 1}. copy baseline: 1 GiB device-to-device dst.copy_(src), CUDA events, 20 copies")
-        print(f"{len(steps) + 2}. table: op, shape, us/call, GB/s, % of copy GB/s -> {out / 'summary.md'}")
+        print(f"{len(steps) + 2}. tables: op, shape, us/call, GB/s, % of copy GB/s; graphs vs eager with the projected "
+              f"8B speedup -> {out / 'summary.md'}")
         return 0
 
     deadline = time.perf_counter() + args.budget_s
@@ -219,12 +271,15 @@ def main(argv: list[str] | None = None) -> int:
     bench_path = out / "bench.json"
     bench = json.loads(bench_path.read_text()) if bench_path.exists() else {}
     rows = table_rows(bench, copy["gbps"] if copy else None)
-    table = format_table(rows, copy)
+    graphs_path = out / "graphs.json"
+    grows = graph_rows(json.loads(graphs_path.read_text())) if graphs_path.exists() else []
+    table = format_table(rows, copy) + "\n\n" + format_graph_table(grows)
     date = time.strftime("%Y-%m-%d")
     steps_md = "\n".join(f"- {r['step']}: rc={r['rc']}" + (f", {r['wall_s']} s" if "wall_s" in r else "")
                          for r in results)
     (out / "summary.md").write_text(f"# gpu_check {date}\n\nenvironment: `{json.dumps(env)}`\n\n{steps_md}\n\n{table}\n")
-    (out / "summary.json").write_text(json.dumps(dict(date=date, environment=env, steps=results, copy=copy, rows=rows),
+    (out / "summary.json").write_text(json.dumps(dict(date=date, environment=env, steps=results, copy=copy, rows=rows,
+                                                      graphs=grows),
                                                  indent=1))
     print(f"\n=== summary ({date}, {env.get('gpu', 'no GPU')}; steps: "
           + ", ".join(f"{r['step']}={r['rc']}" for r in results) + ")")

@@ -174,3 +174,75 @@ def format_table(results: list[BenchResult]) -> str:
         lines.append(f"{r.prompt_set:<10} {r.temperature:>3g} {r.batch:>2} {r.system:<17} {r.tokens_per_second:>8.1f} "
                      f"{sp:>8} {tau:>5}  {acc}")
     return "\n".join(lines)
+
+
+# ================================================================== decode-round costs (graphs vs eager)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_generate(rt: Any, prompts: list[list[int]], max_new_tokens: int, speculative: bool = True) -> dict:
+    """One generation, with its rounds counted: ``tokens_s``, ``tau``, ``rounds``, ``round_ms`` (decode
+    wall time per round, prefill excluded), ``prefill_ms``, ``new_tokens``."""
+    _sync(rt.device)
+    t0 = time.perf_counter()
+    run = rt._start(prompts, max_new_tokens, 0.0, 1.0, 0, 0, (), speculative, None)
+    rounds, t_first = -1, None
+    for _ in run:
+        rounds += 1
+        if t_first is None:
+            t_first = time.perf_counter()
+    wall = time.perf_counter() - t0
+    out = run.result
+    n = out.stats.num_new_tokens
+    return dict(tokens_s=n / wall, tau=out.stats.mean_acceptance_length if speculative else 1.0, rounds=rounds,
+                round_ms=(wall - (t_first - t0)) / max(rounds, 1) * 1e3, prefill_ms=(t_first - t0) * 1e3, new_tokens=n)
+
+
+def round_profile(rt: Any, prompts: list[list[int]], speculative: bool = True, rounds: int = 8) -> dict:
+    """The cost of eager decode rounds, phase by phase (the device synchronised after each phase):
+    ``draft_ms``, ``verify_ms``, ``commit_ms`` (means), and ``launches`` (device kernels and copies
+    one round issues, counted by ``torch.profiler`` on CUDA; None elsewhere)."""
+    from .config import SpecStats
+    from .sampling import SamplingParams
+
+    dev = rt.device
+    D = rt.spec.num_speculative_tokens if speculative else 0
+    stats = SpecStats(accepted_per_position=[0] * max(D, 1),
+                      time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
+    split = {"draft": 0.0, "verify": 0.0, "commit": 0.0}
+    done = 0
+    with torch.inference_mode():
+        st = rt._prefill(prompts, speculative, SamplingParams(), [0] * len(prompts), stats)
+        room = rt.max_seq_len - rt.spec.num_draft_tokens - D - 2
+        for i in range(rounds + 1):  # round 0 warms up
+            if max(st.L_host) >= room:
+                break
+            _sync(dev)
+            t0 = time.perf_counter()
+            tree = rt._draft(st, None) if speculative else rt._root_only(st)
+            _sync(dev)
+            t1 = time.perf_counter()
+            out = rt._verify(st, tree, None)
+            _sync(dev)
+            t2 = time.perf_counter()
+            rt._commit(st, tree, *out, speculative, None)
+            _sync(dev)
+            t3 = time.perf_counter()
+            st.L_host = [h + int(k) + 1 for h, k in zip(st.L_host, out[1].tolist())]
+            if i:
+                split["draft"] += t1 - t0
+                split["verify"] += t2 - t1
+                split["commit"] += t3 - t2
+                done += 1
+        launches = None
+        if dev.type == "cuda" and max(st.L_host) < room:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CUDA]) as p:
+                rt._round(st, speculative, None)
+                _sync(dev)
+            launches = sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    n = max(done, 1)
+    return {f"{k}_ms": v / n * 1e3 for k, v in split.items()} | dict(launches=launches, profiled_rounds=done)

@@ -28,6 +28,8 @@ def test_dry_run_prints_every_step_and_runs_nothing(gpu_check, capsys, tmp_path,
     assert "perf/bench_kernels_verify_sampling.py" in text and "perf/bench_kernels_tree_attention.py" in text
     assert f"--benchmark-json={tmp_path / 'out' / 'bench.json'}" in text
     assert "copy baseline" in text and "% of copy GB/s" in text
+    assert "tests/test_cuda_graphs.py" in text and "perf/bench_graphs.py" in text and "projected" in text
+    assert f"--benchmark-json={tmp_path / 'out' / 'graphs.json'}" in text
     assert not (tmp_path / "out").exists(), "a dry run writes nothing"
     gpu_check.main(["--dry-run", "--skip-install", "--skip-tests", "--bench", "perf/bench_kernels_verify.py"])
     text = capsys.readouterr().out
@@ -60,11 +62,35 @@ def test_table_from_benchmark_json(gpu_check):
 def test_copy_baseline_and_a_benchmark_end_to_end(gpu_check, tmp_path, monkeypatch, capsys):
     """The non-dry path on this machine: one small benchmark file, the copy baseline, the table."""
     monkeypatch.setenv("OUT", str(tmp_path))
-    rc = gpu_check.main(["--skip-install", "--skip-tests", "--bench", "perf/bench_kernels_verify.py", "--budget-s", "300"])
+    rc = gpu_check.main(["--skip-install", "--skip-tests", "--skip-graphs", "--bench", "perf/bench_kernels_verify.py",
+                         "--budget-s", "300"])
     text = capsys.readouterr().out
     assert rc == 0, text[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["copy"]["gbps"] > 0 and summary["steps"] == [dict(step="bench", rc=0, wall_s=summary["steps"][0]["wall_s"])]
     assert {r["op"] for r in summary["rows"]} >= {"verify_greedy[torch-1]", "verify_greedy[torch-8]"}
-    assert text.rstrip().splitlines()[-1].startswith("copy baseline:")
+    assert "copy baseline:" in text
+    assert text.rstrip().splitlines()[-1].startswith("graphs vs eager: no rows")
     assert (tmp_path / "summary.md").read_text().count("| verify_greedy[torch-") == 2
+
+
+def test_graph_table_and_projection(gpu_check):
+    def row(pair, mode, runner, batch, tok_s, tau, round_ms, launches=None):
+        return {"name": "x", "extra_info": dict(pair=pair, mode=mode, runner=runner, batch=batch, tokens_s=tok_s, tau=tau,
+                                                round_ms=round_ms, draft_ms=1.0, verify_ms=2.0, commit_ms=0.5,
+                                                launches=launches)}
+    graphs = {"benchmarks": [
+        row("demo", "speculative", "eager", 1, 100.0, 3.5, 10.0, 900),
+        row("demo", "speculative", "graphs", 1, 150.0, 3.5, 6.0),
+        row("llama3-8b-random", "plain", "graphs", 1, 140.0, 1.0, 7.0),
+        row("llama3-8b-random", "speculative", "graphs", 1, 60.0, 1.02, 14.0),
+        {"name": "other", "extra_info": {}},
+    ]}
+    rows = gpu_check.graph_rows(graphs)
+    assert len(rows) == 4 and rows[0]["launches"] == 900
+    table = gpu_check.format_graph_table(rows)
+    assert "| demo | speculative | eager | 1 | 100.0 | 3.50 | 10.00 | 1.00 | 2.00 | 0.50 | 900 |" in table
+    assert "demo speculative batch 1: graphs 1.50x eager tokens/s" in table
+    # projected = tau(demo, graphs) x plain round / speculative round = 3.5 x 7 / 14
+    assert "PROJECTED llama3-8b speedup, batch 1: τ 3.50" in table and "= 1.75x (projected, not measured" in table
+    assert gpu_check.format_graph_table([]).startswith("graphs vs eager: no rows")
