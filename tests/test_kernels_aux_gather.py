@@ -19,16 +19,10 @@ pytest.importorskip("triton")
 from tritonspec.kernels.aux_gather import aux_gather, aux_gather_reference  # noqa: E402
 from tritonspec.kernels.rms_norm import rms_norm  # noqa: E402
 
+from test_kernels_rms_norm import ULP_BOUND, ulps as _ulps  # noqa: E402  (subnormal-aware ULPs: fp16 below 2^-14)
+
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-ULP_BOUND = {torch.float32: 8, torch.float16: 2, torch.bfloat16: 2}
-MANT = {torch.float32: 23, torch.float16: 10, torch.bfloat16: 7}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def _ulps(out, ref64, dtype):
-    _, e = torch.frexp(ref64)
-    ulp = torch.ldexp(torch.ones_like(ref64), (e - 1).clamp(min=-126) - MANT[dtype])
-    return (out.double() - ref64).abs() / ulp
 
 
 @st.composite
