@@ -132,6 +132,7 @@ class SpeculativeRuntime:
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
         self._graphs = graph_runner(cuda_graphs, self.device, max_batch_size, cuda_graph_sizes)  # None = eager
+        self._graph_cache_at: tuple[int, int] | None = None  # target cache addresses the graphs point at
         limit = target.max_position_embeddings
         self.max_seq_len = max_seq_len if max_seq_len is not None else min(limit, 4096)
         if self.max_seq_len > limit:
@@ -351,6 +352,8 @@ class SpeculativeRuntime:
             if self._graphs is not None:
                 self._graphs.reset()
         n = len(batch)
+        # runtimes may share the target, whose cache only grows: make sure it fits this one
+        self.target.allocate_cache(self.max_batch_size, self.max_seq_len + self.spec.num_draft_tokens)
         with torch.inference_mode():  # never across a yield: the caller's code runs between rounds
             st = self._prefill(batch, use_draft, sampling, seeds, stats, rows=self._rows(n, n))
             first = st.root[:n].tolist()
@@ -390,6 +393,10 @@ class SpeculativeRuntime:
         """Replay (or capture) the round's graph for this bucket, or run it eagerly."""
         g = self._graphs
         if g is not None and self.drift is None:
+            where = (self.target.k_cache.data_ptr(), self.target.v_cache.data_ptr())
+            if where != self._graph_cache_at:  # another runtime grew the shared cache: graphs point at the old one
+                g.reset()
+                self._graph_cache_at = where
             sp = st.sampling
             key = (st.rows, use_draft, self.spec, sp.temperature, sp.top_p, sp.top_k)
             t0 = time.perf_counter()

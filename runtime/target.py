@@ -166,11 +166,16 @@ class TargetModel:
         self.aux_layer_ids = ids
 
     def allocate_cache(self, max_batch_size: int, capacity: int) -> None:
-        """Static KV cache for ``max_batch_size`` rows of ``capacity`` slots (+1 trash slot)."""
+        """Static KV cache for at least ``max_batch_size`` rows of ``capacity`` slots (+1 trash slot,
+        always the last). It only grows: runtimes sharing this target keep the largest, so a cache
+        (and the CUDA graphs that point at it) moves only when a caller needs more."""
         if self.rope.cos.shape[0] < capacity:
             self.rope = Rope(self.config, self.head_dim, capacity, self.device, self.dtype)
-        shape = (self.num_layers, max_batch_size, capacity + 1, self.num_kv_heads, self.head_dim)
-        if self.k_cache is None or self.k_cache.shape != shape:
+        c = self.k_cache
+        if c is None or c.shape[1] < max_batch_size or c.shape[2] < capacity + 1:
+            rows = max_batch_size if c is None else max(max_batch_size, c.shape[1])
+            slots = capacity + 1 if c is None else max(capacity + 1, c.shape[2])
+            shape = (self.num_layers, rows, slots, self.num_kv_heads, self.head_dim)
             self.k_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
             self.v_cache = torch.zeros(shape, device=self.device, dtype=self.dtype)
 

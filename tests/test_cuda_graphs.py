@@ -298,3 +298,28 @@ def test_gpu_buckets_shrink_grow_and_warmup():
             assert graph.generate(batch, **kw).token_ids == eager.generate(batch, **kw).token_ids
     assert {4, 2, 1, 8} <= {k[0] for k in graph._graphs.graphs if not k[1]}
     assert not graph._graphs.failed
+
+
+def test_graphs_follow_a_shared_cache_that_grows():
+    """Two runtimes on one target: the second needs a larger cache, which moves it; the first
+    runtime's graphs pointed at the old cache, so they are dropped and recaptured (with stale
+    graphs the emulated replay would write into the old cache and the output would go wrong)."""
+    from tritonspec.runtime.target import TargetModel
+
+    model, drafter = _pair()
+    tm = TargetModel.from_pretrained(model)
+    prompts = random_prompts(24, [5, 9], seed=4)
+    small = ts_spec(3, 2, 6)
+    want = runtime(model, drafter, spec=small, cuda_graphs=False).generate(prompts, max_new_tokens=20).token_ids
+    import tritonspec as ts
+
+    a = ts.SpeculativeRuntime(tm, drafter, spec=small, max_batch_size=4, max_seq_len=160, cuda_graphs=False)
+    a._graphs = GraphRunner(default_sizes(4), "emulate")
+    assert a.generate(prompts, max_new_tokens=20).token_ids == want
+    before = tm.k_cache
+    b = ts.SpeculativeRuntime(tm, drafter, spec=ts_spec(4, 4, 40), max_batch_size=8, max_seq_len=160, cuda_graphs=False)
+    b.generate(prompts, max_new_tokens=8)
+    assert tm.k_cache is not before and tm.k_cache.shape[1] == 8  # the cache grew (and moved)
+    captures = a._graphs.captures
+    assert a.generate(prompts, max_new_tokens=20).token_ids == want
+    assert a._graphs.captures > captures  # recaptured against the new cache
