@@ -8,6 +8,7 @@ from pathlib import Path
 
 TINY = "tiny-random"
 DEMO = "demo"  # the bundled demo pair (tritonspec.demo); "demo:eagle3" picks the EAGLE-3 drafter
+_GRAPH_MODES = {"auto": "auto", "on": True, "off": False}  # --cuda-graphs -> SpeculativeRuntime(cuda_graphs=...)
 
 
 def _cache_dir() -> Path:
@@ -68,7 +69,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                                              default.num_draft_tokens))))
     rt = ts.SpeculativeRuntime.from_pretrained(
         target, drafter, device=args.device, dtype=_dtype(args.dtype), backend=args.backend, spec=spec,
-        max_batch_size=1, max_seq_len=args.max_seq_len)
+        max_batch_size=1, max_seq_len=args.max_seq_len, cuda_graphs=_GRAPH_MODES[args.cuda_graphs])
     speculative = not args.no_speculative and rt.drafter is not None
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
               seed=args.seed, stop=args.stop or None, speculative=speculative)
@@ -87,7 +88,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         s, out_ids = out.stats, out.token_ids
     line = (f"[tritonspec] new_tokens={s.num_new_tokens} tokens/s={s.tokens_per_second:.1f} "
             f"mean_acceptance_length={s.mean_acceptance_length:.2f} "
-            f"mode={'speculative' if speculative else 'plain'} backend={rt.backend}")
+            f"mode={'speculative' if speculative else 'plain'} backend={rt.backend} "
+            f"cuda_graphs={'on' if rt._graphs is not None else 'off'}")
     if args.compare and speculative:
         base = rt.generate(prompt, **(kw | {"speculative": False}))
         line += (f" plain_tokens/s={base.stats.tokens_per_second:.1f} "
@@ -194,6 +196,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
     g.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--max-seq-len", type=int, default=None)
+    g.add_argument("--cuda-graphs", default="auto", choices=list(_GRAPH_MODES),
+                   help="capture decode rounds as CUDA graphs: auto (on a CUDA device), on, off (eager)")
     g.add_argument("--quiet-stats", action="store_true", help="print the stats line on stderr")
     g.set_defaults(fn=cmd_generate)
 

@@ -6,6 +6,7 @@ import json
 import sys
 
 import pytest
+import torch
 
 import tritonspec as ts
 from tritonspec.cli import main
@@ -26,6 +27,19 @@ def test_generate_prints_text_and_stats(pair_dirs, capsys):
     stats = out[-1]
     assert stats.startswith("[tritonspec] new_tokens=12 tokens/s=")
     assert "mean_acceptance_length=" in stats and "identical=True" in stats and "speedup=" in stats
+
+
+def test_generate_cuda_graphs_flag(pair_dirs, capsys):
+    t, d = pair_dirs
+    args = ["generate", "--target", str(t), "--drafter", str(d), "--max-new-tokens", "6", "def f(x):"]
+    assert main(args + ["--cuda-graphs", "off"]) == 0
+    assert "cuda_graphs=off" in capsys.readouterr().out
+    if not torch.cuda.is_available():
+        with pytest.warns(UserWarning, match="cuda_graphs=True needs a CUDA device"):
+            assert main(args + ["--cuda-graphs", "on"]) == 0
+        assert "cuda_graphs=off" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(args + ["--cuda-graphs", "maybe"])
 
 
 def test_generate_reads_stdin_and_runs_plain(pair_dirs, capsys, monkeypatch):
