@@ -97,8 +97,9 @@ def test_graphs_vs_eager(benchmark, pair, mode, runner, batch, request):
     rt, prompts, tokens = _runtime(pair, runner == "graphs", quick)
     prompts = prompts[:batch]
     spec = mode == "speculative"
-    if runner == "graphs":
-        rt.warmup([batch], speculative=spec)  # capture before timing
+    if runner == "graphs":  # capture every bucket the batch can shrink to, before timing
+        rt.warmup([b for b in rt._graphs.sizes if b <= rt._graphs.bucket(batch)], speculative=spec)
+        captures = rt._graphs.captures
     timed_generate(rt, prompts, min(tokens, 8), spec)  # warm-up (JIT, allocator)
     results = []
     benchmark.pedantic(lambda: results.append(timed_generate(rt, prompts, tokens, spec)), rounds=1, iterations=1,
@@ -108,7 +109,8 @@ def test_graphs_vs_eager(benchmark, pair, mode, runner, batch, request):
     info = dict(pair=pair, mode=mode, runner=runner, batch=batch, spec=str(rt.spec) if spec else "-",
                 max_new_tokens=tokens) | r | prof
     if runner == "graphs":
-        info |= dict(graphs_captured=rt._graphs.captures, graph_failures=len(rt._graphs.failed))
+        info |= dict(graphs_captured=rt._graphs.captures, graph_failures=len(rt._graphs.failed),
+                     captured_while_timed=rt._graphs.captures - captures)
         assert not rt._graphs.failed, "a CUDA-graph capture failed (see the warning)"
     benchmark.extra_info.update(info | {"device": environment().get("device", "cpu")})
     assert r["new_tokens"] == len(prompts) * tokens

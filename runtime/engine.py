@@ -132,7 +132,7 @@ class SpeculativeRuntime:
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
         self._graphs = graph_runner(cuda_graphs, self.device, max_batch_size, cuda_graph_sizes)  # None = eager
-        self._graph_cache_at: tuple[int, int] | None = None  # target cache addresses the graphs point at
+        self._graph_cache_at: tuple[int, ...] | None = None  # addresses the captured graphs point at
         limit = target.max_position_embeddings
         self.max_seq_len = max_seq_len if max_seq_len is not None else min(limit, 4096)
         if self.max_seq_len > limit:
@@ -184,7 +184,8 @@ class SpeculativeRuntime:
                 raise ValueError(f"warmup batch size {b} must lie in [1, max_batch_size={self.max_batch_size}]")
             self.generate([[0]] * b, max_new_tokens=2, temperature=temperature, top_p=top_p, top_k=top_k,
                           seed=0, stop_token_ids=(), speculative=speculative)
-        return sorted({self._graphs.bucket(b) for b in sizes} - {None})
+        captured = {k[0] for k in self._graphs.graphs}
+        return sorted({self._graphs.bucket(b) for b in sizes} & captured)
 
     def _attach_drafter(self, d: Eagle3Drafter) -> None:
         t, c = self.target, d.config
@@ -381,9 +382,20 @@ class SpeculativeRuntime:
             texts = [self._text(o, sampling) for o in outs]
         return GenerationOutput(token_ids=outs, texts=texts, stats=stats, finish_reasons=reasons)
 
+    def _graph_addresses(self) -> tuple[int, ...]:
+        """Addresses of the tensors a captured round reads that something outside this runtime can
+        replace: the target's cache and rope tables (the cache grows for a runtime sharing the target),
+        the drafter's rope tables and weights (another runtime may grow or move them)."""
+        t = self.target
+        ts_ = [t.k_cache, t.v_cache, t.rope.cos, t.rope.sin]
+        if self.drafter is not None:
+            r = self.drafter.rope()
+            ts_ += [r.cos, r.sin, *self.drafter.parameters()]
+        return tuple(x.data_ptr() for x in ts_)
+
     def _rows(self, live: int, n: int) -> int:
-        """Rows a round runs on: ``live`` (eager) or its graph bucket; never more than the batch's own
-        bucket (``n`` prompts), so padding rows stay idle."""
+        """Rows a round runs on: ``live`` (eager) or its graph bucket (``live <= n``, the prompts, so
+        the bucket never exceeds the batch's own)."""
         if self._graphs is None or self.drift is not None:
             return live
         b = self._graphs.bucket(live)
@@ -393,8 +405,8 @@ class SpeculativeRuntime:
         """Replay (or capture) the round's graph for this bucket, or run it eagerly."""
         g = self._graphs
         if g is not None and self.drift is None:
-            where = (self.target.k_cache.data_ptr(), self.target.v_cache.data_ptr())
-            if where != self._graph_cache_at:  # another runtime grew the shared cache: graphs point at the old one
+            where = self._graph_addresses()
+            if where != self._graph_cache_at:  # e.g. another runtime grew the shared cache: graphs point at the old one
                 g.reset()
                 self._graph_cache_at = where
             sp = st.sampling

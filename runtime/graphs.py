@@ -59,6 +59,9 @@ class GraphRunner:
         self.captures = 0  # graphs captured (for tests and reports)
         self.replays = 0
         self._warned: set[str] = set()
+        self._side = None  # CUDA: one side stream for warm-ups and captures
+        self._pool = None  # CUDA: one memory pool shared by every graph (replays never overlap, and a
+        #                    round's outputs live in the runtime's static buffers, not in the pool)
 
     def bucket(self, rows: int) -> int | None:
         """The smallest bucket holding ``rows`` rows, or None when ``rows`` exceeds every bucket."""
@@ -98,22 +101,42 @@ class GraphRunner:
         return True
 
     # ------------------------------------------------------------------ backends
+    def _streams(self) -> tuple[Any, Any]:
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+            self._pool = torch.cuda.graph_pool_handle()
+        return torch.cuda.current_stream(self.device), self._side
+
     def _warm_up(self, fn: Callable[[], None]) -> None:
         if self.backend == "cuda":
-            cur = torch.cuda.current_stream(self.device)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                fn()
-            cur.wait_stream(side)
+            with torch.cuda.device(self.device):
+                cur, side = self._streams()
+                side.wait_stream(cur)
+                with torch.cuda.stream(side):
+                    fn()
+                cur.wait_stream(side)
         else:
             fn()
 
     def _capture(self, fn: Callable[[], None], state: Sequence[torch.Tensor]) -> Any:
         if self.backend == "cuda":
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn()
+            # capture_begin/_end by hand: ``torch.cuda.graph`` leaves its capture stream current when
+            # ``capture_end`` raises, and the eager fallback must not run on a dead capture stream
+            with torch.cuda.device(self.device):
+                cur, side = self._streams()
+                torch.cuda.synchronize(self.device)
+                g = torch.cuda.CUDAGraph()
+                try:
+                    with torch.cuda.stream(side):  # restores the current stream on any exit
+                        g.capture_begin(pool=self._pool)
+                        try:
+                            fn()
+                        finally:
+                            g.capture_end()
+                except BaseException:
+                    torch.cuda.synchronize(self.device)
+                    raise
+                cur.wait_stream(side)
             return g
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -126,7 +149,8 @@ class GraphRunner:
 
     def _replay(self, g: Any) -> None:
         if self.backend == "cuda":
-            g.replay()
+            with torch.cuda.device(self.device):
+                g.replay()
         else:
             g()
 
