@@ -237,6 +237,72 @@ def test_options_are_validated():
     assert graph_runner(False, torch.device("cuda"), 4, None) is None
 
 
+def test_cuda_branch_against_a_fake_torch_cuda(monkeypatch):
+    """The CUDA path of the runner, driven by a recording stand-in for ``torch.cuda``: warm-up and
+    capture on the side stream inside the runtime's device, capture bracketed by begin/end with the
+    shared pool, replay inside the device, and after a failed capture the caller's stream is
+    current again and the key stays eager."""
+    import contextlib
+
+    log, current = [], []
+
+    class Stream:
+        def __init__(self, device=None, name="side"):
+            self.name = name
+
+        def wait_stream(self, other):
+            log.append(("wait", self.name, other.name))
+
+    current.append(Stream(name="default"))
+
+    @contextlib.contextmanager
+    def stream(s):
+        prev, current[0] = current[0], s
+        try:
+            yield
+        finally:
+            current[0] = prev
+
+    @contextlib.contextmanager
+    def device(d):
+        log.append(("device", str(d)))
+        yield
+
+    class Graph:
+        fail = False
+
+        def capture_begin(self, pool=None):
+            log.append(("begin", current[0].name, pool))
+
+        def capture_end(self):
+            log.append(("end", current[0].name))
+            if Graph.fail:
+                raise RuntimeError("operation failed due to a previous error during capture")
+
+        def replay(self):
+            log.append(("replay", current[0].name))
+
+    for name, value in dict(Stream=Stream, stream=stream, device=device, CUDAGraph=Graph,
+                            current_stream=lambda device=None: current[0], graph_pool_handle=lambda: "pool",
+                            synchronize=lambda device=None: log.append(("sync",))).items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    r = GraphRunner([1, 2], "cuda", torch.device("cuda", 1))
+    ran = []
+    assert r.run((1, "a"), lambda: ran.append(current[0].name), []) is True
+    assert ran == ["side", "side"]  # the eager warm-up, then the capture, both on the side stream
+    begin, end = log.index(("begin", "side", "pool")), log.index(("end", "side"))
+    assert begin < end and ("device", "cuda:1") in log and current[0].name == "default"
+    assert log[-1] == ("wait", "default", "side")
+    log.clear()
+    assert r.run((1, "a"), lambda: ran.append("again"), []) is True
+    assert log == [("device", "cuda:1"), ("replay", "default")] and ran[-1] != "again"
+    Graph.fail = True
+    with pytest.warns(UserWarning, match="capture failed for batch bucket 2"):
+        assert r.run((2, "b"), lambda: ran.append(current[0].name), []) is True
+    assert current[0].name == "default" and (2, "b") in r.failed and ("sync",) in log
+    assert r.run((2, "b"), lambda: None, []) is False
+
+
 def test_torch_ops_mask_cache_is_per_forward():
     """The round updates the lengths in place; a new forward must not reuse the old mask
     (inverse: without ``begin_forward`` the stale mask is served)."""
