@@ -507,6 +507,10 @@ def _measure(rt, prompts, max_new_tokens, specs: list[SpecConfig | None]) -> lis
     """Generate every prompt at batch size 1 with each shape (None = plain decoding), shapes
     interleaved per prompt so that a change of machine load hits them all alike."""
     ms = [Measured(0, 0.0, 0.0, 0, 0, len(prompts)) for _ in specs]
+    for spec in specs:  # first calls untimed: JIT and, on a GPU, the CUDA-graph capture of each shape
+        if spec is not None:
+            rt.spec = spec
+        rt.generate([prompts[0]], max_new_tokens=4, speculative=spec is not None, stop_token_ids=[])
     for p in prompts:
         for spec, m in zip(specs, ms):
             if spec is not None:

@@ -65,7 +65,8 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     num_new_tokens: int = 0
     wall_time_s: float = 0.0
-    time_split_s: dict[str, float] = field(default_factory=dict)  # prefill / draft / verify / commit
+    time_split_s: dict[str, float] = field(default_factory=dict)  # prefill / draft / verify / commit (eager
+    #                                                                rounds); graph (rounds replayed as CUDA graphs)
 
     @property
     def mean_acceptance_length(self) -> float:
