@@ -183,7 +183,7 @@ class SpeculativeRuntime:
             if not 1 <= b <= self.max_batch_size:
                 raise ValueError(f"warmup batch size {b} must lie in [1, max_batch_size={self.max_batch_size}]")
             self.generate([[0]] * b, max_new_tokens=2, temperature=temperature, top_p=top_p, top_k=top_k,
-                          seed=0, stop_token_ids=(), speculative=speculative)
+                          seed=0, stop_token_ids=(), speculative=speculative and self.drafter is not None)
         captured = {k[0] for k in self._graphs.graphs}
         return sorted({self._graphs.bucket(b) for b in sizes} & captured)
 
