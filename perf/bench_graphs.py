@@ -5,8 +5,9 @@
 
 Rows: pair x mode (plain / speculative) x runner (eager / graphs). ``extra_info``: tokens/s, τ,
 rounds, decode ms per round, prefill ms, and from an eager profile of the same pair: draft /
-verify / commit ms per round (device synchronised after each phase) and device kernel launches
-per round (``torch.profiler``; a graph replays the same kernels in one launch).
+verify / commit ms per round (device synchronised after each phase), device kernel launches
+per round (``torch.profiler``, CUDA only; a graph replays the same kernels in one launch) and the
+aten ops one round dispatches (any device).
 
 Pairs: ``demo`` (the bundled target with its EAGLE-3.1 drafter; its τ is real) and
 ``llama3-8b-random`` (random bf16 weights in Llama-3-8B shapes with a random EAGLE-3.1 drafter,

@@ -162,7 +162,7 @@ def table_rows(bench: dict, copy_gbps: float | None) -> list[dict]:
 def graph_rows(graphs: dict) -> list[dict]:
     """One row per ``perf/bench_graphs.py`` benchmark (its ``extra_info``)."""
     keys = ("pair", "mode", "runner", "batch", "tokens_s", "tau", "round_ms", "draft_ms", "verify_ms", "commit_ms",
-            "launches")
+            "launches", "aten_ops")
     return [{k: b.get("extra_info", {}).get(k) for k in keys} for b in graphs.get("benchmarks", [])
             if "round_ms" in b.get("extra_info", {})]
 
@@ -176,9 +176,10 @@ def format_graph_table(rows: list[dict]) -> str:
         return "-" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
 
     head = ("| pair | mode | runner | batch | tok/s | τ | ms/round | eager draft | eager verify | eager commit | "
-            "launches/round (eager) |\n|" + " --- |" * 4 + " ---: |" * 7)
+            "launches/round (eager) | aten ops/round |\n|" + " --- |" * 4 + " ---: |" * 8)
     lines = [f"| {r['pair']} | {r['mode']} | {r['runner']} | {r['batch']} | {f(r['tokens_s'], 1)} | {f(r['tau'])} | "
-             f"{f(r['round_ms'])} | {f(r['draft_ms'])} | {f(r['verify_ms'])} | {f(r['commit_ms'])} | {f(r['launches'])} |"
+             f"{f(r['round_ms'])} | {f(r['draft_ms'])} | {f(r['verify_ms'])} | {f(r['commit_ms'])} | {f(r['launches'])} | "
+             f"{f(r['aten_ops'])} |"
              for r in rows]
     at = {(r["pair"], r["mode"], r["runner"], r["batch"]): r for r in rows}
     notes = []

@@ -236,6 +236,11 @@ def round_profile(rt: Any, prompts: list[list[int]], speculative: bool = True, r
                 split["verify"] += t2 - t1
                 split["commit"] += t3 - t2
                 done += 1
+        aten_ops = None
+        if max(st.L_host) < room:  # device-independent: aten ops one round dispatches (~ kernel launches)
+            aten_ops = _count_aten_ops(lambda: rt._round(st, speculative, None))
+            count = st.out[:, D + 1].tolist()  # the round wrote emitted[:D+1], then the accepted count
+            st.L_host = [h + int(k) + 1 for h, k in zip(st.L_host, count)]
         launches = None
         if dev.type == "cuda" and max(st.L_host) < room:
             from torch.profiler import ProfilerActivity, profile
@@ -245,4 +250,21 @@ def round_profile(rt: Any, prompts: list[list[int]], speculative: bool = True, r
                 _sync(dev)
             launches = sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     n = max(done, 1)
-    return {f"{k}_ms": v / n * 1e3 for k, v in split.items()} | dict(launches=launches, profiled_rounds=done)
+    return {f"{k}_ms": v / n * 1e3 for k, v in split.items()} | dict(launches=launches, aten_ops=aten_ops,
+                                                                     profiled_rounds=done)
+
+
+def _count_aten_ops(fn) -> int:
+    """How many aten ops ``fn`` dispatches (views and metadata ops included)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        fn()
+    return Count.n

@@ -78,7 +78,7 @@ def test_graph_table_and_projection(gpu_check):
     def row(pair, mode, runner, batch, tok_s, tau, round_ms, launches=None):
         return {"name": "x", "extra_info": dict(pair=pair, mode=mode, runner=runner, batch=batch, tokens_s=tok_s, tau=tau,
                                                 round_ms=round_ms, draft_ms=1.0, verify_ms=2.0, commit_ms=0.5,
-                                                launches=launches)}
+                                                launches=launches, aten_ops=2080)}
     graphs = {"benchmarks": [
         row("demo", "speculative", "eager", 1, 100.0, 3.5, 10.0, 900),
         row("demo", "speculative", "graphs", 1, 150.0, 3.5, 6.0),
@@ -89,7 +89,7 @@ def test_graph_table_and_projection(gpu_check):
     rows = gpu_check.graph_rows(graphs)
     assert len(rows) == 4 and rows[0]["launches"] == 900
     table = gpu_check.format_graph_table(rows)
-    assert "| demo | speculative | eager | 1 | 100.0 | 3.50 | 10.00 | 1.00 | 2.00 | 0.50 | 900 |" in table
+    assert "| demo | speculative | eager | 1 | 100.0 | 3.50 | 10.00 | 1.00 | 2.00 | 0.50 | 900 | 2080 |" in table
     assert "demo speculative batch 1: graphs 1.50x eager tokens/s" in table
     # projected = tau(demo, graphs) x plain round / speculative round = 3.5 x 7 / 14
     assert "PROJECTED llama3-8b speedup, batch 1: τ 3.50" in table and "= 1.75x (projected, not measured" in table
