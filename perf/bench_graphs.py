@@ -115,3 +115,5 @@ def test_graphs_vs_eager(benchmark, pair, mode, runner, batch, request):
         assert not rt._graphs.failed, "a CUDA-graph capture failed (see the warning)"
     benchmark.extra_info.update(info | {"device": environment().get("device", "cpu")})
     assert r["new_tokens"] == len(prompts) * tokens
+    assert prof["profiled_rounds"] > 0 and prof["verify_ms"] > 0 and prof["aten_ops"] > 0
+    assert (prof["launches"] is not None) == CUDA
