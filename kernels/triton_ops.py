@@ -9,6 +9,7 @@ from __future__ import annotations
 from ._triton_utils import require_triton
 from .aux_gather import aux_gather
 from .kv_compact import kv_compact
+from ..runtime.ops import prefill_attention
 from .rms_norm import rms_norm
 from .tree_attention import kv_write, tree_attention
 from .verify import verify_greedy
@@ -29,6 +30,7 @@ class TritonOps:
     aux_gather = staticmethod(aux_gather)  # (aux, index, fc_norm_weight, eps)
     kv_write = staticmethod(kv_write)  # (k_cache, v_cache, slots, k, v)
     tree_attention = staticmethod(tree_attention)  # (q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None)
+    prefill_attention = staticmethod(prefill_attention)  # (q, k, v, scale): PyTorch causal SDPA, not a decode op
     verify_greedy = staticmethod(verify_greedy)  # (tokens, parents, target_argmax, max_depth)
     verify_sampling = staticmethod(verify_sampling)  # (tokens, parents, probs, uniforms, exp_noise, max_depth)
     kv_compact = staticmethod(kv_compact)  # (k_cache, v_cache, start, nodes)

@@ -281,8 +281,12 @@ class Eagle3Drafter(nn.Module):
         prefix_lens: torch.Tensor,  # [B] int64
         tree_mask: torch.Tensor,  # [B, Q, T] bool
         kv_len: int | None = None,
+        prefill: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One drafter step; returns ``(hn [B, Q, H] (for logits), carry [B, Q, H])``."""
+        """One drafter step; returns ``(hn [B, Q, H] (for logits), carry [B, Q, H])``.
+
+        ``prefill=True``: empty prefix and a causal mask over left-aligned rows, so attention runs
+        causally over the new K/V (``ops.prefill_attention``), as ``TargetModel.forward`` does."""
         if self.embed_tokens is None:
             raise RuntimeError("the drafter has no embedding: attach the target's with attach_target_embedding()")
         c, m = self.config, self.midlayer
@@ -299,7 +303,10 @@ class Eagle3Drafter(nn.Module):
         rope = self.rope()
         q, k = rope.apply(q, positions), rope.apply(k, positions)
         ops.kv_write(k_cache, v_cache, slots, k, val)
-        o = ops.tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, c.head_dim ** -0.5, kv_len)
+        if prefill:
+            o = ops.prefill_attention(q, k.to(k_cache.dtype), val.to(v_cache.dtype), c.head_dim ** -0.5)
+        else:
+            o = ops.tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, c.head_dim ** -0.5, kv_len)
         if self.capture_attention:
             self.last_attention = _attention_probs(q, k_cache, prefix_lens, tree_mask, c.head_dim ** -0.5, kv_len)
         o = F.linear(o.reshape(B, Q, -1), a.o_proj.weight)

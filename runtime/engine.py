@@ -507,7 +507,8 @@ class SpeculativeRuntime:
         slots = torch.where(valid, positions, -1)
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril().expand(B, P, P)
         zero = torch.zeros(B, dtype=torch.int64, device=dev)
-        hidden, aux = self.target.forward(self.ops, tokens, positions, slots, zero, causal, P, capture_aux=use_draft)
+        hidden, aux = self.target.forward(self.ops, tokens, positions, slots, zero, causal, P, capture_aux=use_draft,
+                                          prefill=True)
         last = (lens - 1)[:, None]
         h_last = hidden.gather(1, last[..., None].expand(B, 1, hidden.shape[-1]))[:, 0]
         pad = rows - B
@@ -533,12 +534,12 @@ class SpeculativeRuntime:
             nxt = torch.cat([tokens[:, 1:], torch.zeros(B, 1, dtype=torch.int64, device=dev)], dim=1)
             nxt = nxt.scatter(1, last, root[:, None])  # pair (g_t, x_{t+1}); x_P = root
             index = torch.where(valid, torch.arange(B, device=dev)[:, None] * P + ar, -1)
-            self._catch_up(st, aux.reshape(B * P, -1), index, nxt, lens, zero, P)
+            self._catch_up(st, aux.reshape(B * P, -1), index, nxt, lens, zero, P, prefill=True)
         stats.time_split_s["prefill"] += time.perf_counter() - t0
         return st
 
     def _catch_up(self, st: _State, aux_flat: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor,
-                  n_valid: torch.Tensor, start: torch.Tensor, kv_len: int) -> None:
+                  n_valid: torch.Tensor, start: torch.Tensor, kv_len: int | None, prefill: bool = False) -> None:
         """Drafter re-encodes ``n_valid`` positions from ``start`` with true target features; the
         state's first ``B`` rows get the drafter's state at the last one (B = rows of ``index``)."""
         d = self.drafter
@@ -548,7 +549,7 @@ class SpeculativeRuntime:
         positions = start[:, None] + ar
         slots = torch.where(ar[None, :] < n_valid[:, None], positions, -1)
         causal = torch.ones(Qc, Qc, dtype=torch.bool, device=self.device).tril().expand(B, Qc, Qc)
-        hn, carry = d.step(self.ops, g, tokens, positions, self.dk, self.dv, slots, start, causal, kv_len)
+        hn, carry = d.step(self.ops, g, tokens, positions, self.dk, self.dv, slots, start, causal, kv_len, prefill=prefill)
         last = (n_valid - 1).clamp(min=0)[:, None, None].expand(B, 1, hn.shape[-1])
         st.hn_last[:B].copy_(hn.gather(1, last)[:, 0])
         st.carry_last[:B].copy_(carry.gather(1, last)[:, 0])

@@ -21,6 +21,21 @@ from ..kernels.verify_sampling import verify_sampling_reference
 BACKENDS = ("auto", "torch", "triton")
 
 
+def prefill_attention(
+    q: torch.Tensor,  # [B, P, Hq, D]
+    k: torch.Tensor,  # [B, P, Hkv, D]
+    v: torch.Tensor,  # [B, P, Hkv, D]
+    scale: float,
+) -> torch.Tensor:  # [B, P, Hq, D]
+    """Causal self-attention of a prompt with an empty prefix: ``softmax(q k^T * scale + causal) v``,
+    the tree-attention math for ``prefix_lens == 0`` and a causal tree mask. PyTorch's causal SDPA
+    (flash attention on a GPU, a blocked kernel on a CPU) skips the masked half, which the general
+    tree-mask path cannot; prefill is not a decode-round op, both backends use this."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                         is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
 class TorchOps:
     """Reference backend: each method is the matching ``kernels.<op>.<op>_reference``."""
 
@@ -53,6 +68,7 @@ class TorchOps:
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=c[3], scale=scale,
                                              enable_gqa=q.shape[2] != k.shape[1])
         return out.transpose(1, 2)
+    prefill_attention = staticmethod(prefill_attention)
     verify_greedy = staticmethod(verify_greedy_reference)
     verify_sampling = staticmethod(verify_sampling_reference)
     kv_compact = staticmethod(kv_compact_reference)

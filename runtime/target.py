@@ -190,8 +190,15 @@ class TargetModel:
         tree_mask: torch.Tensor,  # [B, Q, T] bool, visibility inside the tree region
         kv_len: int | None = None,
         capture_aux: bool = True,
+        prefill: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Return ``(final-normed hidden [B, Q, H], aux [B, Q, n_aux*H] or None)``."""
+        """Return ``(final-normed hidden [B, Q, H], aux [B, Q, n_aux*H] or None)``.
+
+        ``prefill=True`` promises an empty prefix (``prefix_lens == 0``) and a causal ``tree_mask``
+        over tokens left-aligned in each row (padding last): attention then runs causally over the
+        new K/V (``ops.prefill_attention``, a causal kernel that skips the masked half) instead of
+        reading them back from the cache under a full mask; the cache is written as always.
+        """
         assert self.k_cache is not None, "call allocate_cache() first"
         B, Q = tokens.shape
         ops.begin_forward()
@@ -210,7 +217,10 @@ class TargetModel:
                 k = ops.rms_norm(k, L.k_norm, self.eps)
             q, k = self.rope.apply(q, rope), self.rope.apply(k, rope)
             ops.kv_write(self.k_cache[i], self.v_cache[i], slots, k, v)
-            a = ops.tree_attention(q, self.k_cache[i], self.v_cache[i], prefix_lens, tree_mask, scale, kv_len)
+            if prefill:
+                a = ops.prefill_attention(q, k.to(self.dtype), v.to(self.dtype), scale)
+            else:
+                a = ops.tree_attention(q, self.k_cache[i], self.v_cache[i], prefix_lens, tree_mask, scale, kv_len)
             a = F.linear(a.reshape(B, Q, self.num_heads * self.head_dim), L.wo, L.bo)
             x, h = ops.rms_norm(a, L.ln2, self.eps, residual=h)
             h = h + F.linear(F.silu(F.linear(x, L.gate)) * F.linear(x, L.up), L.down)
