@@ -126,16 +126,20 @@ class GraphRunner:
                 cur, side = self._streams()
                 torch.cuda.synchronize(self.device)
                 g = torch.cuda.CUDAGraph()
-                try:
-                    with torch.cuda.stream(side):  # restores the current stream on any exit
-                        g.capture_begin(pool=self._pool)
-                        try:
-                            fn()
-                        finally:
-                            g.capture_end()
-                except BaseException:
+                err: BaseException | None = None
+                with torch.cuda.stream(side):  # restores the current stream on any exit
+                    g.capture_begin(pool=self._pool)
+                    try:
+                        fn()
+                    except BaseException as e:  # noqa: BLE001 - reported below: the root cause, not capture_end's
+                        err = e
+                    try:
+                        g.capture_end()
+                    except BaseException as e:  # noqa: BLE001
+                        err = err or e
+                if err is not None:
                     torch.cuda.synchronize(self.device)
-                    raise
+                    raise err
                 cur.wait_stream(side)
             return g
         from torch.fx.experimental.proxy_tensor import make_fx

@@ -301,6 +301,15 @@ def test_cuda_branch_against_a_fake_torch_cuda(monkeypatch):
         assert r.run((2, "b"), lambda: ran.append(current[0].name), []) is True
     assert current[0].name == "default" and (2, "b") in r.failed and ("sync",) in log
     assert r.run((2, "b"), lambda: None, []) is False
+    Graph.fail = False  # an error inside the round is the one reported, and capture still ends
+
+    def bad():
+        if len(log) and log[-1][0] == "begin":
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    with pytest.warns(UserWarning, match="bucket 1 .*operation not permitted when stream is capturing"):
+        assert r.run((1, "c"), bad, []) is True
+    assert log[-1] in (("sync",), ("end", "default")) and ("end", "side") in log and current[0].name == "default"
 
 
 def test_torch_ops_mask_cache_is_per_forward():
