@@ -13,6 +13,7 @@ from ..runtime.ops import prefill_attention
 from .rms_norm import rms_norm
 from .tree_attention import kv_write, tree_attention
 from .verify import verify_greedy
+from .verify_chain import verify_chain
 from .verify_sampling import verify_sampling
 
 require_triton()  # importing this module without triton raises ImportError (runtime.ops relies on it)
@@ -33,4 +34,5 @@ class TritonOps:
     prefill_attention = staticmethod(prefill_attention)  # (q, k, v, scale): PyTorch causal SDPA, not a decode op
     verify_greedy = staticmethod(verify_greedy)  # (tokens, parents, target_argmax, max_depth)
     verify_sampling = staticmethod(verify_sampling)  # (tokens, parents, probs, uniforms, exp_noise, max_depth)
+    verify_chain = staticmethod(verify_chain)  # (tokens, probs, draft_probs, uniforms, exp_noise)
     kv_compact = staticmethod(kv_compact)  # (k_cache, v_cache, start, nodes)

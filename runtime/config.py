@@ -14,6 +14,12 @@ class SpecConfig:
     top_k : branching per level (SGLang ``eagle_topk``); 1 drafts a chain.
     num_draft_tokens : tokens the target verifies per round, the root included (as in
         SGLang), so a chain of K drafted tokens has ``num_draft_tokens = K + 1``.
+    sample_chain_drafts : for a chain (``top_k=1``) at temperature > 0, draw each draft token from
+        the drafter's (processed) distribution q and accept it with probability min(1, p/q),
+        resampling a rejection from max(0, p - q) (standard speculative sampling); False keeps the
+        deterministic top-1 draft, accepted with probability p. Both are lossless; with a drafter
+        distilled on the target's distributions the sampled draft is accepted far more often.
+        Greedy decoding and trees (``top_k > 1``) are unaffected.
 
     Examples
     --------
@@ -24,6 +30,7 @@ class SpecConfig:
     num_speculative_tokens: int = 6
     top_k: int = 8
     num_draft_tokens: int = 48
+    sample_chain_drafts: bool = True
 
     def __post_init__(self) -> None:
         for name in ("num_speculative_tokens", "top_k"):

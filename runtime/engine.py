@@ -47,6 +47,7 @@ class _Tree:
     depth: torch.Tensor  # [B, N]
     mask: torch.Tensor  # [B, N, N] bool
     max_depth: int
+    draft_probs: torch.Tensor | None = None  # [B, N-1, V] q of each node of a sampled chain (verify_chain)
 
 
 class _Buffers:
@@ -559,7 +560,10 @@ class SpeculativeRuntime:
             st.drift_depth1 = (attn.gather(2, idx), start + n_valid)
 
     def _draft(self, st: _State, stats: SpecStats | None, whole_cache: bool = False) -> _Tree:
-        """EAGLE-2 expansion from the last catch-up state, then global rerank (tree.py)."""
+        """EAGLE-2 expansion from the last catch-up state, then global rerank (tree.py); a sampled
+        chain instead for ``top_k=1`` at temperature > 0 (``SpecConfig.sample_chain_drafts``)."""
+        if self.spec.top_k == 1 and self.spec.sample_chain_drafts and not st.sampling.greedy:
+            return self._draft_sampled_chain(st, stats, whole_cache)
         t0 = time.perf_counter()
         d, dev = self.drafter, self.device
         K, D, N = self.spec.top_k, self.spec.num_speculative_tokens, self.spec.num_draft_tokens
@@ -609,6 +613,43 @@ class SpeculativeRuntime:
         _add_time(stats, "draft", t0)
         return _Tree(node_tokens, par, depth, mask, D)
 
+    def _draft_sampled_chain(self, st: _State, stats: SpecStats | None, whole_cache: bool = False) -> _Tree:
+        """A chain of ``n = num_draft_tokens - 1`` tokens, each drawn from the drafter's processed
+        distribution q by the exponential race; verified with min(1, p/q) (kernels/verify_chain.py)."""
+        t0 = time.perf_counter()
+        d, dev = self.drafter, self.device
+        n = self.spec.num_draft_tokens - 1
+        B = st.L.shape[0]
+        Vd = d.config.draft_vocab_size
+        _, xi = st.rng.draw(0, n * Vd)
+        xi = xi.view(B, n, Vd)  # Exp(1) noise per depth
+        d2t = d.to_target_ids(torch.arange(Vd, device=dev))  # [Vd] target id of each draft id
+        lp = self._draft_logprobs(st, st.hn_last)  # [B, Vd] log q of depth 1
+        hid = st.carry_last[:, None, :]  # [B, 1, H]
+        width = max(n - 1, 1)
+        kv_len = None if whole_cache else max(st.L_host) + width
+        fmask = torch.zeros(B, 1, width, dtype=torch.bool, device=dev)
+        col = torch.arange(width, device=dev)
+        toks, qs = [], []
+        for s in range(n):
+            tok = d2t[(lp - xi[:, s].log()).argmax(-1)]  # [B] a sample of q
+            toks.append(tok)
+            qs.append(lp.exp())
+            if s == n - 1:
+                break
+            fmask = fmask | (col == s)  # the chain so far, this token included
+            positions = (st.L + s)[:, None]
+            slots = torch.where(st.active_t[:, None], positions, -1)  # idle rows write nowhere
+            hn, hid = d.step(self.ops, hid, tok[:, None], positions, self.dk, self.dv, slots, st.L, fmask, kv_len)
+            lp = self._draft_logprobs(st, hn[:, 0])
+        q = torch.zeros(B, n, self.target.vocab_size, device=dev).index_add_(2, d2t, torch.stack(qs, 1))
+        ar = torch.arange(n + 1, device=dev)
+        tree = _Tree(torch.cat([st.root[:, None], torch.stack(toks, 1)], 1), (ar - 1).expand(B, n + 1),
+                     ar.expand(B, n + 1), torch.ones(n + 1, n + 1, dtype=torch.bool, device=dev).tril().expand(B, n + 1, n + 1),
+                     n, draft_probs=q)
+        _add_time(stats, "draft", t0)
+        return tree
+
     def _draft_logprobs(self, st: _State, hn: torch.Tensor) -> torch.Tensor:
         logits = self.drafter.logits(hn)
         if not st.sampling.greedy:
@@ -634,8 +675,11 @@ class SpeculativeRuntime:
         else:
             probs = process_logits(logits, st.sampling).softmax(-1)
             uniforms, xi = st.rng.draw(N, logits.shape[-1])
-            nodes, num, emitted = self.ops.verify_sampling(tree.tokens, tree.parents, probs, uniforms, xi,
-                                                           tree.max_depth)
+            if tree.draft_probs is not None:  # a sampled chain: min(1, p/q)
+                nodes, num, emitted = self.ops.verify_chain(tree.tokens, probs, tree.draft_probs, uniforms, xi)
+            else:
+                nodes, num, emitted = self.ops.verify_sampling(tree.tokens, tree.parents, probs, uniforms, xi,
+                                                               tree.max_depth)
         _add_time(stats, "verify", t0)
         return nodes, num, emitted, aux
 

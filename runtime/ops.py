@@ -16,6 +16,7 @@ from ..kernels.kv_compact import kv_compact_reference
 from ..kernels.rms_norm import rms_norm_reference
 from ..kernels.tree_attention import kv_write_reference, tree_visibility
 from ..kernels.verify import verify_greedy_reference
+from ..kernels.verify_chain import verify_chain_reference
 from ..kernels.verify_sampling import verify_sampling_reference
 
 BACKENDS = ("auto", "torch", "triton")
@@ -71,6 +72,7 @@ class TorchOps:
     prefill_attention = staticmethod(prefill_attention)
     verify_greedy = staticmethod(verify_greedy_reference)
     verify_sampling = staticmethod(verify_sampling_reference)
+    verify_chain = staticmethod(verify_chain_reference)
     kv_compact = staticmethod(kv_compact_reference)
 
 

@@ -28,6 +28,7 @@ import pytest
 
 ARCHS = [90, 80]
 VERIFY_SAMPLING = [(6, 48, 128256), (6, 60, 32000), (4, 5, 97)]  # (depth, tree tokens, vocabulary)
+VERIFY_CHAIN = [(4, 128256), (1, 97)]  # (drafted tokens, vocabulary)
 MODELS = {"tiny": dict(H=72, HQ=6, HKV=3, D=12), "llama3_8b": dict(H=4096, HQ=32, HKV=8, D=128)}
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
@@ -41,6 +42,7 @@ def _specs():
     from tritonspec.kernels import rms_norm as rn
     from tritonspec.kernels import tree_attention as ta
     from tritonspec.kernels import verify as vf
+    from tritonspec.kernels import verify_chain as vc
     from tritonspec.kernels import verify_sampling as vs
     from tritonspec.kernels._triton_utils import ENABLE_FP_FUSION, next_pow2
 
@@ -114,6 +116,14 @@ def _specs():
                       dict(MAX_DEPTH=depth, BLOCK_N=max(next_pow2(n), 16), BLOCK_W=max(next_pow2(depth + 1), 16),
                            BLOCK_V=block_v, ONE=vs.FIXED_ONE, NONE=-1),
                       list(sig)[:9] + (["V"] if vocab % 16 == 0 else []), dict(base, num_warps=warps)))
+    for n, vocab in VERIFY_CHAIN:
+        block_v = min(max(next_pow2(vocab), 16), 2048)
+        sig = dict(tokens_ptr="*i64", probs_ptr="*fp32", q_ptr="*fp32", u_ptr="*fp32", xi_ptr="*fp32",
+                   nodes_ptr="*i64", num_ptr="*i64", emitted_ptr="*i64", V="i32")
+        specs.append((f"verify_chain/n={n}/V={vocab}", vc._verify_chain_kernel, sig,
+                      dict(N_DRAFT=n, BLOCK_W=max(next_pow2(n + 1), 16), BLOCK_V=block_v),
+                      list(sig)[:8] + (["V"] if vocab % 16 == 0 else []),
+                      dict(base, num_warps=1 if block_v <= 256 else 4 if block_v <= 1024 else 8)))
     return specs
 
 
@@ -178,7 +188,7 @@ _SPEC_NAMES = [
     for suffix in suffixes
 ] + ["verify_greedy/depth=6/N=48", "verify_greedy/depth=4/N=5"] + [
     f"verify_sampling/depth={d}/N={n}/V={v}" for d, n, v in VERIFY_SAMPLING
-]
+] + [f"verify_chain/n={n}/V={v}" for n, v in VERIFY_CHAIN]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

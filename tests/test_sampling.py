@@ -178,12 +178,16 @@ def _no_renorm_fast(tokens, parents, probs, uniforms, exp_noise, max_depth):
     return nodes, num, emitted
 
 
+SHAPES = {"tree": ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6),
+          "sampled-chain": ts.SpecConfig(num_speculative_tokens=3, top_k=1, num_draft_tokens=4)}
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("name", list(CASES))
-def test_speculative_sampling_matches_target_distribution(name):
+def test_speculative_sampling_matches_target_distribution(name, shape):
     case = CASES[name]
     model, drafter = make_case(case["kind"])
-    rt = runtime(model, drafter, ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6),
-                 max_batch_size=1024, max_seq_len=12)
+    rt = runtime(model, drafter, SHAPES[shape], max_batch_size=1024, max_seq_len=12)
     probs = exact_joint(model, PROMPT, 3, case["sp"])
     counts = sample_joint(rt, N_SAMPLES, 3, case["sp"])
     stat, crit = chi_square(counts, probs)
@@ -192,13 +196,23 @@ def test_speculative_sampling_matches_target_distribution(name):
                        seed=list(range(64))).stats.num_accepted_tokens > 0
 
 
-def test_wrong_acceptance_rule_fails_the_same_test():
+def _no_residual(tokens, probs, draft_probs, uniforms, exp_noise):
+    from tritonspec.kernels.verify_chain import verify_chain_reference
+
+    nodes, num, emitted = verify_chain_reference(tokens, probs, draft_probs, uniforms, exp_noise)
+    rows = torch.arange(tokens.shape[0])
+    bonus = (probs[rows, num] / exp_noise).argmax(-1)  # BUG: p, not max(0, p - q), after a rejection
+    return nodes, num, emitted.scatter(1, num[:, None], bonus[:, None])
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_wrong_acceptance_rule_fails_the_same_test(shape):
     """Inverse test: the end-to-end distribution test has teeth."""
     model, drafter = make_case("perm")
     sp = CASES["good-drafter"]["sp"]
-    rt = runtime(model, drafter, ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6),
-                 max_batch_size=1024, max_seq_len=12)
+    rt = runtime(model, drafter, SHAPES[shape], max_batch_size=1024, max_seq_len=12)
     rt.ops.verify_sampling = _no_renorm_fast
+    rt.ops.verify_chain = _no_residual
     stat, crit = chi_square(sample_joint(rt, N_SAMPLES, 3, sp), exact_joint(model, PROMPT, 3, sp))
     assert stat > crit, f"a biased rule went undetected: chi2={stat:.1f} <= {crit:.1f}"
 
