@@ -108,12 +108,14 @@ def test_triton_backend_uses_every_kernel(monkeypatch):
     model, drafter = _pair(fc_norm=True, norm_output=True)
     rt = runtime(model, drafter, SPECS["chain"], backend="triton", **RT)
     called = set()
-    for name in ("rms_norm", "aux_gather", "kv_write", "tree_attention", "verify_greedy", "verify_sampling",
-                 "kv_compact"):
+    kernels = ("rms_norm", "aux_gather", "kv_write", "tree_attention", "verify_greedy", "verify_sampling",
+               "verify_chain", "kv_compact")
+    for name in kernels:
         fn = getattr(TritonOps, name)
         monkeypatch.setattr(rt.ops, name, lambda *a, _fn=fn, _n=name, **k: called.add(_n) or _fn(*a, **k))
     prompt = random_prompts(VOCAB, [4], seed=0)
     rt.generate(prompt, max_new_tokens=4)
-    rt.generate(prompt, max_new_tokens=4, temperature=1.0, seed=0)
-    assert called == {"rms_norm", "aux_gather", "kv_write", "tree_attention", "verify_greedy", "verify_sampling",
-                      "kv_compact"}
+    rt.generate(prompt, max_new_tokens=4, temperature=1.0, seed=0)  # a sampled chain: verify_chain
+    rt.spec = SPECS["tree"]
+    rt.generate(prompt, max_new_tokens=4, temperature=1.0, seed=0)  # a tree: verify_sampling
+    assert called == set(kernels)
