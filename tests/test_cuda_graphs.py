@@ -71,11 +71,12 @@ def _round_without_sync(rt, temperature, speculative=True, fail_on=None):
     return st
 
 
+@pytest.mark.parametrize("shape", [(3, 2, 6), (3, 1, 4)], ids=["tree", "chain"])  # chain at T > 0: sampled drafts
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("speculative", [True, False])
-def test_round_has_no_host_sync(temperature, speculative):
+def test_round_has_no_host_sync(temperature, speculative, shape):
     model, drafter = _pair()
-    rt = runtime(model, drafter, spec=ts_spec(3, 2, 6), cuda_graphs=False)
+    rt = runtime(model, drafter, spec=ts_spec(*shape), cuda_graphs=False)
     st = _round_without_sync(rt, temperature, speculative)
     assert st.out[:3, -1].min() >= 0  # the round produced counts
 
