@@ -70,6 +70,7 @@ def verify_chain_reference(
 # across blocks (a strict comparison), as torch.argmax.
 # --------------------------------------------------------------------------------------------
 from ._triton_utils import ENABLE_FP_FUSION, check_tensor, next_pow2, require_triton, tl, triton  # noqa: E402
+from .verify_sampling import _argmax_update  # noqa: E402
 
 
 @triton.jit
@@ -124,11 +125,7 @@ def _verify_chain_kernel(
         r = tl.where(rejected & ~use_p, tl.maximum(p - q, 0.0), p)
         xi = tl.load(xi_ptr + b * V + v0 + cols, mask=m, other=1.0)
         val = tl.where(m, tl.div_rn(r, xi), -1.0)
-        block_best = tl.max(val, axis=0)
-        block_v = v0 + tl.argmax(val, axis=0).to(tl.int64)
-        better = block_best > best
-        best_v = tl.where(better, block_v, best_v)
-        best = tl.where(better, block_best, best)
+        best, best_v = _argmax_update(val, v0, best, best_v)
     emitted = tl.where(w == num, best_v, emitted)
     tl.store(nodes_ptr + b * N + w, nodes, mask=w < N)
     tl.store(emitted_ptr + b * N + w, emitted, mask=w < N)

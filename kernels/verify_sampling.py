@@ -124,6 +124,16 @@ def _row_mass(row_ptr, V, BLOCK_V: tl.constexpr, ONE: tl.constexpr):
     return tl.sum(acc, axis=0)
 
 
+@triton.jit
+def _argmax_update(val, v0, best, best_v):
+    """One block of a blockwise argmax over V: ``(best, best_v)`` after block ``val`` (starting at
+    ``v0``); a strict comparison keeps the first maximal index across blocks, as torch.argmax."""
+    block_best = tl.max(val, axis=0)
+    block_v = v0 + tl.argmax(val, axis=0).to(tl.int64)
+    better = block_best > best
+    return tl.where(better, block_best, best), tl.where(better, block_v, best_v)
+
+
 @triton.jit(do_not_specialize=["N"])
 def _verify_sampling_kernel(
     tokens_ptr,  # [B, N] int64
@@ -198,11 +208,7 @@ def _verify_sampling_kernel(
         removed = tl.load(mark_ptr + b * V + v0 + cols, mask=m, other=0)
         xi = tl.load(xi_ptr + b * V + v0 + cols, mask=m, other=1.0)
         val = tl.where(m, tl.div_rn(tl.where(removed != 0, 0.0, r), xi), -1.0)
-        block_best = tl.max(val, axis=0)
-        block_v = v0 + tl.argmax(val, axis=0).to(tl.int64)
-        better = block_best > best  # strict: the first maximal index wins, as torch.argmax
-        best_v = tl.where(better, block_v, best_v)
-        best = tl.where(better, block_best, best)
+        best, best_v = _argmax_update(val, v0, best, best_v)
     emitted = tl.where(w == num, best_v, emitted)
     tl.store(nodes_ptr + b * W + w, nodes, mask=w < W)
     tl.store(emitted_ptr + b * W + w, emitted, mask=w < W)
