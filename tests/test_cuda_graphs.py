@@ -344,13 +344,14 @@ def _cuda_pair():
 
 
 @gpu
+@pytest.mark.parametrize("spec", [(3, 2, 6), (4, 1, 5)], ids=["tree", "chain"])  # chain at T > 0: sampled drafts
 @pytest.mark.parametrize("sampling", list(SAMPLING))
-def test_gpu_graph_replay_equals_eager(sampling):
+def test_gpu_graph_replay_equals_eager(sampling, spec):
     """Triton backend (the GPU default): its kernels are bit-identical whatever the batch rows or
     the attention-length hint, so eager (live rows, host-bounded lengths) and replay (bucket rows,
     whole cache) must give the same tokens."""
     model, drafter = _cuda_pair()
-    spec = ts_spec(3, 2, 6)
+    spec = ts_spec(*spec)
     kw = dict(spec=spec, device="cuda", dtype=torch.float32, backend="triton")
     eager = runtime(model, drafter, cuda_graphs=False, **kw)
     graph = runtime(model, drafter, cuda_graphs=True, **kw)
