@@ -385,8 +385,6 @@ def measure_acceptance(rt, prompts: list[list[int]], continuations: list[list[in
                        max_rank: int, stride: int = 1) -> tuple[AcceptanceProfile, int]:
     """Teacher-forced ranks at roots every ``stride + 1`` tokens of each continuation (the target's
     greedy output). Returns the profile and the number of roots sampled."""
-    from ..runtime.engine import _Tree
-
     dev = rt.device
     t2d = _draft_ids(rt.drafter, rt.target.vocab_size, dev)
     rows, logqs = [], []
@@ -411,10 +409,7 @@ def measure_acceptance(rt, prompts: list[list[int]], continuations: list[list[in
                 chain = y[pos + 1 : pos + 1 + c]
                 if chain.numel() < c or pos + c + 1 >= len(cont):
                     break
-                n = c + 1  # advance: verify the true chain (the target accepts it) and commit
-                tree = _Tree(torch.cat([st.root, chain])[None], torch.arange(-1, n - 1, device=dev)[None],
-                             torch.arange(n, device=dev)[None], torch.ones(n, n, dtype=torch.bool, device=dev).tril()[None],
-                             c)
+                tree = rt._chain(torch.cat([st.root, chain])[None])  # advance: verify the true chain and commit
                 nodes, num, emitted, aux = rt._verify(st, tree, stats)
                 if emitted[0, : c + 1].tolist() != cont[pos + 1 : pos + c + 2]:
                     break  # verify disagrees with the continuation (numerics): stop this prompt here

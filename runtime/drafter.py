@@ -304,7 +304,7 @@ class Eagle3Drafter(nn.Module):
         q, k = rope.apply(q, positions), rope.apply(k, positions)
         ops.kv_write(k_cache, v_cache, slots, k, val)
         if prefill:
-            o = ops.prefill_attention(q, k.to(k_cache.dtype), val.to(v_cache.dtype), c.head_dim ** -0.5)
+            o = ops.prefill_attention(q, k, val, c.head_dim ** -0.5)
         else:
             o = ops.tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, c.head_dim ** -0.5, kv_len)
         if self.capture_attention:

@@ -134,6 +134,7 @@ class SpeculativeRuntime:
         self.cuda_graphs = cuda_graphs
         self._graphs = graph_runner(cuda_graphs, self.device, max_batch_size, cuda_graph_sizes)  # None = eager
         self._graph_cache_at: tuple[int, ...] | None = None  # addresses the captured graphs point at
+        self._chains: dict[tuple[int, int], tuple] = {}  # (rows, nodes) -> chain parents, depths, mask
         limit = target.max_position_embeddings
         self.max_seq_len = max_seq_len if max_seq_len is not None else min(limit, 4096)
         if self.max_seq_len > limit:
@@ -210,6 +211,7 @@ class SpeculativeRuntime:
         d.eval()
         d.attach_target_embedding(t.embed, {"max_position_embeddings": t.max_position_embeddings,
                                             "rope": _rope_of(t.config)})
+        self.d2t_all = d.to_target_ids(torch.arange(c.draft_vocab_size, device=self.device))  # [Vd] target ids
 
     @classmethod
     def from_pretrained(
@@ -357,15 +359,15 @@ class SpeculativeRuntime:
         # runtimes may share the target, whose cache only grows: make sure it fits this one
         self.target.allocate_cache(self.max_batch_size, self.max_seq_len + self.spec.num_draft_tokens)
         with torch.inference_mode():  # never across a yield: the caller's code runs between rounds
-            st = self._prefill(batch, use_draft, sampling, seeds, stats, rows=self._rows(n, n))
+            st = self._prefill(batch, use_draft, sampling, seeds, stats, rows=self._rows(n))
             first = st.root[:n].tolist()
         self._emit(st, [[r] for r in first], stops, max_new_tokens, advance=False)
         yield st
         n_draft = self.spec.num_draft_tokens - 1
         while any(st.active):
             live = max(b for b, a in enumerate(st.active) if a) + 1
-            if self._rows(live, n) < st.rows:  # finished rows at the end: a smaller bucket does
-                st.narrow(self._rows(live, n))
+            if self._rows(live) < st.rows:  # finished rows at the end: a smaller bucket does
+                st.narrow(self._rows(live))
             with torch.inference_mode():
                 self._run_round(st, use_draft, stats)
                 em = st.out[:, :width].tolist()  # the round's one host sync
@@ -394,9 +396,9 @@ class SpeculativeRuntime:
             ts_ += [r.cos, r.sin, *self.drafter.parameters()]
         return tuple(x.data_ptr() for x in ts_)
 
-    def _rows(self, live: int, n: int) -> int:
-        """Rows a round runs on: ``live`` (eager) or its graph bucket (``live <= n``, the prompts, so
-        the bucket never exceeds the batch's own)."""
+    def _rows(self, live: int) -> int:
+        """Rows a round runs on: ``live`` (eager) or its graph bucket (live rows only ever decrease,
+        so the bucket never exceeds the batch's own)."""
         if self._graphs is None or self.drift is not None:
             return live
         b = self._graphs.bucket(live)
@@ -623,7 +625,7 @@ class SpeculativeRuntime:
         Vd = d.config.draft_vocab_size
         _, xi = st.rng.draw(0, n * Vd)
         xi = xi.view(B, n, Vd)  # Exp(1) noise per depth
-        d2t = d.to_target_ids(torch.arange(Vd, device=dev))  # [Vd] target id of each draft id
+        d2t = self.d2t_all  # [Vd] target id of each draft id
         lp = self._draft_logprobs(st, st.hn_last)  # [B, Vd] log q of depth 1
         hid = st.carry_last[:, None, :]  # [B, 1, H]
         width = max(n - 1, 1)
@@ -643,10 +645,7 @@ class SpeculativeRuntime:
             hn, hid = d.step(self.ops, hid, tok[:, None], positions, self.dk, self.dv, slots, st.L, fmask, kv_len)
             lp = self._draft_logprobs(st, hn[:, 0])
         q = torch.zeros(B, n, self.target.vocab_size, device=dev).index_add_(2, d2t, torch.stack(qs, 1))
-        ar = torch.arange(n + 1, device=dev)
-        tree = _Tree(torch.cat([st.root[:, None], torch.stack(toks, 1)], 1), (ar - 1).expand(B, n + 1),
-                     ar.expand(B, n + 1), torch.ones(n + 1, n + 1, dtype=torch.bool, device=dev).tril().expand(B, n + 1, n + 1),
-                     n, draft_probs=q)
+        tree = self._chain(torch.cat([st.root[:, None], torch.stack(toks, 1)], 1), draft_probs=q)
         _add_time(stats, "draft", t0)
         return tree
 
@@ -657,9 +656,18 @@ class SpeculativeRuntime:
         return F.log_softmax(logits, dim=-1)
 
     def _root_only(self, st: _State) -> _Tree:
-        B, dev = st.L.shape[0], self.device
-        return _Tree(st.root[:, None], torch.full((B, 1), -1, dtype=torch.int64, device=dev),
-                     torch.zeros(B, 1, dtype=torch.int64, device=dev), torch.ones(B, 1, 1, dtype=torch.bool, device=dev), 0)
+        return self._chain(st.root[:, None])
+
+    def _chain(self, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> _Tree:
+        """The tree of a chain ``tokens [B, n+1]`` (root first); its parents/depths/mask are constants,
+        built once per shape (the first, eager round of a graph key builds them before capture)."""
+        B, N = tokens.shape
+        c = self._chains.get((B, N))
+        if c is None:
+            ar = torch.arange(N, device=self.device)
+            c = self._chains[B, N] = ((ar - 1).expand(B, N), ar.expand(B, N),
+                                      torch.ones(N, N, dtype=torch.bool, device=self.device).tril().expand(B, N, N))
+        return _Tree(tokens, *c, N - 1, draft_probs=draft_probs)
 
     def _verify(self, st: _State, tree: _Tree, stats: SpecStats | None, whole_cache: bool = False):
         """Target forward over the tree, then greedy verification."""

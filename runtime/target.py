@@ -218,7 +218,7 @@ class TargetModel:
             q, k = self.rope.apply(q, rope), self.rope.apply(k, rope)
             ops.kv_write(self.k_cache[i], self.v_cache[i], slots, k, v)
             if prefill:
-                a = ops.prefill_attention(q, k.to(self.dtype), v.to(self.dtype), scale)
+                a = ops.prefill_attention(q, k, v, scale)
             else:
                 a = ops.tree_attention(q, self.k_cache[i], self.v_cache[i], prefix_lens, tree_mask, scale, kv_len)
             a = F.linear(a.reshape(B, Q, self.num_heads * self.head_dim), L.wo, L.bo)

@@ -8,6 +8,7 @@ emulator catches a round that leans on host state. On a GPU: real CUDA-graph rep
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -45,7 +46,7 @@ class _NoSync(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _round_without_sync(rt, temperature, speculative=True, fail_on=None):
+def _round_without_sync(rt, temperature, speculative=True, fail_on=None, detect=True):
     from tritonspec.runtime.config import SpecStats
     from tritonspec.runtime.sampling import SamplingParams
 
@@ -60,9 +61,10 @@ def _round_without_sync(rt, temperature, speculative=True, fail_on=None):
         def no_tolist(*a, **k):
             raise AssertionError("host synchronisation in the decode round: Tensor.tolist")
 
-        torch.Tensor.tolist = no_tolist
+        if detect:
+            torch.Tensor.tolist = no_tolist
         try:
-            with _NoSync():
+            with _NoSync() if detect else contextlib.nullcontext():
                 rt._round(st, speculative, None, whole_cache=True)
                 if fail_on is not None:
                     fail_on(st)
@@ -77,8 +79,14 @@ def _round_without_sync(rt, temperature, speculative=True, fail_on=None):
 def test_round_has_no_host_sync(temperature, speculative, shape):
     model, drafter = _pair()
     rt = runtime(model, drafter, spec=ts_spec(*shape), cuda_graphs=False)
-    st = _round_without_sync(rt, temperature, speculative)
-    assert st.out[:3, -1].min() >= 0  # the round produced counts
+    out = _round_without_sync(rt, temperature, speculative).out[:3].clone()
+    # the watched round is the real one: the same emitted tokens and counts as an unwatched round
+    assert torch.equal(out, _round_without_sync(rt, temperature, speculative, detect=False).out[:3])
+    depth = rt.spec.num_draft_tokens - 1 if rt.spec.top_k == 1 else rt.spec.num_speculative_tokens
+    depth = depth if speculative else 0
+    count = out[:, depth + 1]
+    assert ((count >= 0) & (count <= depth)).all()
+    assert all(0 <= t < 24 for b in range(3) for t in out[b, : int(count[b]) + 1].tolist())
 
 
 def test_sync_detector_catches_item_and_tolist():  # inverse: the detector is not vacuous
