@@ -11,6 +11,21 @@ DEMO = "demo"  # the bundled demo pair (tritonspec.demo); "demo:eagle3" picks th
 _GRAPH_MODES = {"auto": "auto", "on": True, "off": False}  # --cuda-graphs -> SpeculativeRuntime(cuda_graphs=...)
 
 
+def _spec_from_flags(depth: int | None, top_k: int | None, n: int | None):
+    """None when no shape flag is given (a tuned profile, else the defaults); else the defaults with
+    the given flags, a default ``num_draft_tokens`` capped at what the shape can draft (so
+    ``--draft-top-k 1`` alone is a chain)."""
+    from .runtime.config import SpecConfig
+
+    if (depth, top_k, n) == (None, None, None):
+        return None
+    d = SpecConfig()
+    depth, top_k = depth or d.num_speculative_tokens, top_k or d.top_k
+    if n is None:
+        n = min(d.num_draft_tokens, top_k + (depth - 1) * top_k * top_k + 1)
+    return SpecConfig(depth, top_k, n)
+
+
 def _cache_dir() -> Path:
     return Path(os.environ.get("TRITONSPEC_CACHE", Path.home() / ".cache" / "tritonspec"))
 
@@ -62,11 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not prompt:
         raise SystemExit("empty prompt: pass it as an argument or on stdin")
     target, drafter = _resolve_pair(args.target, args.drafter)
-    shape = (args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens)
-    default = ts.SpecConfig()
-    spec = None if shape == (None, None, None) else ts.SpecConfig(  # None: a tuned profile, else the defaults
-        *(v if v is not None else d for v, d in zip(shape, (default.num_speculative_tokens, default.top_k,
-                                                             default.num_draft_tokens))))
+    spec = _spec_from_flags(args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens)
     rt = ts.SpeculativeRuntime.from_pretrained(
         target, drafter, device=args.device, dtype=_dtype(args.dtype), backend=args.backend, spec=spec,
         max_batch_size=1, max_seq_len=args.max_seq_len, cuda_graphs=_GRAPH_MODES[args.cuda_graphs])

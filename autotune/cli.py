@@ -47,7 +47,7 @@ checks it, two neighbours and the default shape by generating (measured vs predi
     t.add_argument("--target", required=True, help="HF target directory, or 'demo' / 'demo:eagle3' (the bundled pair)")
     t.add_argument("--drafter", default=None, help="drafter directory (default with 'demo': its drafter)")
     t.add_argument("--prompts", default=None,
-                   help="a .jsonl of {\"prompt\"|\"text\": ...} rows or a text file (one prompt per line); default: "
+                   help="a .jsonl of {\"prompt\"|\"text\": ...} rows or a text file (blank-line separated); default: "
                         "the demo's standard set for 'demo', else a few built-in code prompts")
     t.add_argument("--num-prompts", type=int, default=8, help="use the first N prompts (default 8)")
     t.add_argument("--max-new-tokens", type=int, default=64)
@@ -103,24 +103,12 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a .jsonl (``prompt`` or ``text`` field per row) or a text file (one per line)."""
-    path = Path(path)
-    lines = [ln for ln in path.read_text().splitlines() if ln.strip()]
-    if path.suffix == ".jsonl":
-        rows = [json.loads(ln) for ln in lines]
-        out = [r.get("prompt", r.get("text")) if isinstance(r, dict) else r for r in rows]
-        if any(not isinstance(p, str) for p in out):
-            raise ValueError(f"{path}: every row needs a 'prompt' or 'text' string")
-        return out
-    return lines
-
-
 def cmd_tree(args: argparse.Namespace) -> int:
-    from ..cli import _dtype, _resolve_pair
+    from ..cli import _dtype, _is_demo, _resolve_pair
+    from ..runtime.drift import read_prompts
     from .tree_tuner import tune_tree
 
-    is_demo = args.target.startswith("demo")
+    is_demo = _is_demo(args.target)
     target, drafter = _resolve_pair(args.target, args.drafter)
     if drafter is None:
         raise ValueError("--drafter is required (a tree needs a drafter)")

@@ -70,10 +70,15 @@ def device_key(device: torch.device | str) -> str:
     return store.device_name(device) if device.type == "cuda" else f"cpu-{_cpu_model()}"
 
 
+def profile_name(target_fp: str, drafter_fp: str, device_key: str, dtype: str, backend: str) -> str:
+    """The profile file name (one spelling for the writer, ``tree_tuner.write_profile``, and the reader)."""
+    shape = {"target": target_fp, "drafter": drafter_fp}
+    return store.config_filename(KIND, device_key, dtype, shape)[:-5] + f",backend={backend}.json"
+
+
 def profile_filename(target_fp: str, drafter_fp: str, device: torch.device | str, dtype: torch.dtype | str,
                      backend: str) -> str:
-    shape = {"target": target_fp, "drafter": drafter_fp}
-    return store.config_filename(KIND, device_key(device), store.dtype_name(dtype), shape)[:-5] + f",backend={backend}.json"
+    return profile_name(target_fp, drafter_fp, device_key(device), store.dtype_name(dtype), backend)
 
 
 def find_profile(target: Any, drafter: Any, backend: str) -> Path | None:

@@ -42,6 +42,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..runtime.bench import device_sync
 from ..runtime.config import SpecConfig, SpecStats
 from . import profile as prof
 from . import store
@@ -224,14 +225,8 @@ def neighbours(best: SpecConfig, ranked: list[Prediction]) -> list[Prediction]:
 
 
 # ================================================================== measurements through the runtime
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _stats(depth: int) -> SpecStats:
-    return SpecStats(accepted_per_position=[0] * depth,
-                     time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
+    return SpecStats(accepted_per_position=[0] * depth)
 
 
 def _prefill(rt, prompt_ids: list[list[int]]):
@@ -303,10 +298,10 @@ def measure_costs(rt, prompt_ids: list[int], *, max_depth: int, top_ks: Sequence
             for k, (spec, fn, after) in items.items():
                 if spec is not None:
                     rt.spec = spec
-                _sync(dev)
+                device_sync(dev)
                 t0 = time.perf_counter()
                 fn()
-                _sync(dev)
+                device_sync(dev)
                 if rep:  # pass 0 warms up
                     times[k].append(time.perf_counter() - t0)
                 if after is not None:
@@ -546,9 +541,9 @@ def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Seque
     tok = _load_tokenizer(Path(target)) if isinstance(target, (str, Path)) else None
     top_ks = sorted(k for k in set(top_ks) if k <= d.config.draft_vocab_size)
     kmax, nmax = max(top_ks), max_draft_tokens
-    ids = [list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
     if any(isinstance(p, str) for p in prompts) and tok is None:
         raise ValueError("string prompts need the target's tokenizer; pass token id lists")
+    ids = [list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
     longest = max(len(p) for p in ids)
     big = SpecConfig(max_depth, kmax, max(2, min(kmax + (max_depth - 1) * kmax * kmax + 1, nmax)))
     rt = SpeculativeRuntime(tm, d, tok, backend=backend, spec=big, max_batch_size=1,
@@ -602,8 +597,7 @@ def write_profile(out_dir, key: dict, best: Prediction, costs: CostModel, acc: A
                   plain: Measured, n_roots: int, max_new_tokens: int) -> Path:
     out = Path(out_dir) if out_dir is not None else store.user_dir()
     out.mkdir(parents=True, exist_ok=True)
-    name = store.config_filename(prof.KIND, key["device"], key["dtype"],
-                                 {"target": key["target"], "drafter": key["drafter"]})[:-5] + f",backend={key['backend']}.json"
+    name = prof.profile_name(key["target"], key["drafter"], key["device"], key["dtype"], key["backend"])
     s = best.spec
     data = {
         "kind": prof.KIND, "target": key["target"], "drafter": key["drafter"], "device_name": key["device"],

@@ -177,7 +177,7 @@ def format_table(results: list[BenchResult]) -> str:
 
 
 # ================================================================== decode-round costs (graphs vs eager)
-def _sync(device: torch.device) -> None:
+def device_sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -185,7 +185,7 @@ def _sync(device: torch.device) -> None:
 def timed_generate(rt: Any, prompts: list[list[int]], max_new_tokens: int, speculative: bool = True) -> dict:
     """One generation, with its rounds counted: ``tokens_s``, ``tau``, ``rounds``, ``round_ms`` (decode
     wall time per round, prefill excluded), ``prefill_ms``, ``new_tokens``."""
-    _sync(rt.device)
+    device_sync(rt.device)
     t0 = time.perf_counter()
     run = rt._start(prompts, max_new_tokens, 0.0, 1.0, 0, 0, (), speculative, None)
     rounds, t_first = -1, None
@@ -209,8 +209,7 @@ def round_profile(rt: Any, prompts: list[list[int]], speculative: bool = True, r
 
     dev = rt.device
     D = rt.spec.num_speculative_tokens if speculative else 0
-    stats = SpecStats(accepted_per_position=[0] * max(D, 1),
-                      time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
+    stats = SpecStats(accepted_per_position=[0] * max(D, 1))
     split = {"draft": 0.0, "verify": 0.0, "commit": 0.0}
     done = 0
     with torch.inference_mode():
@@ -219,16 +218,16 @@ def round_profile(rt: Any, prompts: list[list[int]], speculative: bool = True, r
         for i in range(rounds + 1):  # round 0 warms up
             if max(st.L_host) >= room:
                 break
-            _sync(dev)
+            device_sync(dev)
             t0 = time.perf_counter()
             tree = rt._draft(st, None) if speculative else rt._root_only(st)
-            _sync(dev)
+            device_sync(dev)
             t1 = time.perf_counter()
             out = rt._verify(st, tree, None)
-            _sync(dev)
+            device_sync(dev)
             t2 = time.perf_counter()
             rt._commit(st, tree, *out, speculative, None)
-            _sync(dev)
+            device_sync(dev)
             t3 = time.perf_counter()
             st.L_host = [h + int(k) + 1 for h, k in zip(st.L_host, out[1].tolist())]
             if i:
@@ -247,7 +246,7 @@ def round_profile(rt: Any, prompts: list[list[int]], speculative: bool = True, r
 
             with profile(activities=[ProfilerActivity.CUDA]) as p:
                 rt._round(st, speculative, None)
-                _sync(dev)
+                device_sync(dev)
             launches = sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     n = max(done, 1)
     return {f"{k}_ms": v / n * 1e3 for k, v in split.items()} | dict(launches=launches, aten_ops=aten_ops,

@@ -56,6 +56,9 @@ class SpecConfig:
         return cls(num_speculative_tokens=k, top_k=1, num_draft_tokens=k + 1)
 
 
+PHASES = ("prefill", "draft", "verify", "commit")  # SpecStats.time_split_s keys of eager work
+
+
 @dataclass
 class SpecStats:
     """Speculation metrics, one definition everywhere (vLLM's; ARCHITECTURE §5).
@@ -72,8 +75,8 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)
     num_new_tokens: int = 0
     wall_time_s: float = 0.0
-    time_split_s: dict[str, float] = field(default_factory=dict)  # prefill / draft / verify / commit (eager
-    #                                                                rounds); graph (rounds replayed as CUDA graphs)
+    time_split_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # + "graph":
+    #                                                     rounds replayed as CUDA graphs (eager rounds split by phase)
 
     @property
     def mean_acceptance_length(self) -> float:

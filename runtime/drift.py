@@ -107,7 +107,9 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
     text = Path(path).read_text()
     if Path(path).suffix == ".jsonl":
         rows = [json.loads(line) for line in text.splitlines() if line.strip()]
-        prompts = [r["prompt"] if "prompt" in r else r["text"] for r in rows]
+        prompts = [r.get("prompt", r.get("text")) if isinstance(r, dict) else r for r in rows]
+        if any(not isinstance(p, str) for p in prompts):
+            raise ValueError(f"{path}: every row needs a 'prompt' or 'text' string")
     else:
         prompts = [p for p in text.split("\n\n") if p.strip()]
     if not prompts:

@@ -345,8 +345,7 @@ class SpeculativeRuntime:
     def _rounds(self, batch, max_new_tokens, sampling, seeds, stops, use_draft) -> Iterator[_State]:
         """The decode loop: prefill, then draft -> verify -> commit until every row has stopped.
         Yields the state after the prefill and after each round; returns the output."""
-        stats = SpecStats(accepted_per_position=[0] * self.spec.num_speculative_tokens if use_draft else [],
-                          time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
+        stats = SpecStats(accepted_per_position=[0] * self.spec.num_speculative_tokens if use_draft else [])
         t0 = time.perf_counter()
         if use_draft:  # runtimes may share one TargetModel (e.g. EAGLE-3 and 3.1 drafters side by side)
             self.target.set_aux_layer_ids(self.aux_layer_ids)

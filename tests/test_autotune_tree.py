@@ -162,3 +162,10 @@ def test_teacher_forced_profile_predicts_chain_acceptance():
         measured = _measure(rt, prompts, 24, [spec])[0].tau
         # roots are sampled every other token, rounds start wherever acceptance leaves them: close, not equal
         assert predict(spec, res.costs, res.acceptance).tokens_per_round == pytest.approx(measured, abs=0.12)
+
+
+def test_string_prompts_without_a_tokenizer_are_a_clear_error():
+    model, drafter = perm_pair("llama", vocab=24, seed=1)  # a loaded model: no tokenizer to read
+    with pytest.raises(ValueError, match="string prompts need the target's tokenizer"):
+        tune_tree(model, drafter, ["def f(x):"], max_new_tokens=4, max_depth=2, top_ks=(1,), max_draft_tokens=3,
+                  dry_run=True)

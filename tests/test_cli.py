@@ -29,6 +29,16 @@ def test_generate_prints_text_and_stats(pair_dirs, capsys):
     assert "mean_acceptance_length=" in stats and "identical=True" in stats and "speedup=" in stats
 
 
+def test_partial_shape_flags():
+    from tritonspec.cli import _spec_from_flags
+
+    assert _spec_from_flags(None, None, None) is None  # the tuned profile, else the defaults
+    assert _spec_from_flags(None, 1, None) == ts.SpecConfig.chain(6)  # "--draft-top-k 1" alone is a chain
+    assert _spec_from_flags(3, None, None) == ts.SpecConfig(3, 8, 48)
+    assert _spec_from_flags(2, 2, None) == ts.SpecConfig(2, 2, 7)  # capped at what the shape drafts
+    assert _spec_from_flags(None, None, 20) == ts.SpecConfig(6, 8, 20)
+
+
 def test_generate_cuda_graphs_flag(pair_dirs, capsys):
     t, d = pair_dirs
     args = ["generate", "--target", str(t), "--drafter", str(d), "--max-new-tokens", "6", "def f(x):"]

@@ -51,8 +51,7 @@ def _round_without_sync(rt, temperature, speculative=True, fail_on=None, detect=
     from tritonspec.runtime.sampling import SamplingParams
 
     sp = SamplingParams(temperature=temperature)
-    stats = SpecStats(accepted_per_position=[0] * rt.spec.num_speculative_tokens,
-                      time_split_s={"prefill": 0.0, "draft": 0.0, "verify": 0.0, "commit": 0.0})
+    stats = SpecStats(accepted_per_position=[0] * rt.spec.num_speculative_tokens)
     prompts = random_prompts(24, [5, 9, 3], seed=0)
     with torch.inference_mode():
         st = rt._prefill(prompts, speculative, sp, [1, 2, 3], stats, rows=4)

@@ -132,3 +132,15 @@ def test_drift_cli(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "depth  sink" in out and (tmp_path / "out" / "drift.json").exists()
     assert main(["drift", "--target", str(t), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path)]) == 2
+
+
+def test_read_prompts_formats_and_bad_rows(tmp_path):
+    from tritonspec.runtime.drift import read_prompts
+
+    (tmp_path / "p.jsonl").write_text('{"prompt": "a"}\n{"text": "b"}\n"c"\n')
+    assert read_prompts(tmp_path / "p.jsonl") == ["a", "b", "c"]
+    (tmp_path / "p.txt").write_text("def f():\n    pass\n\n\nimport os\n")
+    assert read_prompts(tmp_path / "p.txt", 1) == ["def f():\n    pass"]
+    (tmp_path / "bad.jsonl").write_text('{"prompt": 3}\n')
+    with pytest.raises(ValueError, match="every row needs a 'prompt' or 'text' string"):
+        read_prompts(tmp_path / "bad.jsonl")
