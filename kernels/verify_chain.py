@@ -70,7 +70,7 @@ def verify_chain_reference(
 # across blocks (a strict comparison), as torch.argmax.
 # --------------------------------------------------------------------------------------------
 from ._triton_utils import ENABLE_FP_FUSION, check_tensor, next_pow2, require_triton, tl, triton  # noqa: E402
-from .verify_sampling import _argmax_update  # noqa: E402
+from .verify_sampling import _argmax_update, _sampling_config  # noqa: E402
 
 
 @triton.jit
@@ -158,10 +158,10 @@ def verify_chain(
     emitted = torch.empty((B, N), dtype=torch.int64, device=dev)
     if B == 0:
         return nodes, num, emitted
-    block_v = min(max(next_pow2(V), 16), 2048)
+    block_v, warps = _sampling_config(V)
     _verify_chain_kernel[(B,)](
         tokens, probs, draft_probs, uniforms, exp_noise, nodes, num, emitted, V,
         N_DRAFT=N - 1, BLOCK_W=max(next_pow2(N), 16), BLOCK_V=block_v,
-        num_warps=1 if block_v <= 256 else 4 if block_v <= 1024 else 8, enable_fp_fusion=ENABLE_FP_FUSION,
+        num_warps=warps, enable_fp_fusion=ENABLE_FP_FUSION,
     )  # fmt: skip
     return nodes, num, emitted

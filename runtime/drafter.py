@@ -301,7 +301,8 @@ class Eagle3Drafter(nn.Module):
         k = F.linear(z, a.k_proj.weight).view(B, Q, c.num_key_value_heads, c.head_dim)
         val = F.linear(z, a.v_proj.weight).view(B, Q, c.num_key_value_heads, c.head_dim)
         rope = self.rope()
-        q, k = rope.apply(q, positions), rope.apply(k, positions)
+        tables = rope.tables(positions)  # gathered once for q and k
+        q, k = rope.apply(q, tables), rope.apply(k, tables)
         ops.kv_write(k_cache, v_cache, slots, k, val)
         if prefill:
             o = ops.prefill_attention(q, k, val, c.head_dim ** -0.5)

@@ -550,7 +550,10 @@ class SpeculativeRuntime:
         g = d.combine(self.ops, aux_flat, index.reshape(-1)).view(B, Qc, -1)
         positions = start[:, None] + ar
         slots = torch.where(ar[None, :] < n_valid[:, None], positions, -1)
-        causal = torch.ones(Qc, Qc, dtype=torch.bool, device=self.device).tril().expand(B, Qc, Qc)
+        if prefill:  # Qc = the prompt length: not a shape worth keeping
+            causal = torch.ones(Qc, Qc, dtype=torch.bool, device=self.device).tril().expand(B, Qc, Qc)
+        else:  # a decode round: Qc = max depth + 1, the chain's constant mask
+            causal = self._chain_consts(B, Qc)[2]
         hn, carry = d.step(self.ops, g, tokens, positions, self.dk, self.dv, slots, start, causal, kv_len, prefill=prefill)
         last = (n_valid - 1).clamp(min=0)[:, None, None].expand(B, 1, hn.shape[-1])
         st.hn_last[:B].copy_(hn.gather(1, last)[:, 0])
@@ -661,12 +664,17 @@ class SpeculativeRuntime:
         """The tree of a chain ``tokens [B, n+1]`` (root first); its parents/depths/mask are constants,
         built once per shape (the first, eager round of a graph key builds them before capture)."""
         B, N = tokens.shape
+        return _Tree(tokens, *self._chain_consts(B, N), N - 1, draft_probs=draft_probs)
+
+    def _chain_consts(self, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(parents [B, N], depth [B, N], causal mask [B, N, N])`` of an N-node chain, built once."""
         c = self._chains.get((B, N))
         if c is None:
             ar = torch.arange(N, device=self.device)
-            c = self._chains[B, N] = ((ar - 1).expand(B, N), ar.expand(B, N),
-                                      torch.ones(N, N, dtype=torch.bool, device=self.device).tril().expand(B, N, N))
-        return _Tree(tokens, *c, N - 1, draft_probs=draft_probs)
+            mask = torch.ones(N, N, dtype=torch.bool, device=self.device).tril()
+            c = self._chains[B, N] = tuple(t.expand(B, *t.shape).contiguous() for t in (ar - 1, ar, mask))  # the
+            #                                                                     Triton launchers take contiguous rows
+        return c
 
     def _verify(self, st: _State, tree: _Tree, stats: SpecStats | None, whole_cache: bool = False):
         """Target forward over the tree, then greedy verification."""
@@ -676,10 +684,11 @@ class SpeculativeRuntime:
         slots = torch.where(st.active_t[:, None], st.L[:, None] + torch.arange(N, device=self.device), -1)
         hidden, aux = self.target.forward(self.ops, tree.tokens, positions, slots, st.L, tree.mask,
                                           None if whole_cache else max(st.L_host) + N, capture_aux=tree.max_depth > 0)
-        logits = self.target.logits(hidden)  # [B, N, V]
         if st.sampling.greedy:
-            nodes, num, emitted = self.ops.verify_greedy(tree.tokens, tree.parents, logits.argmax(-1), tree.max_depth)
+            nodes, num, emitted = self.ops.verify_greedy(tree.tokens, tree.parents, self.target.greedy(hidden),
+                                                         tree.max_depth)
         else:
+            logits = self.target.logits(hidden)  # [B, N, V]
             probs = process_logits(logits, st.sampling).softmax(-1)
             uniforms, xi = st.rng.draw(N, logits.shape[-1])
             if tree.draft_probs is not None:  # a sampled chain: min(1, p/q)

@@ -51,7 +51,8 @@ def process_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         x = x.masked_fill(x < kth, float("-inf"))
     if p.top_p < 1.0:
         sorted_x, order = x.sort(dim=-1, descending=True)
-        mass_before = sorted_x.softmax(-1).cumsum(-1) - sorted_x.softmax(-1)  # mass of strictly better tokens
+        p_sorted = sorted_x.softmax(-1)
+        mass_before = p_sorted.cumsum(-1) - p_sorted  # mass of strictly better tokens
         drop_sorted = mass_before >= p.top_p
         drop_sorted[..., 0] = False
         x = x.masked_fill(drop_sorted.scatter(-1, order, drop_sorted), float("-inf"))

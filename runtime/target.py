@@ -233,6 +233,11 @@ class TargetModel:
         """``[..., H] -> [..., V]`` float32 logits (argmax ties break to the lowest id)."""
         return F.linear(hidden, self.lm_head).float()
 
+    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., H] -> [...]`` argmax of the logits, without their float32 copy (the widening is
+        exact, so the argmax and its lowest-id tie break are those of ``logits``)."""
+        return F.linear(hidden, self.lm_head).argmax(-1)
+
 
 def _config_dtype(config: Any, device: torch.device) -> torch.dtype:
     d = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)

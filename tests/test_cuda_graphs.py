@@ -21,7 +21,7 @@ from _util import perm_pair, random_prompts, runtime
 
 CUDA = torch.cuda.is_available()
 SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
-            "unique_consecutive", "item"}
+            "unique_consecutive", "item", "equal", "is_nonzero"}
 
 
 def _pair(vocab=24, seed=1):
@@ -41,7 +41,9 @@ class _NoSync(TorchDispatchMode):
         name = func.overloadpacket.__name__
         tensor_repeats = name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor")
         host_data = name == "lift_fresh" and args[0].dim() > 0  # torch.tensor(host list): a host->device copy
-        if name in SYNC_OPS or host_data or (tensor_repeats and not (kwargs or {}).get("output_size")):
+        bool_index = name in ("index", "index_put", "index_put_") and any(  # x[mask]: its size is data-dependent
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ())
+        if name in SYNC_OPS or host_data or bool_index or (tensor_repeats and not (kwargs or {}).get("output_size")):
             raise AssertionError(f"host synchronisation in the decode round: aten.{name}")
         return func(*args, **(kwargs or {}))
 
@@ -55,20 +57,24 @@ def _round_without_sync(rt, temperature, speculative=True, fail_on=None, detect=
     prompts = random_prompts(24, [5, 9, 3], seed=0)
     with torch.inference_mode():
         st = rt._prefill(prompts, speculative, sp, [1, 2, 3], stats, rows=4)
-        tolist = torch.Tensor.tolist
+        readers = {m: getattr(torch.Tensor, m) for m in ("tolist", "cpu", "numpy")}  # device -> host reads
 
-        def no_tolist(*a, **k):
-            raise AssertionError("host synchronisation in the decode round: Tensor.tolist")
+        def refuse(m):
+            def read(*a, **k):
+                raise AssertionError(f"host synchronisation in the decode round: Tensor.{m}")
+            return read
 
         if detect:
-            torch.Tensor.tolist = no_tolist
+            for m in readers:
+                setattr(torch.Tensor, m, refuse(m))
         try:
             with _NoSync() if detect else contextlib.nullcontext():
                 rt._round(st, speculative, None, whole_cache=True)
                 if fail_on is not None:
                     fail_on(st)
         finally:
-            torch.Tensor.tolist = tolist
+            for m, f in readers.items():
+                setattr(torch.Tensor, m, f)
     return st
 
 
@@ -97,6 +103,12 @@ def test_sync_detector_catches_item_and_tolist():  # inverse: the detector is no
         _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.tolist())
     with pytest.raises(AssertionError, match="lift_fresh"):
         _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.add_(torch.tensor(st.L_host[: st.rows])))
+    with pytest.raises(AssertionError, match="aten.index"):
+        _round_without_sync(rt, 0.0, fail_on=lambda st: st.L[st.active_t])
+    with pytest.raises(AssertionError, match="aten.equal"):
+        _round_without_sync(rt, 0.0, fail_on=lambda st: torch.equal(st.L, st.root))
+    with pytest.raises(AssertionError, match="Tensor.cpu"):
+        _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.cpu())
 
 
 def ts_spec(d, k, n):

@@ -1,6 +1,7 @@
 """Sampled-chain verification (kernels/verify_chain.py): the Triton kernel equals the reference bit
 for bit (hypothesis, degenerate cases); the op is lossless (chi-square on the first two emitted
-tokens, 200k samples) and an inverse test shows a rule without the residual fails the same test."""
+tokens and on the bonus after a fully accepted chain, 200k samples); inverse tests show a rule
+without the residual and a wrong all-accepted bonus fail the same test."""
 from __future__ import annotations
 
 import math
@@ -76,7 +77,8 @@ def _sample(rule, seed=0):
     B = N_SAMPLES
     x1 = torch.multinomial(q1, B, replacement=True, generator=g)
     x2 = torch.multinomial(q2[x1], 1, generator=g)[:, 0]
-    p2 = torch.rand(V, V, V, generator=g).softmax(-1)[x1, x2]  # bonus distribution after x1 x2 (unused by the check)
+    P2 = torch.rand(V, V, V, generator=g).softmax(-1)  # P2[x1, x2] = the bonus distribution after x1 x2
+    p2 = P2[x1, x2]
     tokens = torch.stack([torch.zeros(B, dtype=torch.int64), x1, x2], 1)
     probs = torch.stack([p0.expand(B, V), p1[x1], p2], 1)
     draft = torch.stack([q1.expand(B, V), q2[x1]], 1)
@@ -89,11 +91,14 @@ def _sample(rule, seed=0):
     joint = torch.zeros(V, V)
     two = num >= 1
     joint.index_put_((e1[two], emitted[two, 1]), torch.ones(int(two.sum())), accumulate=True)
-    return joint, two, e1, p0, p1
+    full = num == 2  # both drafts accepted: the third token is the bonus, ~ P2[x1, x2]
+    third = torch.zeros(V, V, V)
+    third.index_put_((x1[full], x2[full], emitted[full, 2]), torch.ones(int(full.sum())), accumulate=True)
+    return joint, two, e1, p0, p1, third, P2
 
 
-def _chi2_first_two(rule) -> tuple[float, float]:
-    joint, two, e1, p0, p1 = _sample(rule)
+def _chi2(rule) -> tuple[float, float]:
+    joint, two, e1, p0, p1, third, P2 = _sample(rule)
     first = torch.bincount(e1, minlength=V).double()
     stat = float(((first - N_SAMPLES * p0) ** 2 / (N_SAMPLES * p0)).sum())
     df = V - 1
@@ -105,12 +110,18 @@ def _chi2_first_two(rule) -> tuple[float, float]:
         e = n_a * p1[a]
         stat += float(((joint[a] - e) ** 2 / e).sum())
         df += V - 1
+        for b in range(V):  # the all-accepted bonus token, given the chain
+            n_ab = third[a, b].sum()
+            if n_ab >= 50:
+                e = n_ab * P2[a, b]
+                stat += float(((third[a, b] - e) ** 2 / e).sum())
+                df += V - 1
     z = 3.719  # one-sided 1e-4, Wilson-Hilferty
     return stat, df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
 
 
 def test_op_is_lossless():
-    stat, crit = _chi2_first_two(verify_chain_reference)
+    stat, crit = _chi2(verify_chain_reference)
     assert stat < crit, f"chi2={stat:.1f} > {crit:.1f}"
 
 
@@ -120,5 +131,15 @@ def test_rule_without_residual_fails():  # inverse: the test has teeth
         bonus = (probs[torch.arange(len(num)), num] / xi).argmax(-1)  # p instead of max(0, p - q)
         return nodes, num, emitted.scatter(1, num[:, None], bonus[:, None])
 
-    stat, crit = _chi2_first_two(no_residual)
+    stat, crit = _chi2(no_residual)
     assert stat > crit, f"a biased rule went undetected: chi2={stat:.1f} <= {crit:.1f}"
+
+
+def test_wrong_bonus_after_a_full_chain_fails():  # inverse: the all-accepted bonus is checked too
+    def stale_bonus(tokens, probs, draft, u, xi):
+        nodes, num, emitted = verify_chain_reference(tokens, probs, draft, u, xi)
+        alt = (probs[torch.arange(len(num)), 1] / xi).argmax(-1)  # p1 instead of p2 after both accepted
+        return nodes, num, torch.where((num == 2)[:, None] & (torch.arange(3) == 2), alt[:, None], emitted)
+
+    stat, crit = _chi2(stale_bonus)
+    assert stat > crit, f"a wrong bonus went undetected: chi2={stat:.1f} <= {crit:.1f}"

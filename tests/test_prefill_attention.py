@@ -79,3 +79,38 @@ def test_target_prefill_flag_gives_the_same_forward(arch):
         torch.testing.assert_close(a1[b, :n], a0[b, :n], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(k1[:, b, :n], k0[:, b, :n], atol=1e-5, rtol=1e-5)  # the cache, as written
     assert torch.equal(k1[0, :, :P], k0[0, :, :P])  # layer 0's K comes from the embeddings: bit for bit
+
+
+@pytest.mark.parametrize("norm_output", [False, True])
+def test_drafter_prefill_flag_gives_the_same_step(norm_output):
+    """The drafter's prefill catch-up (``step(prefill=True)``) equals the tree-mask step on ragged
+    rows; a drafter that attends only to itself would hide a wrong mask, so this one is random."""
+    import tritonspec as ts
+    from tritonspec.runtime.ops import TorchOps
+
+    model = tiny_target("llama", seed=3, vocab_size=97)
+    d = ts.Eagle3Drafter.for_target(model.config, seed=5, norm_output=norm_output)
+    tm = TargetModel.from_pretrained(model)
+    d.attach_target_embedding(tm.embed, {"max_position_embeddings": tm.max_position_embeddings})
+    c = d.config
+    B, P = 3, 11
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(B, P, c.hidden_size, generator=g)
+    tokens = torch.randint(0, 97, (B, P), generator=g)
+    lens = torch.tensor([11, 4, 1])
+    pos = torch.arange(P).expand(B, P)
+    slots = torch.where(pos < lens[:, None], pos, -1)
+    causal = torch.ones(P, P, dtype=torch.bool).tril().expand(B, P, P)
+    zero = torch.zeros(B, dtype=torch.int64)
+    outs = []
+    with torch.no_grad():
+        for prefill in (False, True):
+            kc = torch.zeros(B, P + 1, c.num_key_value_heads, c.head_dim)
+            vc = torch.zeros_like(kc)
+            outs.append(d.step(TorchOps(), hidden, tokens, pos, kc, vc, slots, zero, causal, P, prefill=prefill))
+    (h0, c0), (h1, c1) = outs
+    for b in range(B):
+        n = int(lens[b])
+        torch.testing.assert_close(h1[b, :n], h0[b, :n], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c1[b, :n], c0[b, :n], atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(h0[0, 1:], h0[0, :1].expand(P - 1, -1), atol=1e-3)  # positions differ: not vacuous
