@@ -165,12 +165,6 @@ class CostModel:
     def plain_token_s(self) -> float:
         return self.plain_s + self.overhead_s
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "CostModel":
-        return cls(list(d["verify_n"]), list(d["verify_s"]), {int(k): v for k, v in d["draft_head_s"].items()},
-                   {int(k): v for k, v in d["draft_step_s"].items()}, tuple(d["commit_s"]), d["plain_s"],
-                   d.get("overhead_s", 0.0))
-
 
 # ================================================================== the search
 @dataclass(frozen=True)

@@ -17,15 +17,15 @@ from pathlib import Path
 ORDER = ["ours-plain", "hf-greedy", "hf-prompt-lookup", "hf-assisted", "ours-eagle3", "ours-eagle3.1"]
 
 
-def load(path: Path) -> tuple[list[dict], dict]:
+def load(path: Path) -> list[dict]:
     data = json.loads(path.read_text())
     rows = [b["extra_info"] for b in data["benchmarks"] if b.get("extra_info", {}).get("system")]
     if not rows:
         raise SystemExit(f"{path} has no end-to-end results (run perf/bench_e2e.py with --benchmark-json)")
-    return rows, data.get("machine_info", {})
+    return rows
 
 
-def render(rows: list[dict], machine: dict, source: str) -> tuple[str, dict]:
+def render(rows: list[dict], source: str) -> tuple[str, dict]:
     groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in rows:
         groups[(r["prompt_set"], r["temperature"], r["batch"])][r["system"]] = r
@@ -112,9 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=Path(__file__).with_name("REPORT.md"))
     p.add_argument("--note", default="", help="conditions of the run (machine load, spec shape), quoted in the report")
     a = p.parse_args(argv)
-    rows, machine = load(a.json)
+    rows = load(a.json)
     a.out.parent.mkdir(parents=True, exist_ok=True)
-    text, speedups = render(rows, machine, a.json.name)
+    text, speedups = render(rows, a.json.name)
     if a.note:
         text = text.replace("\n\n", f"\n\n**Conditions.** {a.note}\n\n", 1)
     files = plots(rows, speedups, a.out.parent)

@@ -159,3 +159,32 @@ def test_train_cli(target_dir, greedy_data, tmp_path, capsys):
     assert main(["train", "--target", str(target_dir), "--data", str(tmp_path / "missing.jsonl"),
                  "--out", str(out)]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_resume_after_a_stop_equals_an_uninterrupted_run(target_dir, greedy_data, tmp_path, monkeypatch):
+    """A run stopped after its step-5 checkpoint and resumed ends with exactly the weights of an
+    uninterrupted run (batches depend on the step only): a resume that skipped the drafter or the
+    optimizer state would not."""
+    from tritonspec.training import trainer as tr
+
+    cfg = TrainConfig(steps=8, **SMALL)  # checkpoint_every=5
+    whole = train_drafter(target_dir, greedy_data, tmp_path / "whole", cfg, log=lambda m: None)
+    real, calls = tr.ttt_forward, []
+
+    def stop_at_step_6(*a, **k):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt("stopped")
+        return real(*a, **k)
+
+    monkeypatch.setattr(tr, "ttt_forward", stop_at_step_6)
+    with pytest.raises(KeyboardInterrupt):
+        train_drafter(target_dir, greedy_data, tmp_path / "resumed", cfg, log=lambda m: None)
+    assert (tmp_path / "resumed" / tr.CHECKPOINT).exists()
+    monkeypatch.setattr(tr, "ttt_forward", real)
+    logs: list[str] = []
+    res = train_drafter(target_dir, greedy_data, tmp_path / "resumed", cfg, log=logs.append)
+    assert any("resumed" in m and "step 5" in m for m in logs) and len(res.history) == 8
+    a = ts.Eagle3Drafter.from_pretrained(whole.out_dir).state_dict()
+    b = ts.Eagle3Drafter.from_pretrained(res.out_dir).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -110,11 +110,3 @@ def write_prompt_sets(root: Path, files: list[SourceFile], tok: Any, out: Path, 
             for r in rows:
                 fh.write(json.dumps(r) + "\n")
     return {name: len(rows) for name, rows in sets.items()}
-
-
-def load_prompt_set(path: Path | str) -> list[dict]:
-    """Read a prompt set written by ``write_prompt_sets``."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    if not rows:
-        raise ValueError(f"prompt set {path} is empty")
-    return rows
