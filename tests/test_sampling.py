@@ -71,6 +71,7 @@ def bias_power(probs: dict[tuple, float], n: int) -> float:
 
 CASES = {
     "random-drafter": dict(kind="random", sp=SamplingParams(temperature=1.0)),
+    "draft-vocab-subset": dict(kind="subset", sp=SamplingParams(temperature=1.0)),
     "good-drafter": dict(kind="perm", sp=SamplingParams(temperature=1.5)),
     "good-drafter-top-p-top-k": dict(kind="perm", sp=SamplingParams(temperature=2.0, top_p=0.9, top_k=3)),
 }
@@ -80,6 +81,11 @@ def make_case(kind):
     if kind == "random":
         model = tiny_target("llama", seed=11, vocab_size=4, **SMALL)
         return model, ts.Eagle3Drafter.for_target(model.config, seed=3)
+    if kind == "subset":  # a draft vocabulary of 3 of the 4 target ids, not a prefix: d2t is not the identity
+        model = tiny_target("llama", seed=11, vocab_size=4, **SMALL)
+        d = ts.Eagle3Drafter.for_target(model.config, seed=3, draft_vocab_size=3)
+        d.set_draft_vocab(torch.tensor([0, 2, 3]))
+        return model, d
     return perm_pair("llama", vocab=4, seed=2, alpha=0.5)
 
 
