@@ -148,21 +148,26 @@ def draft_vocab_from_counts(seqs: list[list[int]], vocab_size: int, draft_vocab_
     return order[:draft_vocab_size].sort().values
 
 
-def regenerate_continuations(target_dir: Path | str, prompts: list[list[int]], max_new_tokens: int,
+def regenerate_continuations(target: Any, prompts: list[list[int]], max_new_tokens: int,
                              out: Path | str, *, device: Any = "cpu", batch_size: int = 8,
                              log: Callable[[str], None] = print) -> Path:
     """Self-distillation data: greedy continuations by the target itself, written as JSONL records
     ``{"input_ids": prompt + continuation, "prompt_len": n}``.
 
-    Runs plain decoding through ``SpeculativeRuntime(speculative=False)``.
+    ``target``: a model directory, or an already loaded ``TargetModel`` (used as it is: no second
+    copy). Runs plain decoding through ``SpeculativeRuntime(speculative=False)``.
     """
     from ..runtime.engine import SpeculativeRuntime
+    from ..runtime.target import TargetModel
 
     if not prompts:
         raise ValueError("no prompts to regenerate from")
     longest = max(len(p) for p in prompts) + max_new_tokens + 1
-    rt = SpeculativeRuntime.from_pretrained(target_dir, None, device=device, max_batch_size=batch_size,
-                                            max_seq_len=longest, backend="torch")
+    kw = dict(max_batch_size=batch_size, max_seq_len=longest, backend="torch")
+    if isinstance(target, TargetModel):
+        rt = SpeculativeRuntime(target, None, **kw)
+    else:
+        rt = SpeculativeRuntime.from_pretrained(target, None, device=device, **kw)
     out = Path(out)
     tmp = out.with_suffix(".partial")
     with tmp.open("w") as fh:

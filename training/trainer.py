@@ -215,7 +215,7 @@ def train_drafter(
         raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} is larger than the target vocabulary "
                          f"({tm.vocab_size}); use at most {tm.vocab_size}")
     if cfg.regenerate_new_tokens > 0:
-        seqs = _self_distill(target, tm, seqs, cfg, out, log)
+        seqs = _self_distill(tm, seqs, cfg, out, log)
     windows = token_windows(seqs, cfg.seq_len)
     if windows.shape[1] < 2:
         raise ValueError("training data has fewer than 2 tokens after tokenization: nothing to learn from")
@@ -271,16 +271,15 @@ def _resolve_tokenizer(target: Any, tokenizer: Any, tm: TargetModel) -> Any:
     return tokenizer
 
 
-def _self_distill(target: Any, tm: TargetModel, seqs: list[list[int]], cfg: TrainConfig, out: Path,
+def _self_distill(tm: TargetModel, seqs: list[list[int]], cfg: TrainConfig, out: Path,
                   log: Callable[[str], None]) -> list[list[int]]:
-    """Replace the data by prompts cut from it plus the target's own greedy continuations."""
-    if not isinstance(target, (str, Path)):
-        raise ValueError("regenerate_new_tokens needs the target as a model directory")
+    """Replace the data by prompts cut from it plus the target's own greedy continuations (generated
+    by the already loaded ``tm``)."""
     n = cfg.regenerate_prompt_tokens
     prompts = [s[i: i + n] for s in seqs for i in range(0, max(1, len(s) - n + 1), n) if s[i: i + n]]
     g = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(prompts), generator=g)[: cfg.regenerate_samples].tolist()
-    path = regenerate_continuations(target, [prompts[i] for i in order], cfg.regenerate_new_tokens,
+    path = regenerate_continuations(tm, [prompts[i] for i in order], cfg.regenerate_new_tokens,
                                     out / "regenerated.jsonl", device=cfg.device, log=log)
     return load_token_sequences(path, None, tm.vocab_size)
 
