@@ -50,6 +50,21 @@ def tree_visibility(
     return in_prefix[:, None, :] | tree_vis
 
 
+def prefill_attention(
+    q: torch.Tensor,  # [B, P, Hq, D]
+    k: torch.Tensor,  # [B, P, Hkv, D]
+    v: torch.Tensor,  # [B, P, Hkv, D]
+    scale: float,
+) -> torch.Tensor:  # [B, P, Hq, D]
+    """Causal self-attention of a prompt with an empty prefix: ``softmax(q k^T * scale + causal) v``,
+    the tree-attention math for ``prefix_lens == 0`` and a causal tree mask. PyTorch's causal SDPA
+    (flash attention on a GPU, a blocked kernel on a CPU) skips the masked half, which the general
+    tree-mask path cannot; prefill is not a decode-round op, both backends use this."""
+    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
+                                         is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    return out.transpose(1, 2)
+
+
 def tree_attention_reference(
     q: torch.Tensor,  # [B, Q, Hq, D]
     k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer)

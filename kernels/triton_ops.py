@@ -9,9 +9,8 @@ from __future__ import annotations
 from ._triton_utils import require_triton
 from .aux_gather import aux_gather
 from .kv_compact import kv_compact
-from ..runtime.ops import prefill_attention
 from .rms_norm import rms_norm
-from .tree_attention import kv_write, tree_attention
+from .tree_attention import kv_write, prefill_attention, tree_attention
 from .verify import verify_greedy
 from .verify_chain import verify_chain
 from .verify_sampling import verify_sampling

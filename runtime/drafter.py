@@ -324,6 +324,10 @@ class Eagle3Drafter(nn.Module):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def target_ids(self) -> torch.Tensor:
+        """``[V_d]`` int64: the target id of every draft id (the draft vocabulary, in order)."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
     # ------------------------------------------------------------------ checkpoints
     @classmethod
     def from_pretrained(cls, path: str | Path, *, aux_layer_convention: str = "auto") -> "Eagle3Drafter":

@@ -209,9 +209,8 @@ class SpeculativeRuntime:
             raise ValueError(f"top_k={self.spec.top_k} exceeds the drafter's draft_vocab_size={c.draft_vocab_size}")
         d.to(device=self.device, dtype=t.dtype)
         d.eval()
-        d.attach_target_embedding(t.embed, {"max_position_embeddings": t.max_position_embeddings,
-                                            "rope": _rope_of(t.config)})
-        self.d2t_all = d.to_target_ids(torch.arange(c.draft_vocab_size, device=self.device))  # [Vd] target ids
+        d.attach_target_embedding(t.embed, t.drafter_info())
+        self.d2t_all = d.target_ids()  # [Vd] target ids, for the sampled chain
 
     @classmethod
     def from_pretrained(
@@ -774,12 +773,6 @@ class _Run:
 
     def __iter__(self) -> Iterator[_State]:
         self.result = yield from self.gen
-
-
-def _rope_of(config: Any) -> dict:
-    from .rope import rope_parameters
-
-    return rope_parameters(config)
 
 
 def _load_tokenizer(path: Path) -> Any:

@@ -14,27 +14,12 @@ import torch.nn.functional as F
 from ..kernels.aux_gather import aux_gather_reference
 from ..kernels.kv_compact import kv_compact_reference
 from ..kernels.rms_norm import rms_norm_reference
-from ..kernels.tree_attention import kv_write_reference, tree_visibility
+from ..kernels.tree_attention import kv_write_reference, prefill_attention, tree_visibility
 from ..kernels.verify import verify_greedy_reference
 from ..kernels.verify_chain import verify_chain_reference
 from ..kernels.verify_sampling import verify_sampling_reference
 
 BACKENDS = ("auto", "torch", "triton")
-
-
-def prefill_attention(
-    q: torch.Tensor,  # [B, P, Hq, D]
-    k: torch.Tensor,  # [B, P, Hkv, D]
-    v: torch.Tensor,  # [B, P, Hkv, D]
-    scale: float,
-) -> torch.Tensor:  # [B, P, Hq, D]
-    """Causal self-attention of a prompt with an empty prefix: ``softmax(q k^T * scale + causal) v``,
-    the tree-attention math for ``prefix_lens == 0`` and a causal tree mask. PyTorch's causal SDPA
-    (flash attention on a GPU, a blocked kernel on a CPU) skips the masked half, which the general
-    tree-mask path cannot; prefill is not a decode-round op, both backends use this."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                         is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
 
 
 class TorchOps:

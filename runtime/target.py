@@ -229,6 +229,12 @@ class TargetModel:
         aux = torch.cat([captured[b] for b in aux_ids], dim=-1) if aux_ids else None
         return ops.rms_norm(h, self.norm, self.eps), aux
 
+    def drafter_info(self) -> dict:
+        """What a drafter keeps of its target (``Eagle3Drafter.attach_target_embedding``)."""
+        from .rope import rope_parameters
+
+        return {"max_position_embeddings": self.max_position_embeddings, "rope": rope_parameters(self.config)}
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [..., V]`` float32 logits (argmax ties break to the lowest id)."""
         return F.linear(hidden, self.lm_head).float()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from tritonspec.kernels.tree_attention import kv_write_reference, tree_attention_reference
-from tritonspec.runtime.ops import prefill_attention
+from tritonspec.kernels.tree_attention import prefill_attention
 from tritonspec.runtime.target import TargetModel
 
 from _util import random_prompts, tiny_target

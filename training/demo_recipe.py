@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import random
 import shutil
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from .corpus import EOS, list_corpus, read_text, stdlib_root, train_bpe_tokenizer
+from .trainer import warmup_cosine
 
 
 VARIANTS = ("eagle3", "eagle3.1")
@@ -139,12 +139,6 @@ def target_config(cfg: RecipeConfig, tok) -> "object":
         architectures=["LlamaForCausalLM"])
 
 
-def lr_at(step: int, total: int, peak: float, warmup: int) -> float:
-    """Linear warm-up then cosine decay to 10 % of the peak."""
-    if step < warmup:
-        return peak * (step + 1) / warmup
-    frac = (step - warmup) / max(1, total - warmup)
-    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 def sample_windows(stream: np.ndarray, batch: int, seq: int, rng: np.random.Generator) -> torch.Tensor:
@@ -181,7 +175,7 @@ def stage_target(cfg: RecipeConfig, work: Path, device: torch.device) -> None:
         seq = cfg.target_long_seq_len if step >= long_from else cfg.target_seq_len
         x = sample_windows(stream, max(1, cfg.target_batch_tokens // seq), seq + 1, rng).to(device)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg.target_steps, cfg.target_lr, warmup=min(100, cfg.target_steps // 10 + 1))
+            g["lr"] = warmup_cosine(step, cfg.target_steps, cfg.target_lr, warmup=min(100, cfg.target_steps // 10 + 1))
         loss = _lm_loss(model, x)
         opt.zero_grad(set_to_none=True)
         loss.backward()

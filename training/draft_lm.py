@@ -14,7 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .demo_recipe import _lm_loss, log, lr_at, sample_windows, save_target, seed_everything
+from .demo_recipe import _lm_loss, log, sample_windows, save_target, seed_everything
+from .trainer import warmup_cosine
 
 
 def train_draft_lm(work: Path, out: Path, steps: int = 300, layers: int = 2, hidden: int = 128,
@@ -36,7 +37,7 @@ def train_draft_lm(work: Path, out: Path, steps: int = 300, layers: int = 2, hid
     for step in range(steps):
         x = sample_windows(stream, max(1, batch_tokens // seq), seq + 1, rng)
         for g in opt.param_groups:
-            g["lr"] = lr_at(step, steps, lr, warmup=min(50, steps // 10 + 1))
+            g["lr"] = warmup_cosine(step, steps, lr, warmup=min(50, steps // 10 + 1))
         loss = _lm_loss(model, x)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -102,12 +102,16 @@ class TrainResult:
 
 
 # ---------------------------------------------------------------------------------- pieces
+def warmup_cosine(step: int, total: int, peak: float, warmup: int) -> float:
+    """Linear warm-up over ``warmup`` steps, then cosine decay to 10 % of ``peak`` at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
+    return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
 def lr_at(step: int, cfg: TrainConfig) -> float:
-    """Linear warm-up over ``warmup_steps``, then cosine decay to 10 % of ``lr``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    frac = (step - cfg.warmup_steps) / max(1, cfg.steps - cfg.warmup_steps)
-    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, frac))))
+    return warmup_cosine(step, cfg.steps, cfg.lr, cfg.warmup_steps)
 
 
 @torch.no_grad()
@@ -131,13 +135,9 @@ def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) 
         d.set_draft_vocab(draft_vocab_from_counts(seqs, c.vocab_size, c.draft_vocab_size))
     d.to(target.device)
     if cfg.init_lm_head_from_target:
-        used = torch.arange(c.draft_vocab_size, device=target.device) + d.d2t
         with torch.no_grad():
-            d.lm_head.weight.copy_(target.lm_head.float()[used])
-    from ..runtime.engine import _rope_of
-
-    d.attach_target_embedding(target.embed.float(), {"max_position_embeddings": target.max_position_embeddings,
-                                                     "rope": _rope_of(target.config)})
+            d.lm_head.weight.copy_(target.lm_head.float()[d.target_ids()])
+    d.attach_target_embedding(target.embed.float(), target.drafter_info())
     return d
 
 

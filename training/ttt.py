@@ -88,7 +88,7 @@ def ttt_forward(
     zero = torch.zeros(B, dtype=torch.int64, device=dev)
     if loss_mask is None:
         loss_mask = torch.ones(B, T, dtype=torch.bool, device=dev)
-    used = (torch.arange(c.draft_vocab_size, device=dev) + drafter.d2t).long()  # draft id -> target id
+    used = drafter.target_ids()  # draft id -> target id
     k_cache = v_cache = None
     hns, losses, accs = [], [], []
     total = u.new_zeros(())
