@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import pytest
 
+from tritonspec.demo import PROMPT_SETS
 from tritonspec.runtime.bench import SYSTEMS
 
-SETS = ("standard", "long", "perturbed")
+SETS = PROMPT_SETS
 
 
 @pytest.mark.parametrize("batch", [1, 4])

@@ -14,6 +14,8 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+from tritonspec.demo import PROMPT_SETS
+
 ORDER = ["ours-plain", "hf-greedy", "hf-prompt-lookup", "hf-assisted", "ours-eagle3", "ours-eagle3.1"]
 
 
@@ -45,8 +47,8 @@ def render(rows: list[dict], source: str) -> tuple[str, dict]:
         "",
     ]
     speedups: dict[str, dict[str, float]] = defaultdict(dict)
-    for (pset, temp, batch) in sorted(groups, key=lambda k: (k[2], k[1], ["standard", "long", "perturbed"].index(k[0])
-                                                              if k[0] in ("standard", "long", "perturbed") else 9)):
+    for (pset, temp, batch) in sorted(groups, key=lambda k: (k[2], k[1], PROMPT_SETS.index(k[0])
+                                                              if k[0] in PROMPT_SETS else 9)):
         g = groups[(pset, temp, batch)]
         base = g.get("ours-plain", {}).get("tokens_per_second")
         out += [f"## {pset}, temperature {temp:g}, batch {batch}", "",
@@ -73,7 +75,7 @@ def plots(rows: list[dict], speedups: dict, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     files = []
-    sets = ["standard", "long", "perturbed"]
+    sets = list(PROMPT_SETS)
     systems = [s for s in ORDER if s in speedups and s != "ours-plain"]
     fig, ax = plt.subplots(figsize=(7.5, 3.6))
     width = 0.8 / max(len(systems), 1)

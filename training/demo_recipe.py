@@ -30,11 +30,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..demo import VARIANTS as DEMO_VARIANTS
 from .corpus import EOS, list_corpus, read_text, stdlib_root, train_bpe_tokenizer
 from .trainer import warmup_cosine
 
 
-VARIANTS = ("eagle3", "eagle3.1")
+VARIANTS = tuple(DEMO_VARIANTS)  # the bundled drafters, as tritonspec.demo names them
 
 
 @dataclass(frozen=True)

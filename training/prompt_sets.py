@@ -10,11 +10,13 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+
+from ..demo import PROMPT_SETS
 from typing import Any
 
 from .corpus import SourceFile, read_text
 
-SETS = ("standard", "long", "perturbed")
+SETS = PROMPT_SETS
 LONG_MIN_TOKENS = 1500
 HEADERS = (
     "# -*- coding: latin-1 -*-\n# vim: set ts=8 noet :\n# ~~~~ auto-exported snapshot, do not edit ~~~~\n",
