@@ -44,7 +44,7 @@ import torch
 
 from ..runtime.bench import device_sync
 from ..runtime.config import SpecConfig, SpecStats
-from . import profile as prof
+from ..runtime import profiles as prof
 from . import store
 
 TOP_KS = (1, 2, 4, 8)
@@ -525,14 +525,15 @@ def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Seque
     and report measured against predicted speedups.
     """
     from ..runtime.drafter import Eagle3Drafter
-    from ..runtime.engine import SpeculativeRuntime, _load_tokenizer
+    from ..runtime.engine import SpeculativeRuntime
+    from ..runtime.weights import load_tokenizer
     from ..runtime.target import TargetModel
 
     say = log or (lambda *_: None)
     tm = TargetModel.from_pretrained(target, device=device, dtype=dtype)
     d = Eagle3Drafter.from_pretrained(drafter) if isinstance(drafter, (str, Path)) else drafter
     key = {"target": prof.target_fingerprint(tm), "drafter": prof.drafter_fingerprint(d)}
-    tok = _load_tokenizer(Path(target)) if isinstance(target, (str, Path)) else None
+    tok = load_tokenizer(Path(target)) if isinstance(target, (str, Path)) else None
     top_ks = sorted(k for k in set(top_ks) if k <= d.config.draft_vocab_size)
     kmax, nmax = max(top_ks), max_draft_tokens
     if any(isinstance(p, str) for p in prompts) and tok is None:

@@ -142,9 +142,9 @@ def measure_drift(
     tm = TargetModel.from_pretrained(target, device=device) if not isinstance(target, TargetModel) else target
     tokenizer = runtime_kw.pop("tokenizer", None)
     if tokenizer is None and isinstance(target, (str, Path)):
-        from .engine import _load_tokenizer
+        from .weights import load_tokenizer
 
-        tokenizer = _load_tokenizer(Path(target))
+        tokenizer = load_tokenizer(Path(target))
     if any(isinstance(p, str) for p in prompts) and tokenizer is None:
         raise ValueError("string prompts need a tokenizer: pass a target directory that has one, or token ids")
     longest = max(len(tokenizer(p)["input_ids"]) if isinstance(p, str) else len(p) for p in prompts)

@@ -30,13 +30,14 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..autotune.profile import tuned_spec
+from .profiles import tuned_spec
 from .config import GenerationOutput, SpecConfig, SpecStats, StreamPiece
 from .drafter import Eagle3Drafter
 from .graphs import graph_runner
 from .ops import get_ops, resolve_backend
 from .sampling import RowRandom, SamplingParams, process_logits
 from .target import TargetModel, default_aux_layer_ids
+from .weights import load_tokenizer
 from .tree import build_tree, rerank, topk_stable
 
 
@@ -125,7 +126,7 @@ class SpeculativeRuntime:
         self.device = target.device
         self.backend = resolve_backend(backend, self.device)
         self.ops = get_ops(self.backend)
-        self.spec = spec or tuned_spec(target, drafter, self.backend) or SpecConfig()  # autotune/profile.py
+        self.spec = spec or tuned_spec(target, drafter, self.backend) or SpecConfig()  # runtime/profiles.py
         if not isinstance(self.spec, SpecConfig):
             raise TypeError(f"spec must be a tritonspec.SpecConfig, got {type(self.spec).__name__}")
         if max_batch_size < 1:
@@ -253,7 +254,7 @@ class SpeculativeRuntime:
         elif drafter is not None and not isinstance(drafter, Eagle3Drafter):
             raise TypeError(f"drafter must be a directory or an Eagle3Drafter, got {type(drafter).__name__}")
         if tokenizer is None and isinstance(target, (str, Path)):
-            tokenizer = _load_tokenizer(Path(target))
+            tokenizer = load_tokenizer(Path(target))
         return cls(tm, d, tokenizer, backend=backend, spec=spec, max_batch_size=max_batch_size,
                    max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, cuda_graph_sizes=cuda_graph_sizes)
 
@@ -773,15 +774,3 @@ class _Run:
 
     def __iter__(self) -> Iterator[_State]:
         self.result = yield from self.gen
-
-
-def _load_tokenizer(path: Path) -> Any:
-    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as e:  # noqa: BLE001
-        warnings.warn(f"could not load the tokenizer in {path}: {e}; texts will be None", stacklevel=3)
-        return None

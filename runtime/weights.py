@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -56,3 +58,17 @@ def read_config(directory: str | Path) -> dict:
         return json.loads(path.read_text())
     except ValueError as e:
         raise ValueError(f"corrupt config file {path}: {e}") from e
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """The tokenizer of a model directory, or None when it has none (a warning when it fails to load)."""
+    path = Path(path)
+    if not any((path / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # noqa: BLE001
+        warnings.warn(f"could not load the tokenizer in {path}: {e}; texts will be None", stacklevel=3)
+        return None

@@ -12,7 +12,7 @@ from _util import perm_pair, random_prompts, runtime
 
 import tritonspec as ts
 from tritonspec.autotune import store
-from tritonspec.autotune.profile import find_profile, tuned_spec
+from tritonspec.runtime.profiles import find_profile, tuned_spec
 from tritonspec.autotune.tree_tuner import AcceptanceProfile, CostModel, _monotone, neighbours, predict, search, tune_tree
 
 

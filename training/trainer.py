@@ -258,9 +258,9 @@ def train_drafter(
 
 
 def _resolve_tokenizer(target: Any, tokenizer: Any, tm: TargetModel) -> Any:
-    from ..runtime.engine import _load_tokenizer
+    from ..runtime.weights import load_tokenizer
 
-    own = _load_tokenizer(Path(target)) if isinstance(target, (str, Path)) else None
+    own = load_tokenizer(Path(target)) if isinstance(target, (str, Path)) else None
     if tokenizer is None:
         return own
     if isinstance(tokenizer, (str, Path)):

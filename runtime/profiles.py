@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from ..runtime.config import SpecConfig
-from . import store
+from .config import SpecConfig
+from ..autotune import store  # moves to kernels.store
 
 KIND = "tree_shape"
 
