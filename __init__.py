@@ -9,8 +9,9 @@ from .runtime.drafter import DrafterConfig, Eagle3Drafter
 from .runtime.engine import SpeculativeRuntime
 from .runtime.target import SUPPORTED_ARCHITECTURES, TargetModel
 from .demo import demo_pair
+from .kernels.store import package_version
 
-__version__ = "0.1.0"
+__version__ = package_version()
 __all__ = [
     "SpeculativeRuntime", "SpecConfig", "SpecStats", "GenerationOutput", "Eagle3Drafter", "DrafterConfig",
     "TargetModel", "SUPPORTED_ARCHITECTURES", "__version__",

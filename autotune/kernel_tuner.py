@@ -35,7 +35,13 @@ from typing import Callable, Iterable
 
 import torch
 
-from . import store
+from ..kernels import store
+from ..kernels.aux_gather import aux_gather, gather_config
+from ..kernels.kv_compact import compact_config, kv_compact
+from ..kernels.rms_norm import rms_norm
+from ..kernels.tree_attention import attention_config, tree_attention
+from ..kernels.utils import next_pow2, rms_config
+from ..kernels.verify import verify_config, verify_greedy
 
 OPS = ("rms_norm", "aux_gather", "tree_attention", "verify_greedy", "kv_compact")
 BUCKETS = {"rms_norm": "hidden_size", "aux_gather": "row_width", "tree_attention": "head_dim",
@@ -82,8 +88,6 @@ def _warps_upto(block: int) -> list[dict]:
 
 def rms_norm_configs(hidden: int) -> list[dict]:
     """num_warps over the row (BLOCK_H is next_pow2(H): the whole row sits in registers)."""
-    from ..kernels._triton_utils import next_pow2
-
     return _warps_upto(max(next_pow2(hidden), 16))
 
 
@@ -106,8 +110,6 @@ def verify_greedy_configs(n: int) -> list[dict]:
 
 def kv_compact_configs(kv_width: int, path_len: int) -> list[dict]:
     """Column chunk per program and num_warps (chunk x path rows bounded to keep registers sane)."""
-    from ..kernels._triton_utils import next_pow2
-
     bm = max(next_pow2(path_len), 2)
     chunks = [c for c in (128, 256, 512, 1024, 2048, 4096) if c <= max(next_pow2(kv_width), 128) and c * bm <= 16384]
     return [{"BLOCK_C": c, "num_warps": w} for c in chunks for w in (2, 4, 8)]
@@ -124,12 +126,6 @@ class Problem:
 
 
 def problems(shape: KernelShape, dtype: torch.dtype, device: torch.device, ops: Iterable[str] = OPS) -> list[Problem]:
-    from ..kernels.aux_gather import aux_gather
-    from ..kernels.kv_compact import kv_compact
-    from ..kernels.rms_norm import rms_norm
-    from ..kernels.tree_attention import tree_attention
-    from ..kernels.verify import verify_greedy
-
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def randn(*s):
@@ -263,25 +259,15 @@ def tune_problem(p: Problem, device: torch.device, progress: Callable | None = N
 def _default_config(op: str, value: int) -> dict:
     """The launcher's heuristic for ``value`` (what an untuned install runs), for the report."""
     if op == "rms_norm":
-        from ..kernels.rms_norm import _rms_config
-
-        return {"num_warps": _rms_config(value)[1]}
+        return {"num_warps": rms_config(value)[1]}
     if op == "aux_gather":
-        from ..kernels.aux_gather import _gather_config
-
-        return {"num_warps": _gather_config(value)[1]}
+        return {"num_warps": gather_config(value)[1]}
     if op == "tree_attention":
-        from ..kernels.tree_attention import _attn_tuned
-
-        return _attn_tuned(value, torch.float32)
+        return attention_config(value, torch.float32)
     if op == "verify_greedy":
-        from ..kernels.verify import _verify_config
-
-        return {"num_warps": _verify_config(value)}
+        return {"num_warps": verify_config(value)}
     if op == "kv_compact":
-        from ..kernels.kv_compact import _compact_config
-
-        c, w = _compact_config(value, 8)
+        c, w = compact_config(value, 8)
         return {"BLOCK_C": c, "num_warps": w}
     return {}
 

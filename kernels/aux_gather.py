@@ -13,6 +13,18 @@ from __future__ import annotations
 import torch
 
 from .rms_norm import rms_norm_reference
+from .store import tuned
+from .utils import (
+    ENABLE_FP_FUSION,
+    FLOAT_DTYPES,
+    check_tensor,
+    require_triton,
+    rms_config,
+    rms_normalize,
+    round_to,
+    tl,
+    triton,
+)
 
 
 def aux_gather_reference(
@@ -35,19 +47,14 @@ def aux_gather_reference(
 # Triton kernel and launcher
 #
 # Grid (n, n_aux): one program per (output row, H-wide chunk). With fc_norm the chunk goes
-# through the same ``_rms_normalize`` as the RMSNorm kernel with the same per-H config, so the
+# through the same ``utils.rms_normalize`` as the RMSNorm kernel with the same per-H config, so the
 # fused result is bit-identical to ``rms_norm`` applied to the gathered chunk. A padding row
 # (index -1, the PAD constexpr) is written as zeros.
 # --------------------------------------------------------------------------------------------
-from ._triton_utils import ENABLE_FP_FUSION, FLOAT_DTYPES, check_tensor, require_triton, round_to, tl, triton  # noqa: E402
-from .rms_norm import _rms_config, _rms_normalize  # noqa: E402
-from ..autotune.store import tuned  # noqa: E402
-
-
-def _gather_config(hidden: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> tuple[int, int]:
+def gather_config(hidden: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> tuple[int, int]:
     """``(BLOCK_H, num_warps)`` of the plain gather (no reduction: any config is bit-exact):
     tuned per chunk width when the store has it, else the RMSNorm heuristic."""
-    block, num_warps = _rms_config(hidden)
+    block, num_warps = rms_config(hidden)
     return block, tuned("aux_gather", hidden, {"num_warps": num_warps}, dtype=dtype, device=device)["num_warps"]
 
 
@@ -75,7 +82,7 @@ def _aux_gather_kernel(
     x = tl.load(aux_ptr + src * stride_aux + j * H + cols, mask=cols < tl.where(valid, H, 0), other=0.0)
     if HAS_NORM:
         w = tl.load(w_ptr + j * H + cols, mask=mask, other=0.0)
-        y = _rms_normalize(x.to(tl.float32), w, H, eps, x.dtype)
+        y = rms_normalize(x.to(tl.float32), w, H, eps, x.dtype)
         y = round_to(y, out_ptr.dtype.element_ty)
     else:
         y = x
@@ -119,9 +126,9 @@ def aux_gather(
     if index.shape[0] == 0 or width == 0:
         return out
     if fc_norm_weight is not None:  # the RMSNorm kernel's config: the fused result must equal rms_norm's
-        block, num_warps = _rms_config(hidden, aux.dtype, aux.device)
+        block, num_warps = rms_config(hidden, aux.dtype, aux.device)
     else:
-        block, num_warps = _gather_config(hidden, aux.dtype, aux.device)
+        block, num_warps = gather_config(hidden, aux.dtype, aux.device)
     _aux_gather_kernel[(index.shape[0], n_aux)](
         aux, index, fc_norm_weight if fc_norm_weight is not None else aux, out,
         aux.stride(0), float(eps),

@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from .store import tuned
+from .utils import FLOAT_DTYPES, check_tensor, next_pow2, require_triton, tl, triton
+
 
 def kv_compact_reference(
     k_cache: torch.Tensor,  # [L, B_max, S, Hkv, D]
@@ -45,12 +48,8 @@ def kv_compact_reference(
 # Entries with nodes[j] == j (already in place) and padding (-1) are skipped: the reference
 # copies those slots onto themselves.
 # --------------------------------------------------------------------------------------------
-from ._triton_utils import FLOAT_DTYPES, check_tensor, next_pow2, require_triton, tl, triton  # noqa: E402
-from ..autotune.store import tuned  # noqa: E402
-
-
-def _compact_config(hd: int, block_m: int, dtype: torch.dtype | None = None,
-                    device: torch.device | None = None) -> tuple[int, int]:
+def compact_config(hd: int, block_m: int, dtype: torch.dtype | None = None,
+                   device: torch.device | None = None) -> tuple[int, int]:
     """``(BLOCK_C, num_warps)`` per row width Hkv*D (a discrete copy: every config gives the same bits)."""
     default = {"BLOCK_C": min(next_pow2(hd), max(8192 // block_m, 128)), "num_warps": 4}
     cfg = tuned("kv_compact", hd, default, dtype=dtype, device=device)
@@ -113,7 +112,7 @@ def kv_compact(
     if B * M * L * hd == 0:
         return
     block_m = max(next_pow2(M), 2)
-    block_c, num_warps = _compact_config(hd, block_m, k_cache.dtype, k_cache.device)
+    block_c, num_warps = compact_config(hd, block_m, k_cache.dtype, k_cache.device)
     _kv_compact_kernel[(triton.cdiv(hd, block_c), B, L)](
         k_cache, v_cache, start, nodes, b_max * S * hd, S * hd,
         HD=hd, M=M, BLOCK_M=block_m, BLOCK_C=block_c, NONE=-1,

@@ -13,6 +13,18 @@ from __future__ import annotations
 
 import torch
 
+from .utils import (
+    ENABLE_FP_FUSION,
+    FLOAT_DTYPES,
+    check_tensor,
+    require_triton,
+    rms_config,
+    rms_normalize,
+    round_to,
+    tl,
+    triton,
+)
+
 
 def rms_norm_reference(
     x: torch.Tensor,  # [..., H]
@@ -33,49 +45,13 @@ def rms_norm_reference(
 # Triton kernel and launcher
 #
 # One program per row; the whole row sits in registers (BLOCK_H = next_pow2(H) <= 65536), so the
-# reduction tree is fixed by (H, num_warps) and ``_rms_config`` picks both from H alone: a row's
+# reduction tree is fixed by (H, num_warps) and ``utils.rms_config`` picks both from H alone: a row's
 # result never depends on how many rows share the launch (batch invariance, ARCHITECTURE §3).
 # Rounding follows the reference step by step: the residual add in the input dtype, sum of
 # squares in fp32, mean = sum / H, rstd = 1 / sqrt(mean + eps) (both correctly rounded), the
 # normalised row cast to the input dtype, then the weight multiply in fp32 rounded once to the
 # output dtype (promote(weight, x), as torch's type promotion gives).
 # --------------------------------------------------------------------------------------------
-from ._triton_utils import (  # noqa: E402
-    ENABLE_FP_FUSION,
-    FLOAT_DTYPES,
-    check_tensor,
-    next_pow2,
-    require_triton,
-    round_to,
-    tl,
-    triton,
-)
-from ..autotune.store import tuned  # noqa: E402
-
-MAX_HIDDEN = 65536
-
-
-def _rms_config(hidden: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> tuple[int, int]:
-    """``(BLOCK_H, num_warps)`` from the hidden size only (never the row count): the tuned
-    num_warps for this GPU/dtype (``autotune.store``, nearest hidden size) when there is one,
-    else the heuristic. Shared with the fused gather, which must match this kernel bit for bit."""
-    if hidden > MAX_HIDDEN:
-        raise ValueError(f"hidden size {hidden} > {MAX_HIDDEN} is not supported by the RMSNorm kernel")
-    block = max(next_pow2(hidden), 16)
-    num_warps = 1 if block <= 256 else 4 if block <= 1024 else 8 if block <= 4096 else 16
-    return block, tuned("rms_norm", hidden, {"num_warps": num_warps}, dtype=dtype, device=device)["num_warps"]
-
-
-@triton.jit
-def _rms_normalize(h, w, H: tl.constexpr, eps, DTYPE: tl.constexpr):
-    """fp32 ``w * round_DTYPE(h * rstd)`` for one fp32 row ``h`` (masked lanes must hold 0)."""
-    ssq = tl.sum(h * h, axis=0)
-    mean = tl.div_rn(ssq, tl.full([], H, tl.float32))
-    rstd = tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
-    y = round_to(h * rstd, DTYPE)
-    return w.to(tl.float32) * y.to(tl.float32)
-
-
 @triton.jit(do_not_specialize=["M1"])
 def _rms_norm_kernel(
     x_ptr,  # [M0, M1, H]: row (i, j) at i * stride_x0 + j * stride_x1, unit stride along H
@@ -108,7 +84,7 @@ def _rms_norm_kernel(
         tl.store(s_ptr + row * H + cols, s, mask=mask)
         h = s.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-    y = _rms_normalize(h, w, H, eps, DTYPE)
+    y = rms_normalize(h, w, H, eps, DTYPE)
     tl.store(y_ptr + row * H + cols, round_to(y, y_ptr.dtype.element_ty), mask=mask)
 
 
@@ -166,7 +142,7 @@ def rms_norm(
         )
     m0, m1, strides = grid
     (sx0, sx1), (sr0, sr1) = strides[0], strides[-1] if residual is not None else (0, 0)
-    block, num_warps = _rms_config(hidden, x.dtype, x.device)
+    block, num_warps = rms_config(hidden, x.dtype, x.device)
     out_dtype = torch.promote_types(weight.dtype, x.dtype)
     y = torch.empty(x.shape, dtype=out_dtype, device=x.device)
     s = torch.empty(x.shape, dtype=x.dtype, device=x.device) if residual is not None else y

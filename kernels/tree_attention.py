@@ -10,29 +10,28 @@ followed by a tree region of width T starting at slot ``prefix_lens[b]``. Query 
     out[b, q, h] = softmax_s( scale * <Q[b,q,h], K[b,s,h//G]> | visible ) @ V[b, s, h//G]
 
 with G = Hq / Hkv query heads per KV head (GQA). The queries' own K/V must already be written
-into the cache (``kv_write_reference``). A causal mask over the tree region gives ordinary
+into the cache (``kernels.kv_write``). A causal mask over the tree region gives ordinary
 causal attention (prefill, catch-up); a 1x1 mask gives one-token decode.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
-
-def kv_write_reference(
-    k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer)
-    v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
-    slots: torch.Tensor,  # [B, Q] int64 absolute slot per query; -1 = write nowhere
-    k: torch.Tensor,  # [B, Q, Hkv, D]
-    v: torch.Tensor,  # [B, Q, Hkv, D]
-) -> None:
-    """Scatter the new tokens' K/V into the cache. Slot -1 goes to the trash slot ``S - 1``."""
-    batch, nq = slots.shape
-    trash = k_cache.shape[1] - 1
-    slot = torch.where(slots >= 0, slots, trash)
-    rows = torch.arange(batch, device=slots.device)[:, None].expand(batch, nq)
-    k_cache[rows, slot] = k.to(k_cache.dtype)
-    v_cache[rows, slot] = v.to(v_cache.dtype)
+from .store import tuned
+from .utils import (
+    ENABLE_FP_FUSION,
+    FLOAT_DTYPES,
+    check_kv_cache,
+    check_tensor,
+    next_pow2,
+    require_triton,
+    round_to,
+    tl,
+    triton,
+)
 
 
 def tree_visibility(
@@ -48,21 +47,6 @@ def tree_visibility(
     idx = rel.clamp(0, T - 1)[:, None, :].expand(-1, tree_mask.shape[1], -1)  # [B, Q, S]
     tree_vis = torch.gather(tree_mask, 2, idx) & in_tree[:, None, :]
     return in_prefix[:, None, :] | tree_vis
-
-
-def prefill_attention(
-    q: torch.Tensor,  # [B, P, Hq, D]
-    k: torch.Tensor,  # [B, P, Hkv, D]
-    v: torch.Tensor,  # [B, P, Hkv, D]
-    scale: float,
-) -> torch.Tensor:  # [B, P, Hq, D]
-    """Causal self-attention of a prompt with an empty prefix: ``softmax(q k^T * scale + causal) v``,
-    the tree-attention math for ``prefix_lens == 0`` and a causal tree mask. PyTorch's causal SDPA
-    (flash attention on a GPU, a blocked kernel on a CPU) skips the masked half, which the general
-    tree-mask path cannot; prefill is not a decode-round op, both backends use this."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                         is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
-    return out.transpose(1, 2)
 
 
 def tree_attention_reference(
@@ -93,12 +77,9 @@ def tree_attention_reference(
 
 
 # --------------------------------------------------------------------------------------------
-# Triton kernels and launchers
+# Triton kernels and launcher
 #
-# kv_write: one program per (query token, column chunk of Hkv*D); slot -1 goes to the trash
-# slot S-1, exactly like the reference.
-#
-# tree attention, flash-decoding style in two launches:
+# Flash-decoding style, in two launches:
 #   1. partial: grid (Hkv * m_tiles, 1 + n_splits, B). A program takes BLOCK_M rows of
 #      (query, head-in-group) pairs that share one KV head (GQA packed into the M dimension),
 #      and one key range: split 0 is the tree region [P, P + T) under the tree mask, split
@@ -111,101 +92,10 @@ def tree_attention_reference(
 # multiples of SPLIT in absolute key position, and the merge order is fixed: a query's result
 # depends on its own q, mask row, prefix length and the cache only, never on B, Q, T or the
 # ``kv_len`` hint (empty splits are never merged). BLOCK_M/BLOCK_N/SPLIT are fixed per head_dim
-# (``_attn_config``), never per call.
+# (``attention_config``), never per call.
 # --------------------------------------------------------------------------------------------
-import os  # noqa: E402
-
-from ._triton_utils import (  # noqa: E402
-    ENABLE_FP_FUSION,
-    FLOAT_DTYPES,
-    check_tensor,
-    next_pow2,
-    require_triton,
-    round_to,
-    tl,
-    triton,
-)
-from ..autotune.store import tuned  # noqa: E402
-
 SPLIT_KV = 2048  # prefix keys per flash-decoding split (fixed: part of the reduction order)
 _LOG2E = 1.4426950408889634
-
-
-@triton.jit(do_not_specialize=["Q", "S"])
-def _kv_write_kernel(
-    k_cache_ptr,  # [B_max, S, Hkv, D]: rows at stride_kb, slots at stride_ks, (Hkv, D) contiguous
-    v_cache_ptr,  # [B_max, S, Hkv, D]
-    slots_ptr,  # [B, Q] int64, PAD = write to the trash slot S-1
-    k_ptr,  # [B, Q, Hkv, D]: rows at stride_nb, tokens at stride_nq, (Hkv, D) contiguous
-    v_ptr,  # [B, Q, Hkv, D]: same strides as k
-    stride_kb,
-    stride_ks,
-    stride_vb,
-    stride_vs,
-    stride_nb,
-    stride_nq,
-    Q,
-    S,
-    HD: tl.constexpr,
-    BLOCK: tl.constexpr,
-    PAD: tl.constexpr,
-):
-    bq = tl.program_id(0).to(tl.int64)
-    b = bq // Q
-    slot = tl.load(slots_ptr + bq)
-    slot = tl.where(slot == PAD, S - 1, slot)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < HD
-    src = b * stride_nb + (bq - b * Q) * stride_nq + cols
-    k = tl.load(k_ptr + src, mask=mask, other=0.0)
-    v = tl.load(v_ptr + src, mask=mask, other=0.0)
-    k_dtype: tl.constexpr = k_cache_ptr.dtype.element_ty
-    v_dtype: tl.constexpr = v_cache_ptr.dtype.element_ty
-    tl.store(k_cache_ptr + b * stride_kb + slot * stride_ks + cols, round_to(k.to(tl.float32), k_dtype), mask=mask)
-    tl.store(v_cache_ptr + b * stride_vb + slot * stride_vs + cols, round_to(v.to(tl.float32), v_dtype), mask=mask)
-
-
-def _check_cache(name: str, cache: torch.Tensor, ndim: int = 4) -> None:
-    check_tensor(name, cache, dtypes=FLOAT_DTYPES, ndim=ndim, contiguous=False)
-    hkv, d = cache.shape[-2:]
-    if cache.stride(-1) != 1 or cache.stride(-2) != d:
-        raise ValueError(f"{name} must be contiguous in its last two axes [Hkv, D], got strides {cache.stride()}")
-
-
-def kv_write(
-    k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer)
-    v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
-    slots: torch.Tensor,  # [B, Q] int64, -1 = trash slot S-1
-    k: torch.Tensor,  # [B, Q, Hkv, D]
-    v: torch.Tensor,  # [B, Q, Hkv, D]
-) -> None:
-    """Triton twin of ``kv_write_reference`` (in place). Slots are not range-checked (no host sync)."""
-    require_triton()
-    _check_cache("k_cache", k_cache)
-    _check_cache("v_cache", v_cache)
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
-    b_max, S, hkv, d = k_cache.shape
-    check_tensor("slots", slots, dtypes=(torch.int64,), ndim=2, device=k_cache.device)
-    B, Q = slots.shape
-    if B > b_max:
-        raise ValueError(f"slots has {B} rows but the cache holds only {b_max}")
-    _check_cache("k", k)
-    _check_cache("v", v)
-    check_tensor("k", k, shape=(B, Q, hkv, d), contiguous=False, device=k_cache.device)
-    check_tensor("v", v, shape=(B, Q, hkv, d), contiguous=False, device=k_cache.device)
-    if k.stride()[:2] != v.stride()[:2]:
-        raise ValueError(f"k and v must share strides, got {k.stride()} and {v.stride()}")
-    if B * Q == 0:
-        return
-    hd = hkv * d
-    block = min(next_pow2(hd), 1024)
-    _kv_write_kernel[(B * Q, triton.cdiv(hd, block))](
-        k_cache, v_cache, slots, k, v,
-        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), k.stride(0), k.stride(1),
-        Q, S, HD=hd, BLOCK=block, PAD=-1,
-        num_warps=4, enable_fp_fusion=ENABLE_FP_FUSION,
-    )  # fmt: skip
 
 
 @triton.jit
@@ -352,19 +242,20 @@ def _tree_attn_merge_kernel(
     tl.store(out_ptr + row * D + d, round_to(out, out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def _attn_tuned(head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
+def attention_config(head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
     """Tiles, warps, stages and the prefix split per head_dim (never per B, Q or context length):
-    the tuned entry for this GPU/dtype (``autotune.store``) when there is a valid one, else the heuristic."""
+    the tuned entry for this GPU/dtype (``kernels.store``) when there is a valid one, else the heuristic."""
     default = dict(BLOCK_M=64, BLOCK_N=64 if max(next_pow2(head_dim), 16) <= 128 else 32, num_warps=4, num_stages=2,
                    split_kv=SPLIT_KV)
     cfg = tuned("tree_attention", head_dim, default, dtype=dtype, device=device)
     return cfg if cfg["split_kv"] % cfg["BLOCK_N"] == 0 and min(cfg["BLOCK_M"], cfg["BLOCK_N"]) >= 16 else default
 
 
-def _attn_config(head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
-    """Tile sizes from head_dim/dtype only (never from B, Q or the context length)."""
+def _attention_constexprs(head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
+    """The kernels' tile and dot constexprs from head_dim/dtype only (never from B, Q or the context
+    length): BLOCK_D, the tuned BLOCK_M/BLOCK_N, the dot precision and the interpreter's bf16 upcast."""
     block_d = max(next_pow2(head_dim), 16)
-    t = _attn_tuned(head_dim, dtype, device)
+    t = attention_config(head_dim, dtype, device)
     return dict(
         BLOCK_D=block_d,
         BLOCK_M=t["BLOCK_M"],
@@ -395,8 +286,8 @@ def tree_attention(
     check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4, contiguous=False)
     if q.stride(-1) != 1 and q.shape[-1] > 1:
         raise ValueError(f"q must have unit stride along head_dim, got strides {q.stride()}")
-    _check_cache("k_cache", k_cache)
-    _check_cache("v_cache", v_cache)
+    check_kv_cache("k_cache", k_cache)
+    check_kv_cache("v_cache", v_cache)
     B, Q, hq, d = q.shape
     b_max, S, hkv, dk = k_cache.shape
     if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
@@ -415,8 +306,8 @@ def tree_attention(
         raise ValueError(f"tree_mask must have shape ({B}, {Q}, T), got {tuple(tree_mask.shape)}")
     T = tree_mask.shape[2]
     kv_len = S if kv_len is None else min(int(kv_len), S)
-    cfg = _attn_config(d, q.dtype, q.device)
-    launch = _attn_tuned(d, q.dtype, q.device)
+    cfg = _attention_constexprs(d, q.dtype, q.device)
+    launch = attention_config(d, q.dtype, q.device)
     split_kv = launch["split_kv"] if split_kv is None else split_kv  # default: SPLIT_KV or the tuned split
     if split_kv % cfg["BLOCK_N"]:
         raise ValueError(f"split_kv={split_kv} must be a multiple of the key block {cfg['BLOCK_N']}")

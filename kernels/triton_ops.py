@@ -1,16 +1,19 @@
 """The Triton backend of the op layer (``runtime.ops.get_ops("triton")``).
 
-``TritonOps`` has exactly ``TorchOps``' methods and signatures; each is the launcher in the
+``TritonOps`` provides every method of the ``runtime.ops.Ops`` protocol, with ``TorchOps``'
+signatures (structurally: this module does not import the runtime); each is the launcher in the
 op's kernel module. On a CPU the launchers run under ``TRITON_INTERPRET=1`` (set before triton
 is imported), which is how the tests exercise them.
 """
 from __future__ import annotations
 
-from ._triton_utils import require_triton
 from .aux_gather import aux_gather
 from .kv_compact import kv_compact
+from .kv_write import kv_write
+from .prefill_attention import prefill_attention
 from .rms_norm import rms_norm
-from .tree_attention import kv_write, prefill_attention, tree_attention
+from .tree_attention import tree_attention
+from .utils import require_triton
 from .verify import verify_greedy
 from .verify_chain import verify_chain
 from .verify_sampling import verify_sampling

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import torch
 
+from .store import tuned
+from .utils import check_tensor, next_pow2, require_triton, tl, triton
+
 
 def verify_greedy_reference(
     tokens: torch.Tensor,  # [B, N] int64, node 0 = root
@@ -60,11 +63,7 @@ def verify_greedy_reference(
 # child id first), carrying the outputs in registers and storing each once at the end. No
 # data-dependent early exit: a row that stopped keeps looping with ``alive`` false.
 # --------------------------------------------------------------------------------------------
-from ._triton_utils import check_tensor, next_pow2, require_triton, tl, triton  # noqa: E402
-from ..autotune.store import tuned  # noqa: E402
-
-
-def _verify_config(n: int, device: torch.device | None = None) -> int:
+def verify_config(n: int, device: torch.device | None = None) -> int:
     """num_warps per tree size N (a discrete kernel: every config gives the same bits)."""
     return tuned("verify_greedy", n, {"num_warps": 1}, dtype="int64", device=device)["num_warps"]
 
@@ -143,6 +142,6 @@ def verify_greedy(
     _verify_greedy_kernel[(B,)](
         tokens, parents, target_argmax, nodes, num, emitted, N,
         MAX_DEPTH=max_depth, BLOCK_N=max(next_pow2(N), 16), BLOCK_W=max(next_pow2(max_depth + 1), 16), NONE=-1,
-        num_warps=_verify_config(N, dev),
+        num_warps=verify_config(N, dev),
     )  # fmt: skip
     return nodes, num, emitted

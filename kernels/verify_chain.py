@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from .utils import ENABLE_FP_FUSION, argmax_update, check_tensor, next_pow2, require_triton, sampling_config, tl, triton
+
 
 def verify_chain_reference(
     tokens: torch.Tensor,  # [B, n+1] int64, node 0 = root, node i = the depth-i draft
@@ -67,12 +69,8 @@ def verify_chain_reference(
 # One program per row: the depth loop (compile-time bound N_DRAFT) loads p and q at each draft
 # token and keeps the acceptance in registers; then one pass over V for the residual's maximum
 # (the all-zero fallback) and one for the race, blockwise, with the first maximal index kept
-# across blocks (a strict comparison), as torch.argmax.
+# across blocks (a strict comparison, ``utils.argmax_update``), as torch.argmax.
 # --------------------------------------------------------------------------------------------
-from ._triton_utils import ENABLE_FP_FUSION, check_tensor, next_pow2, require_triton, tl, triton  # noqa: E402
-from .verify_sampling import _argmax_update, _sampling_config  # noqa: E402
-
-
 @triton.jit
 def _verify_chain_kernel(
     tokens_ptr,  # [B, N] int64
@@ -125,7 +123,7 @@ def _verify_chain_kernel(
         r = tl.where(rejected & ~use_p, tl.maximum(p - q, 0.0), p)
         xi = tl.load(xi_ptr + b * V + v0 + cols, mask=m, other=1.0)
         val = tl.where(m, tl.div_rn(r, xi), -1.0)
-        best, best_v = _argmax_update(val, v0, best, best_v)
+        best, best_v = argmax_update(val, v0, best, best_v)
     emitted = tl.where(w == num, best_v, emitted)
     tl.store(nodes_ptr + b * N + w, nodes, mask=w < N)
     tl.store(emitted_ptr + b * N + w, emitted, mask=w < N)
@@ -158,7 +156,7 @@ def verify_chain(
     emitted = torch.empty((B, N), dtype=torch.int64, device=dev)
     if B == 0:
         return nodes, num, emitted
-    block_v, warps = _sampling_config(V)
+    block_v, warps = sampling_config(V)
     _verify_chain_kernel[(B,)](
         tokens, probs, draft_probs, uniforms, exp_noise, nodes, num, emitted, V,
         N_DRAFT=N - 1, BLOCK_W=max(next_pow2(N), 16), BLOCK_V=block_v,

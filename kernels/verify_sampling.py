@@ -39,6 +39,8 @@ from __future__ import annotations
 
 import torch
 
+from .utils import ENABLE_FP_FUSION, argmax_update, check_tensor, next_pow2, require_triton, sampling_config, tl, triton
+
 FIXED_ONE = 2.0**48  # fixed-point scale of the probability mass
 
 
@@ -110,9 +112,6 @@ def verify_sampling_reference(
 # O(BLOCK_N^2) register work for dup/before (BLOCK_N = next_pow2(N): cheap for the tree sizes in
 # use, tens of nodes; trees of hundreds of nodes spill registers but stay exact).
 # --------------------------------------------------------------------------------------------
-from ._triton_utils import ENABLE_FP_FUSION, check_tensor, next_pow2, require_triton, tl, triton  # noqa: E402
-
-
 @triton.jit
 def _row_mass(row_ptr, V, BLOCK_V: tl.constexpr, ONE: tl.constexpr):
     """``sum_v trunc(row[v] * ONE)`` in int64 (exact: integer addition is associative)."""
@@ -122,16 +121,6 @@ def _row_mass(row_ptr, V, BLOCK_V: tl.constexpr, ONE: tl.constexpr):
         x = tl.load(row_ptr + v0 + cols, mask=v0 + cols < V, other=0.0)
         acc += (x * ONE).to(tl.int64)
     return tl.sum(acc, axis=0)
-
-
-@triton.jit
-def _argmax_update(val, v0, best, best_v):
-    """One block of a blockwise argmax over V: ``(best, best_v)`` after block ``val`` (starting at
-    ``v0``); a strict comparison keeps the first maximal index across blocks, as torch.argmax."""
-    block_best = tl.max(val, axis=0)
-    block_v = v0 + tl.argmax(val, axis=0).to(tl.int64)
-    better = block_best > best
-    return tl.where(better, block_best, best), tl.where(better, block_v, best_v)
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -208,17 +197,11 @@ def _verify_sampling_kernel(
         removed = tl.load(mark_ptr + b * V + v0 + cols, mask=m, other=0)
         xi = tl.load(xi_ptr + b * V + v0 + cols, mask=m, other=1.0)
         val = tl.where(m, tl.div_rn(tl.where(removed != 0, 0.0, r), xi), -1.0)
-        best, best_v = _argmax_update(val, v0, best, best_v)
+        best, best_v = argmax_update(val, v0, best, best_v)
     emitted = tl.where(w == num, best_v, emitted)
     tl.store(nodes_ptr + b * W + w, nodes, mask=w < W)
     tl.store(emitted_ptr + b * W + w, emitted, mask=w < W)
     tl.store(num_ptr + b, num)
-
-
-def _sampling_config(vocab: int) -> tuple[int, int]:
-    """``(BLOCK_V, num_warps)`` for the passes over the vocabulary."""
-    block = min(max(next_pow2(vocab), 16), 2048)
-    return block, 1 if block <= 256 else 4 if block <= 1024 else 8
 
 
 def verify_sampling(
@@ -256,7 +239,7 @@ def verify_sampling(
     if B == 0:
         return nodes, num, emitted
     mark = torch.zeros((B, V), dtype=torch.int8, device=dev)
-    block_v, warps = _sampling_config(V)
+    block_v, warps = sampling_config(V)
     _verify_sampling_kernel[(B,)](
         tokens, parents, probs, uniforms, exp_noise, mark, nodes, num, emitted, N, V,
         MAX_DEPTH=max_depth, BLOCK_N=max(next_pow2(N), 16), BLOCK_W=max(next_pow2(max_depth + 1), 16),

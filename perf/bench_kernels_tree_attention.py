@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, skip_unless_runnable  # noqa: F401
 
-from tritonspec.kernels.tree_attention import kv_write_reference, tree_attention_reference
+from tritonspec.kernels.kv_write import kv_write_reference
+from tritonspec.kernels.tree_attention import tree_attention_reference
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 HQ, HKV, D = (32, 8, 128) if CUDA else (8, 2, 64)
@@ -62,7 +63,7 @@ def test_tree_attention(kernel_bench, provider, batch, prefix):
 def test_kv_write(kernel_bench, provider, batch):
     skip_unless_runnable(provider)
     if provider == "triton":
-        from tritonspec.kernels.tree_attention import kv_write as fn
+        from tritonspec.kernels.kv_write import kv_write as fn
     else:
         fn = kv_write_reference
     S = 4096 if CUDA else 512

@@ -1,20 +1,25 @@
 """The op layer: every hot-path call site in the runtime goes through one ``Ops`` object.
 
-``backend="torch"`` uses the plain PyTorch ``<op>_reference`` functions from ``kernels/``
-(the reference path, and the fast path on a CPU). ``backend="triton"`` swaps in the Triton
-launchers (``kernels/triton_ops.py``) without touching the runtime code above.
+``Ops`` states what a backend provides. ``backend="torch"`` (``TorchOps``) uses the plain PyTorch
+``<op>_reference`` functions from ``kernels/`` (the reference path, and the fast path on a CPU).
+``backend="triton"`` (``kernels.triton_ops.TritonOps``) swaps in the Triton launchers without
+touching the runtime code above. Both satisfy ``Ops`` structurally: the kernels never import the
+runtime.
 """
 from __future__ import annotations
 
 import os
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from ..kernels.aux_gather import aux_gather_reference
 from ..kernels.kv_compact import kv_compact_reference
+from ..kernels.kv_write import kv_write_reference
+from ..kernels.prefill_attention import prefill_attention
 from ..kernels.rms_norm import rms_norm_reference
-from ..kernels.tree_attention import kv_write_reference, prefill_attention, tree_visibility
+from ..kernels.tree_attention import tree_visibility
 from ..kernels.verify import verify_greedy_reference
 from ..kernels.verify_chain import verify_chain_reference
 from ..kernels.verify_sampling import verify_sampling_reference
@@ -22,8 +27,116 @@ from ..kernels.verify_sampling import verify_sampling_reference
 BACKENDS = ("auto", "torch", "triton")
 
 
+class Ops(Protocol):
+    """What a backend must provide: the hot-path ops, with the contracts of ``kernels/<op>.py``.
+
+    Every backend computes the ``<op>_reference`` semantics (bit for bit for the discrete ops,
+    within the kernels' stated bounds for the float ones). Index tensors are int64; no op syncs
+    with the host, so a round of them can be captured as a CUDA graph.
+    """
+
+    name: str  # "torch" or "triton"
+
+    def begin_forward(self) -> None:
+        """A model forward starts (called before its first layer): drop anything cached for the
+        previous forward (the round updates ``prefix_lens`` in place between forwards)."""
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [..., H]
+        weight: torch.Tensor,  # [H]
+        eps: float,
+        residual: torch.Tensor | None = None,  # [..., H]
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """RMSNorm of the last axis; with ``residual``, ``(norm(x + residual), x + residual)``."""
+
+    def aux_gather(
+        self,
+        aux: torch.Tensor,  # [n_src, n_aux*H]
+        index: torch.Tensor,  # [n] int64, -1 = padding row (all zeros out)
+        fc_norm_weight: torch.Tensor | None,  # [n_aux, H], or None: plain gather
+        eps: float,
+    ) -> torch.Tensor:  # [n, n_aux*H]
+        """Rows of ``aux`` at ``index``, each H-wide chunk RMS-normalised when ``fc_norm_weight`` is given."""
+
+    def kv_write(
+        self,
+        k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer)
+        v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
+        slots: torch.Tensor,  # [B, Q] int64 absolute slot per query, -1 = the trash slot S-1
+        k: torch.Tensor,  # [B, Q, Hkv, D]
+        v: torch.Tensor,  # [B, Q, Hkv, D]
+    ) -> None:
+        """Scatter the new tokens' K/V into the cache, in place (cast to the cache dtype)."""
+
+    def tree_attention(
+        self,
+        q: torch.Tensor,  # [B, Q, Hq, D]
+        k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer), the queries' own K/V already written
+        v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
+        prefix_lens: torch.Tensor,  # [B] int64: slots [0, prefix_lens) are the committed prefix
+        tree_mask: torch.Tensor,  # [B, Q, T] bool over the tree region [prefix_lens, prefix_lens + T)
+        scale: float,
+        kv_len: int | None = None,  # host-known bound on prefix_lens + T: a speed hint, never a result change
+    ) -> torch.Tensor:  # [B, Q, Hq, D]
+        """Attention of each query over the whole prefix plus the tree slots its mask row allows
+        (GQA: query head h reads KV head h // (Hq / Hkv)); no visible key gives zeros."""
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,  # [B, P, Hq, D]
+        k: torch.Tensor,  # [B, P, Hkv, D]
+        v: torch.Tensor,  # [B, P, Hkv, D]
+        scale: float,
+    ) -> torch.Tensor:  # [B, P, Hq, D]
+        """Causal self-attention of a prompt with an empty prefix (not a decode-round op)."""
+
+    def verify_greedy(
+        self,
+        tokens: torch.Tensor,  # [B, N] int64, node 0 = root
+        parents: torch.Tensor,  # [B, N] int64, parents[:, 0] = -1, -1 = padding node
+        target_argmax: torch.Tensor,  # [B, N] int64, the target's greedy token after each node
+        max_depth: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Greedy tree walk from the root (lowest matching child id first): ``(nodes [B, max_depth+1]``
+        root + accepted node ids, ``num_accepted [B]``, ``emitted [B, max_depth+1]`` accepted tokens then
+        the bonus token), -1 padded."""
+
+    def verify_sampling(
+        self,
+        tokens: torch.Tensor,  # [B, N] int64, node 0 = root
+        parents: torch.Tensor,  # [B, N] int64, parents[:, 0] = -1, -1 = padding node
+        probs: torch.Tensor,  # [B, N, V] float32 target probabilities after logits processing
+        uniforms: torch.Tensor,  # [B, N] float32 in [0, 1), one coin per node
+        exp_noise: torch.Tensor,  # [B, V] float32, Exp(1), > 0
+        max_depth: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Lossless tree verification (sampling without replacement against ``probs``), deterministic
+        given ``uniforms`` and ``exp_noise``: ``(nodes, num_accepted, emitted)`` as ``verify_greedy``."""
+
+    def verify_chain(
+        self,
+        tokens: torch.Tensor,  # [B, n+1] int64, node 0 = root, node i = the depth-i draft
+        probs: torch.Tensor,  # [B, n+1, V] float32 target probabilities
+        draft_probs: torch.Tensor,  # [B, n, V] float32, row i-1 = the distribution draft i was drawn from
+        uniforms: torch.Tensor,  # [B, n+1] float32 in [0, 1), column i = depth i's coin
+        exp_noise: torch.Tensor,  # [B, V] float32, Exp(1), > 0
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Standard speculative sampling of a sampled draft chain: ``(nodes [B, n+1], num_accepted [B],
+        emitted [B, n+1])``, deterministic given ``uniforms`` and ``exp_noise``."""
+
+    def kv_compact(
+        self,
+        k_cache: torch.Tensor,  # [L, B_max, S, Hkv, D]
+        v_cache: torch.Tensor,  # [L, B_max, S, Hkv, D]
+        start: torch.Tensor,  # [B] int64, slot of the tree root per row
+        nodes: torch.Tensor,  # [B, M] int64, accepted node ids (root first), -1 = none
+    ) -> None:
+        """Move the accepted path's K/V to slots ``start .. start + a`` of every layer, in place."""
+
+
 class TorchOps:
-    """Reference backend: each method is the matching ``kernels.<op>.<op>_reference``."""
+    """Reference backend (an ``Ops``): each method is the matching ``kernels.<op>.<op>_reference``."""
 
     name = "torch"
 
@@ -79,7 +192,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "torch"
 
 
-def get_ops(backend: str) -> TorchOps:
+def get_ops(backend: str) -> Ops:
     """The ``Ops`` object for a resolved backend name (``torch`` or ``triton``)."""
     if backend == "torch":
         return TorchOps()

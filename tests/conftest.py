@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 def tuned_dir(tmp_path, monkeypatch):
     """Every test sees an empty tuned-config folder: a profile in the user's cache must never
     change which tree shape or kernel config a test runs."""
-    from tritonspec.autotune import store
+    from tritonspec.kernels import store
 
     d = tmp_path / "tuned"
     monkeypatch.setenv(store.ENV_DIR, str(d))

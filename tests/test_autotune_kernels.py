@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from tritonspec.autotune import store  # noqa: E402
+from tritonspec.kernels import store  # noqa: E402
 from tritonspec.autotune.kernel_tuner import KernelShape, Problem, format_results, tune_kernels, tune_problem  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -27,7 +27,8 @@ def _fake_bench(times):
 def test_kernel_tuner_end_to_end_under_the_interpreter(tuned_dir):
     """Two candidates for rms_norm through the real launcher; the winner lands in the store and
     the launcher then runs it (the timings are rigged: the interpreter's wall clock is noise)."""
-    from tritonspec.kernels.rms_norm import _rms_config, rms_norm, rms_norm_reference
+    from tritonspec.kernels.rms_norm import rms_norm, rms_norm_reference
+    from tritonspec.kernels.utils import rms_config
 
     two = [{"num_warps": 1}, {"num_warps": 2}]
     results, files = tune_kernels([TINY], torch.float32, CPU, ops=["rms_norm", "verify_greedy"],
@@ -41,7 +42,7 @@ def test_kernel_tuner_end_to_end_under_the_interpreter(tuned_dir):
     data = json.loads((tuned_dir / names[0]).read_text())
     assert data["configs"] == {"64": {"num_warps": 2}}  # keyed by hidden size only, never by a row count
     assert data["bucket"] == "hidden_size" and data["timings_us"]["64"] == {"default": 5.0, "best": 3.0}
-    assert _rms_config(64, torch.float32, CPU)[1] == 2
+    assert rms_config(64, torch.float32, CPU)[1] == 2
     x, w = torch.randn(3, 64), torch.randn(64)
     assert torch.allclose(rms_norm(x, w, 1e-6), rms_norm_reference(x, w, 1e-6), atol=1e-5)
     table = format_results(results)

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 
-from tritonspec.autotune import store
-from tritonspec.autotune.store import TunedConfigWarning, config_filename, make_table, nearest_bucket, tuned, write_table
+from tritonspec.kernels import store
+from tritonspec.kernels.store import TunedConfigWarning, config_filename, make_table, nearest_bucket, tuned, write_table
 
 CPU = torch.device("cpu")
 
@@ -156,14 +157,14 @@ def test_forced_config_wins_inside_the_block(tuned_dir):
 
 
 def test_launcher_config_functions_read_the_store(tuned_dir):
-    from tritonspec.kernels.aux_gather import _gather_config
-    from tritonspec.kernels.kv_compact import _compact_config
-    from tritonspec.kernels.rms_norm import _rms_config
-    from tritonspec.kernels.tree_attention import SPLIT_KV, _attn_config, _attn_tuned
-    from tritonspec.kernels.verify import _verify_config
+    from tritonspec.kernels.aux_gather import gather_config
+    from tritonspec.kernels.kv_compact import compact_config
+    from tritonspec.kernels.tree_attention import SPLIT_KV, _attention_constexprs, attention_config
+    from tritonspec.kernels.utils import rms_config
+    from tritonspec.kernels.verify import verify_config
 
-    heuristic = _rms_config(4096)
-    assert _rms_config(4096, torch.float32, CPU) == heuristic  # nothing stored yet
+    heuristic = rms_config(4096)
+    assert rms_config(4096, torch.float32, CPU) == heuristic  # nothing stored yet
     _write(tuned_dir, configs={4096: {"num_warps": 2}})
     write_table(make_table("aux_gather", "hidden_size", {4096: {"num_warps": 1}}, dtype="float32", device=CPU), tuned_dir)
     write_table(make_table("verify_greedy", "num_draft_tokens", {48: {"num_warps": 4}}, dtype="int64", device=CPU),
@@ -175,12 +176,21 @@ def test_launcher_config_functions_read_the_store(tuned_dir):
         64: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=3, split_kv=1000),
         128: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=3, split_kv=1024)}, dtype="float32", device=CPU),
         tuned_dir)
-    assert _rms_config(4096, torch.float32, CPU) == (heuristic[0], 2)
-    assert _rms_config(4096) == heuristic  # no device: the heuristic (what the PTX compile test compiles)
-    assert _gather_config(4096, torch.float32, CPU)[1] == 1
-    assert _verify_config(40, CPU) == 4
-    assert _compact_config(1024, 8, torch.float32, CPU) == (256, 2)
-    t = _attn_tuned(128, torch.float32, CPU)
+    assert rms_config(4096, torch.float32, CPU) == (heuristic[0], 2)
+    assert rms_config(4096) == heuristic  # no device: the heuristic (what the PTX compile test compiles)
+    assert gather_config(4096, torch.float32, CPU)[1] == 1
+    assert verify_config(40, CPU) == 4
+    assert compact_config(1024, 8, torch.float32, CPU) == (256, 2)
+    t = attention_config(128, torch.float32, CPU)
     assert (t["BLOCK_M"], t["BLOCK_N"], t["split_kv"], t["num_stages"]) == (32, 32, 1024, 3)
-    assert _attn_config(128, torch.float32, CPU)["BLOCK_N"] == 32
-    assert _attn_tuned(64, torch.float32, CPU)["split_kv"] == SPLIT_KV  # invalid entry: the heuristic
+    assert _attention_constexprs(128, torch.float32, CPU)["BLOCK_N"] == 32
+    assert attention_config(64, torch.float32, CPU)["split_kv"] == SPLIT_KV  # invalid entry: the heuristic
+
+
+def test_package_version_and_shipped_folder():
+    """One version (installed metadata) stamps the files and is ``tritonspec.__version__``; the shipped
+    configs sit beside the store."""
+    import tritonspec
+
+    assert store.versions()["tritonspec"] == store.package_version() == tritonspec.__version__
+    assert store.SHIPPED_DIR.is_dir() and store.SHIPPED_DIR.parent == Path(store.__file__).resolve().parent

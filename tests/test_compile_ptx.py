@@ -4,7 +4,7 @@ The interpreter accepts code the real compiler rejects, so CI also compiles, wit
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", arch, 32))`` to PTX and (with the
 ptxas Triton bundles) to a cubin. Options are the launchers' own: the same num_warps /
 num_stages and ``enable_fp_fusion=ENABLE_FP_FUSION`` (False: no FMA contraction, so the compiled
-kernels round like the interpreter and the references; see ``kernels/_triton_utils.py``).
+kernels round like the interpreter and the references; see ``kernels/utils.py``).
 
 Shipped configurations: fp32/fp16/bf16 x {the tiny test model (H 72, 6/3 heads, head_dim 12),
 Llama-3-8B (H 4096, 32/8 heads, head_dim 128)}; greedy verification for the default SpecConfig
@@ -39,12 +39,13 @@ def _specs():
 
     from tritonspec.kernels import aux_gather as ag
     from tritonspec.kernels import kv_compact as kc
+    from tritonspec.kernels import kv_write as kw
     from tritonspec.kernels import rms_norm as rn
     from tritonspec.kernels import tree_attention as ta
     from tritonspec.kernels import verify as vf
     from tritonspec.kernels import verify_chain as vc
     from tritonspec.kernels import verify_sampling as vs
-    from tritonspec.kernels._triton_utils import ENABLE_FP_FUSION, next_pow2
+    from tritonspec.kernels.utils import ENABLE_FP_FUSION, next_pow2, rms_config, sampling_config
 
     base = dict(enable_fp_fusion=ENABLE_FP_FUSION)
     specs = []
@@ -53,7 +54,7 @@ def _specs():
         p = f"*{dt_name}"
         for model, m in MODELS.items():
             H, HQ, HKV, D = m["H"], m["HQ"], m["HKV"], m["D"]
-            block, warps = rn._rms_config(H)
+            block, warps = rms_config(H)
             for res in (False, True):
                 sig = dict(x_ptr=p, r_ptr=p, w_ptr=p, y_ptr=p, s_ptr=p, M1="i32", stride_x0="i32", stride_x1="i32",
                            stride_r0="i32", stride_r1="i32", eps="fp32")
@@ -65,7 +66,7 @@ def _specs():
             for norm in (False, True):
                 n_aux = 3
                 h = H if norm else n_aux * H
-                b2, w2 = rn._rms_config(h)
+                b2, w2 = rms_config(h)
                 sig = dict(aux_ptr=p, index_ptr="*i64", w_ptr=p, out_ptr=p, stride_aux="i32", eps="fp32")
                 specs.append((f"aux_gather/{dt_name}/{model}/fc_norm={norm}", ag._aux_gather_kernel, sig,
                               dict(H=h, N_AUX=n_aux if norm else 1, BLOCK_H=b2, HAS_NORM=norm, PAD=-1),
@@ -74,11 +75,11 @@ def _specs():
             sig = dict(k_cache_ptr=p, v_cache_ptr=p, slots_ptr="*i64", k_ptr=p, v_ptr=p, stride_kb="i32",
                        stride_ks="i32", stride_vb="i32", stride_vs="i32", stride_nb="i32", stride_nq="i32",
                        Q="i32", S="i32")
-            specs.append((f"kv_write/{dt_name}/{model}", ta._kv_write_kernel, sig,
+            specs.append((f"kv_write/{dt_name}/{model}", kw._kv_write_kernel, sig,
                           dict(HD=hd, BLOCK=min(next_pow2(hd), 1024), PAD=-1),
                           [a for a in sig if a not in ("Q", "S")] if hd % 16 == 0 else list(sig)[:5],
                           dict(base, num_warps=4)))
-            cfg = ta._attn_config(D, torch_dt)
+            cfg = ta._attention_constexprs(D, torch_dt)
             cfg["DOT_UPCAST"] = False  # the interpreter-only path is never compiled
             sig = dict(q_ptr=p, k_ptr=p, v_ptr=p, prefix_ptr="*i64", mask_ptr="*i1", acc_ptr="*fp32", ml_ptr="*fp32",
                        stride_qb="i32", stride_qq="i32", stride_qh="i32", stride_kb="i32", stride_ks="i32",
@@ -109,7 +110,7 @@ def _specs():
                            NONE=-1),
                       list(sig)[:6], dict(num_warps=1)))
     for depth, n, vocab in VERIFY_SAMPLING:
-        block_v, warps = vs._sampling_config(vocab)
+        block_v, warps = sampling_config(vocab)
         sig = dict(tokens_ptr="*i64", parents_ptr="*i64", probs_ptr="*fp32", u_ptr="*fp32", xi_ptr="*fp32",
                    mark_ptr="*i8", nodes_ptr="*i64", num_ptr="*i64", emitted_ptr="*i64", N="i32", V="i32")
         specs.append((f"verify_sampling/depth={depth}/N={n}/V={vocab}", vs._verify_sampling_kernel, sig,

@@ -1,4 +1,5 @@
-"""The Triton backend plugs into the op layer with exactly the torch backend's signatures."""
+"""The Triton backend plugs into the op layer with exactly the torch backend's signatures, and both
+provide every method of the ``Ops`` protocol."""
 from __future__ import annotations
 
 import inspect
@@ -9,7 +10,7 @@ import torch
 pytest.importorskip("triton")
 
 from tritonspec.kernels.triton_ops import TritonOps  # noqa: E402
-from tritonspec.runtime.ops import TorchOps, get_ops  # noqa: E402
+from tritonspec.runtime.ops import Ops, TorchOps, get_ops  # noqa: E402
 
 OPS = ["rms_norm", "aux_gather", "kv_write", "tree_attention", "verify_greedy", "verify_sampling", "kv_compact"]
 
@@ -35,6 +36,24 @@ def test_triton_ops_has_every_torch_op():
     for op in torch_ops:  # same leading parameters, whichever ops exist now
         want = list(inspect.signature(getattr(TorchOps(), op)).parameters)
         assert list(inspect.signature(getattr(TritonOps(), op)).parameters)[: len(want)] == want, op
+
+
+def test_ops_protocol_lists_every_backend_op():
+    protocol = _ops(Ops)
+    assert protocol == set(OPS) | {"begin_forward", "prefill_attention", "verify_chain"}
+    assert _ops(TorchOps) == protocol  # no op a backend has that the protocol does not document
+
+
+@pytest.mark.parametrize("cls", [TorchOps, TritonOps])
+def test_backends_satisfy_the_ops_protocol(cls):
+    ops = cls()
+    assert isinstance(ops.name, str)
+    for op in _ops(Ops):
+        want = list(inspect.signature(getattr(Ops, op)).parameters.values())[1:]  # drop ``self``
+        got = list(inspect.signature(getattr(ops, op)).parameters.values())
+        assert [(p.name, p.kind, p.default) for p in got[: len(want)]] == [(p.name, p.kind, p.default) for p in want], op
+        for extra in got[len(want) :]:
+            assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not inspect.Parameter.empty, op
 
 
 def test_get_ops_triton():

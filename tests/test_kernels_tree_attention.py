@@ -25,12 +25,8 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
-from tritonspec.kernels.tree_attention import (  # noqa: E402
-    kv_write,
-    kv_write_reference,
-    tree_attention,
-    tree_attention_reference,
-)
+from tritonspec.kernels.kv_write import kv_write, kv_write_reference  # noqa: E402
+from tritonspec.kernels.tree_attention import tree_attention, tree_attention_reference  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -20,16 +20,21 @@ a row count (ARCHITECTURE §3).
 
 Folders searched: ``$TRITONSPEC_TUNED_DIR`` alone when set; otherwise the user folder
 (``$TRITONSPEC_CACHE/tuned``, default ``~/.cache/tritonspec/tuned``; ``tritonspec autotune``
-writes there) and then the configs shipped in ``tritonspec/autotune/configs/``. A missing
+writes there) and then the configs shipped in ``tritonspec/kernels/configs/``. A missing
 file, a corrupt one, or one stamped for another GPU, compute capability, Triton or tritonspec
 version gives one warning (``TunedConfigWarning``) and the launcher's heuristic default, never
 an error. A different torch major.minor is only noted (Triton kernels do not depend on it).
 
 Lookups are memoised per (op, shape, dtype, device, bucket value): after the first launch of a
 shape a lookup is one dict access, with no file I/O.
+
+This module is the one owner of the format: the kernel launchers read it (``tuned``) and
+``tritonspec autotune kernels`` writes it (``make_table``, ``write_table``, ``forced``).
 """
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import os
 import warnings
@@ -81,16 +86,24 @@ def config_filename(op: str, device_name: str, dtype: str, shape: dict[str, Any]
     return f"{op}{keys},device_name={device_name},dtype={dtype}.json"
 
 
-def versions() -> dict[str, str]:
-    from .. import __version__
+@functools.cache
+def package_version() -> str:
+    """The installed tritonspec version (``tritonspec.__version__``), ``"0+unknown"`` when the
+    package metadata is missing (a source tree that was never installed)."""
+    try:
+        return importlib.metadata.version("tritonspec")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
 
+
+def versions() -> dict[str, str]:
     try:
         import triton
 
         tv = triton.__version__
     except ImportError:  # pragma: no cover
         tv = "none"
-    return {"tritonspec": __version__, "triton": tv, "torch": torch.__version__.split("+")[0]}
+    return {"tritonspec": package_version(), "triton": tv, "torch": torch.__version__.split("+")[0]}
 
 
 def search_dirs() -> list[Path]:

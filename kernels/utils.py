@@ -1,4 +1,6 @@
-"""Shared plumbing for the Triton launchers: a guarded import, argument checks, launch options.
+"""Shared plumbing for the kernel modules: a guarded Triton import, argument checks, launch
+options, and the pieces more than one kernel uses (the RMSNorm row math and config, the blockwise
+argmax over a vocabulary and its config).
 
 Importing a kernel module must work without Triton (the torch backend only needs the
 references), so ``triton`` here is either the real package or a stub whose ``jit`` returns a
@@ -18,6 +20,8 @@ what the tests checked. ``tests/test_compile_ptx.py`` compiles with the same fla
 from __future__ import annotations
 
 import torch
+
+from .store import tuned
 
 try:  # pragma: no cover - exercised by whichever environment runs the tests
     import triton
@@ -87,6 +91,14 @@ def check_tensor(
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def check_kv_cache(name: str, cache: torch.Tensor, ndim: int = 4) -> None:
+    """A float ``[..., Hkv, D]`` K/V tensor contiguous in its last two axes (any outer strides)."""
+    check_tensor(name, cache, dtypes=FLOAT_DTYPES, ndim=ndim, contiguous=False)
+    hkv, d = cache.shape[-2:]
+    if cache.stride(-1) != 1 or cache.stride(-2) != d:
+        raise ValueError(f"{name} must be contiguous in its last two axes [Hkv, D], got strides {cache.stride()}")
+
+
 @triton.jit
 def round_to(x, dtype: tl.constexpr):
     """Round fp32 ``x`` to ``dtype`` to nearest, ties to even (IEEE), NaN kept as a quiet NaN.
@@ -101,3 +113,50 @@ def round_to(x, dtype: tl.constexpr):
         return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
     else:
         return x.to(dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# RMSNorm row math, shared by ``rms_norm`` and the fused gather (``aux_gather`` with fc_norm),
+# which must equal ``rms_norm`` bit for bit: same function, same config for the same H.
+# --------------------------------------------------------------------------------------------
+MAX_HIDDEN = 65536
+
+
+def rms_config(hidden: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> tuple[int, int]:
+    """``(BLOCK_H, num_warps)`` from the hidden size only (never the row count): the tuned
+    num_warps for this GPU/dtype (``kernels.store``, nearest hidden size) when there is one,
+    else the heuristic. Shared with the fused gather, which must match this kernel bit for bit."""
+    if hidden > MAX_HIDDEN:
+        raise ValueError(f"hidden size {hidden} > {MAX_HIDDEN} is not supported by the RMSNorm kernel")
+    block = max(next_pow2(hidden), 16)
+    num_warps = 1 if block <= 256 else 4 if block <= 1024 else 8 if block <= 4096 else 16
+    return block, tuned("rms_norm", hidden, {"num_warps": num_warps}, dtype=dtype, device=device)["num_warps"]
+
+
+@triton.jit
+def rms_normalize(h, w, H: tl.constexpr, eps, DTYPE: tl.constexpr):
+    """fp32 ``w * round_DTYPE(h * rstd)`` for one fp32 row ``h`` (masked lanes must hold 0)."""
+    ssq = tl.sum(h * h, axis=0)
+    mean = tl.div_rn(ssq, tl.full([], H, tl.float32))
+    rstd = tl.div_rn(tl.full([], 1.0, tl.float32), tl.sqrt_rn(mean + eps))
+    y = round_to(h * rstd, DTYPE)
+    return w.to(tl.float32) * y.to(tl.float32)
+
+
+# --------------------------------------------------------------------------------------------
+# Blockwise passes over a vocabulary, shared by the sampling verifiers (tree and chain).
+# --------------------------------------------------------------------------------------------
+def sampling_config(vocab: int) -> tuple[int, int]:
+    """``(BLOCK_V, num_warps)`` for the passes over the vocabulary."""
+    block = min(max(next_pow2(vocab), 16), 2048)
+    return block, 1 if block <= 256 else 4 if block <= 1024 else 8
+
+
+@triton.jit
+def argmax_update(val, v0, best, best_v):
+    """One block of a blockwise argmax over V: ``(best, best_v)`` after block ``val`` (starting at
+    ``v0``); a strict comparison keeps the first maximal index across blocks, as torch.argmax."""
+    block_best = tl.max(val, axis=0)
+    block_v = v0 + tl.argmax(val, axis=0).to(tl.int64)
+    better = block_best > best
+    return tl.where(better, block_best, best), tl.where(better, block_v, best_v)
