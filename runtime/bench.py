@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.store import package_version
 from .config import SpecConfig
 
 SYSTEMS = ("ours-plain", "hf-greedy", "hf-prompt-lookup", "hf-assisted", "ours-eagle3", "ours-eagle3.1")
@@ -63,10 +64,8 @@ def environment() -> dict:
         tv = triton.__version__
     except ImportError:
         tv = None
-    from .. import __version__
-
     return {"device": dev, "torch": torch.__version__, "transformers": transformers.__version__, "triton": tv,
-            "tritonspec": __version__, "threads": torch.get_num_threads()}
+            "tritonspec": package_version(), "threads": torch.get_num_threads()}
 
 
 class Bench:
@@ -99,7 +98,7 @@ class Bench:
         if system in BATCH1_ONLY and batch != 1:
             return "transformers runs prompt lookup / assisted generation at batch 1 only"
         if system == "hf-assisted" and self.draft_lm is None:
-            return "no draft LM (build it with python -m tritonspec.training.draft_lm)"
+            return "no draft LM (build it with python -m tritonspec.recipes.demo.draft_lm)"
         if system.startswith("ours-") and system not in self.runtimes:
             return f"no {system[5:]} drafter"
         return None
@@ -204,48 +203,43 @@ def round_profile(rt: Any, prompts: list[list[int]], speculative: bool = True, r
     """The cost of eager decode rounds, phase by phase (the device synchronised after each phase):
     ``draft_ms``, ``verify_ms``, ``commit_ms`` (means), and ``launches`` (device kernels and copies
     one round issues, counted by ``torch.profiler`` on CUDA; None elsewhere)."""
-    from .config import SpecStats
-    from .sampling import SamplingParams
-
-    dev = rt.device
+    dev, dec = rt.device, rt.decoder
     D = rt.spec.num_speculative_tokens if speculative else 0
-    stats = SpecStats(accepted_per_position=[0] * max(D, 1))
     split = {"draft": 0.0, "verify": 0.0, "commit": 0.0}
     done = 0
     with torch.inference_mode():
-        st = rt._prefill(prompts, speculative, SamplingParams(), [0] * len(prompts), stats)
+        dec.prefill(prompts, speculative=speculative)
         room = rt.max_seq_len - rt.spec.num_draft_tokens - D - 2
         for i in range(rounds + 1):  # round 0 warms up
-            if max(st.L_host) >= room:
+            if max(dec.lengths) >= room:
                 break
             device_sync(dev)
             t0 = time.perf_counter()
-            tree = rt._draft(st, None) if speculative else rt._root_only(st)
+            tree = dec.draft() if speculative else dec.root_tree()
             device_sync(dev)
             t1 = time.perf_counter()
-            out = rt._verify(st, tree, None)
+            v = dec.verify(tree)
             device_sync(dev)
             t2 = time.perf_counter()
-            rt._commit(st, tree, *out, speculative, None)
+            dec.commit(tree, v)
             device_sync(dev)
             t3 = time.perf_counter()
-            st.L_host = [h + int(k) + 1 for h, k in zip(st.L_host, out[1].tolist())]
+            dec.collect()
             if i:
                 split["draft"] += t1 - t0
                 split["verify"] += t2 - t1
                 split["commit"] += t3 - t2
                 done += 1
         aten_ops = None
-        if max(st.L_host) < room:  # device-independent: aten ops one round dispatches (~ kernel launches)
-            aten_ops = _count_aten_ops(lambda: rt._round(st, speculative, None))
-            count = st.out[:, D + 1].tolist()  # the round wrote emitted[:D+1], then the accepted count
-            st.L_host = [h + int(k) + 1 for h, k in zip(st.L_host, count)]
+        if max(dec.lengths) < room:  # device-independent: aten ops one round dispatches (~ kernel launches)
+            aten_ops = _count_aten_ops(dec.round)
+            dec.collect()
         launches = None
-        if dev.type == "cuda" and max(st.L_host) < room:
+        if dev.type == "cuda" and max(dec.lengths) < room:
             from torch.profiler import ProfilerActivity, profile
 
             with profile(activities=[ProfilerActivity.CUDA]) as p:
-                rt._round(st, speculative, None)
+                dec.round()
                 device_sync(dev)
             launches = sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     n = max(done, 1)

@@ -78,6 +78,16 @@ class SpecStats:
     time_split_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # + "graph":
     #                                                     rounds replayed as CUDA graphs (eager rounds split by phase)
 
+    def count_round(self, accepted: list[int], draft_tokens: int) -> None:
+        """Count one verify round of each row that ran it: ``accepted[i]`` draft tokens accepted of
+        ``draft_tokens`` sent."""
+        for n in accepted:
+            self.num_drafts += 1
+            self.num_draft_tokens += draft_tokens
+            self.num_accepted_tokens += n
+            for i in range(n):
+                self.accepted_per_position[i] += 1
+
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..kernels.tree_attention import tree_visibility
 from .config import SpecConfig
 
 
@@ -74,12 +75,38 @@ class DriftReport:
 
 
 class DriftRecorder:
-    """Accumulates attention shares and carry norms per depth; the engine calls ``observe``."""
+    """Accumulates attention shares and carry norms per depth: a ``runtime.decode.DraftObserver``.
+
+    ``wrap(ops)`` gives the drafter's forwards ops that also record each attention's
+    probabilities (``AttentionProbe``); the decoder then reports each drafter forward
+    (``on_catch_up``, ``on_depth1``, ``on_step``) and the recorder reads the recorded attention.
+    Use it through ``SpeculativeRuntime.observe(recorder)``."""
 
     def __init__(self, depth: int, n_sink: int = 1):
         self.n_sink = n_sink
         self.sums = torch.zeros(depth, 4, dtype=torch.float64)  # sink, context, drafted, carry_rms
         self.counts = torch.zeros(depth, dtype=torch.float64)
+        self._probe: AttentionProbe | None = None
+        self._depth1: tuple | None = None  # (attention [B, Hq, 1, S], prefix lens) of the last catch-up
+
+    def wrap(self, ops: Any) -> AttentionProbe:
+        if self._probe is None or self._probe.ops is not ops:
+            self._probe = AttentionProbe(ops)
+        return self._probe
+
+    def on_catch_up(self, last: torch.Tensor, prefix_lens: torch.Tensor) -> None:
+        """The catch-up's query ``last [B]`` of each row is depth 1 of the next round."""
+        attn = self._probe.last  # [B, Hq, Qc, S]
+        B = last.shape[0]
+        idx = last.reshape(B, 1, 1, 1).expand(B, attn.shape[1], 1, attn.shape[-1])
+        self._depth1 = (attn.gather(2, idx), prefix_lens)
+
+    def on_depth1(self, carry: torch.Tensor, active: torch.Tensor) -> None:
+        attn, prefix = self._depth1
+        self.observe(1, attn, prefix, carry, active)
+
+    def on_step(self, depth: int, prefix_lens: torch.Tensor, carry: torch.Tensor, active: torch.Tensor) -> None:
+        self.observe(depth, self._probe.last, prefix_lens, carry, active)
 
     def observe(self, depth: int, attn: torch.Tensor, prefix_lens: torch.Tensor, carry: torch.Tensor,
                 active: torch.Tensor) -> None:
@@ -99,6 +126,40 @@ class DriftRecorder:
 
     def curves(self) -> torch.Tensor:
         return self.sums / self.counts.clamp(min=1)[:, None]
+
+
+class AttentionProbe:
+    """An ``Ops`` proxy: every op runs as ``ops`` runs it; the two attention ops also keep the
+    attention probabilities ``[B, Hq, Q, S]`` (float32) they applied in ``last``. An extra
+    computation on the side that never changes the outputs."""
+
+    def __init__(self, ops: Any):
+        self.ops = ops
+        self.last: torch.Tensor | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.ops, name)
+
+    def tree_attention(self, q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None):
+        out = self.ops.tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len)
+        S = k_cache.shape[1] if kv_len is None else kv_len
+        self.last = _probabilities(q, k_cache[: q.shape[0], :S], tree_visibility(prefix_lens, tree_mask, S), scale)
+        return out
+
+    def prefill_attention(self, q, k, v, scale):
+        out = self.ops.prefill_attention(q, k, v, scale)
+        P = k.shape[1]
+        causal = torch.ones(P, P, dtype=torch.bool, device=q.device).tril().expand(q.shape[0], P, P)
+        self.last = _probabilities(q, k, causal, scale)
+        return out
+
+
+def _probabilities(q: torch.Tensor, k: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax(q k^T * scale) over the ``visible [B, Q, S]`` keys: q ``[B, Q, Hq, D]``, k ``[B, S, Hkv, D]``."""
+    hq = q.shape[2]
+    k = k.float().repeat_interleave(hq // k.shape[2], dim=2)
+    scores = torch.einsum("bqhd,bshd->bhqs", q.float(), k) * scale
+    return scores.masked_fill(~visible[:, None], float("-inf")).softmax(-1)
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[str]:
@@ -154,20 +215,15 @@ def measure_drift(
         name = names[i] if names else (str(d) if isinstance(d, (str, Path)) else f"drafter{i}")
         drafter = Eagle3Drafter.from_pretrained(d) if isinstance(d, (str, Path)) else d
         rt = SpeculativeRuntime(tm, drafter, tokenizer, spec=spec, max_batch_size=1, **runtime_kw)
-        rec = rt.drift = DriftRecorder(spec.num_speculative_tokens, n_sink)
-        drafter.capture_attention = True
+        rec = DriftRecorder(spec.num_speculative_tokens, n_sink)
         drafts = accepted = 0
         per_pos = torch.zeros(spec.num_speculative_tokens)
-        try:
+        with rt.observe(rec):
             for p in prompts:
                 s = rt.generate([p] if not isinstance(p, str) else p, max_new_tokens=max_new_tokens).stats
                 drafts += s.num_drafts
                 accepted += s.num_accepted_tokens
                 per_pos += torch.tensor(s.accepted_per_position, dtype=torch.float32)
-        finally:
-            drafter.capture_attention = False
-            drafter.last_attention = None
-            rt.drift = None
         c = rec.curves()
         out.append(DrifterCurves(
             name=name, fc_norm=drafter.config.fc_norm, norm_output=drafter.config.norm_output,

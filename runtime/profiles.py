@@ -5,6 +5,13 @@ into the tuned-config folder (``store.search_dirs()``)::
 
     tree_shape,target=3f2a9c01d4e7,drafter=91b0c2aa5e13,device_name=NVIDIA_H200,dtype=bfloat16,backend=triton.json
 
+This module owns the file's schema for both sides: ``write_profile`` (called by the tuner,
+``autotune/tree_tuner.py``) and ``read_profile``. A profile holds ``kind``, the identity it was
+tuned for (``target``, ``drafter``, ``device_name``, ``dtype``, ``backend``), provenance
+(``versions``, ``threads``, ``created``), ``spec`` (the shape the runtime runs) and the tuner's
+evidence, kept for people, not read back: ``predicted``, ``measured_with``, ``costs``,
+``acceptance``, ``checks``.
+
 ``SpeculativeRuntime(spec=None)`` calls ``tuned_spec`` and runs the profile's shape when one
 matches, else ``SpecConfig()``. Models are identified by content, not by path: a fingerprint of
 the config fields that set the shapes and a few weight slices (rounded to bfloat16, so the
@@ -16,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -23,8 +31,8 @@ from typing import Any
 
 import torch
 
+from ..kernels import store
 from .config import SpecConfig
-from ..autotune import store  # moves to kernels.store
 
 KIND = "tree_shape"
 
@@ -71,7 +79,7 @@ def device_key(device: torch.device | str) -> str:
 
 
 def profile_name(target_fp: str, drafter_fp: str, device_key: str, dtype: str, backend: str) -> str:
-    """The profile file name (one spelling for the writer, ``tree_tuner.write_profile``, and the reader)."""
+    """The profile file name (one spelling for the writer, ``write_profile``, and the reader)."""
     shape = {"target": target_fp, "drafter": drafter_fp}
     return store.config_filename(KIND, device_key, dtype, shape)[:-5] + f",backend={backend}.json"
 
@@ -91,7 +99,38 @@ def find_profile(target: Any, drafter: Any, backend: str) -> Path | None:
     return None
 
 
+def _spec_fields(spec: SpecConfig) -> dict[str, int]:
+    """The ``spec`` entry of a profile (``read_profile`` builds the ``SpecConfig`` back from it)."""
+    return {"num_speculative_tokens": spec.num_speculative_tokens, "top_k": spec.top_k,
+            "num_draft_tokens": spec.num_draft_tokens}
+
+
+def write_profile(out_dir: str | Path | None, key: dict[str, str], spec: SpecConfig, *, predicted: dict,
+                  measured_with: dict, costs: dict, acceptance: dict, checks: list[dict]) -> Path:
+    """Write the profile that runs ``spec`` for ``key`` into ``out_dir`` (default ``store.user_dir()``).
+
+    ``key``: ``target`` and ``drafter`` fingerprints, ``device`` (``device_key``), ``dtype`` and
+    ``backend`` names. The other arguments are the tuner's evidence (JSON-serialisable), stored
+    as given. Returns the file's path."""
+    out = Path(out_dir) if out_dir is not None else store.user_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    name = profile_name(key["target"], key["drafter"], key["device"], key["dtype"], key["backend"])
+    data = {
+        "kind": KIND, "target": key["target"], "drafter": key["drafter"], "device_name": key["device"],
+        "dtype": key["dtype"], "backend": key["backend"],
+        "versions": store.versions(), "threads": torch.get_num_threads(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "spec": _spec_fields(spec),
+        "predicted": predicted, "measured_with": measured_with, "costs": costs, "acceptance": acceptance,
+        "checks": checks,
+    }
+    path = out / name
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
 def read_profile(path: str | Path) -> dict:
+    """A profile's data (``write_profile``); ValueError unless it is a tree-shape profile with a valid ``spec``."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("kind") != KIND or not isinstance(data.get("spec"), dict):
         raise ValueError("not a tree-shape profile")

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 
-from .rope import Rope
+from .metadata import AttentionMetadata
+from .rope import Rope, rope_parameters
 from .weights import load_state_dict
+
+if TYPE_CHECKING:
+    from .ops import Ops
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -26,6 +30,16 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
+
+
+DEFAULT_MAX_POSITIONS = 4096  # a config without max_position_embeddings (transformers' Llama default)
+
+
+def target_info(config: Any) -> dict:
+    """What a drafter keeps of its target's config: ``max_position_embeddings`` and the rope
+    settings (checked when the drafter is exported)."""
+    return {"max_position_embeddings": getattr(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS),
+            "rope": rope_parameters(config)}
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -88,14 +102,14 @@ class TargetModel:
         self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
-        self.max_position_embeddings = getattr(config, "max_position_embeddings", 4096)
+        self.max_position_embeddings = getattr(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS)
         state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
 
         def get(name: str, required: bool = True) -> torch.Tensor | None:
             t = state.get(name)
             if t is None:
                 if required:
-                    raise KeyError(f"target weights lack {name!r} (is this a {self.arch} checkpoint?)")
+                    raise ValueError(f"target weights lack {name!r} (is this a {self.arch} checkpoint?)")
                 return None
             return t.to(device=device, dtype=dtype)
 
@@ -105,7 +119,7 @@ class TargetModel:
         tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head = self.embed if (lm is None or tied) else lm.to(device=device, dtype=dtype)
         if lm is None and not tied:
-            raise KeyError("target weights lack 'lm_head.weight' and tie_word_embeddings is false")
+            raise ValueError("target weights lack 'lm_head.weight' and tie_word_embeddings is false")
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):
             p = f"layers.{i}."
@@ -182,22 +196,17 @@ class TargetModel:
     # ------------------------------------------------------------------ forward
     def forward(
         self,
-        ops: Any,
+        ops: Ops,
         tokens: torch.Tensor,  # [B, Q] int64
-        positions: torch.Tensor,  # [B, Q] int64
-        slots: torch.Tensor,  # [B, Q] int64 cache slot per token, -1 = write nowhere
-        prefix_lens: torch.Tensor,  # [B] int64 committed prefix per row
-        tree_mask: torch.Tensor,  # [B, Q, T] bool, visibility inside the tree region
-        kv_len: int | None = None,
+        meta: AttentionMetadata,
         capture_aux: bool = True,
-        prefill: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``(final-normed hidden [B, Q, H], aux [B, Q, n_aux*H] or None)``.
 
-        ``prefill=True`` promises an empty prefix (``prefix_lens == 0``) and a causal ``tree_mask``
-        over tokens left-aligned in each row (padding last): attention then runs causally over the
-        new K/V (``ops.prefill_attention``, a causal kernel that skips the masked half) instead of
-        reading them back from the cache under a full mask; the cache is written as always.
+        The tokens' K/V are written at ``meta.slots``; ``meta.prefill`` promises an empty prefix
+        and a causal mask over left-aligned rows (padding last): attention then runs causally
+        over the new K/V (``ops.prefill_attention``, a causal kernel that skips the masked half)
+        instead of reading them back from the cache under a full mask.
         """
         assert self.k_cache is not None, "call allocate_cache() first"
         B, Q = tokens.shape
@@ -206,7 +215,7 @@ class TargetModel:
         aux_ids = self.aux_layer_ids if capture_aux else ()
         captured = {0: h} if 0 in aux_ids else {}
         scale = self.head_dim ** -0.5
-        rope = self.rope.tables(positions)
+        rope = self.rope.tables(meta.positions)
         for i, L in enumerate(self.layers):
             x = ops.rms_norm(h, L.ln1, self.eps)
             q = F.linear(x, L.wq, L.bq).view(B, Q, self.num_heads, self.head_dim)
@@ -216,11 +225,12 @@ class TargetModel:
                 q = ops.rms_norm(q, L.q_norm, self.eps)
                 k = ops.rms_norm(k, L.k_norm, self.eps)
             q, k = self.rope.apply(q, rope), self.rope.apply(k, rope)
-            ops.kv_write(self.k_cache[i], self.v_cache[i], slots, k, v)
-            if prefill:
+            ops.kv_write(self.k_cache[i], self.v_cache[i], meta.slots, k, v)
+            if meta.prefill:
                 a = ops.prefill_attention(q, k, v, scale)
             else:
-                a = ops.tree_attention(q, self.k_cache[i], self.v_cache[i], prefix_lens, tree_mask, scale, kv_len)
+                a = ops.tree_attention(q, self.k_cache[i], self.v_cache[i], meta.prefix_lens, meta.tree_mask, scale,
+                                       meta.kv_len)
             a = F.linear(a.reshape(B, Q, self.num_heads * self.head_dim), L.wo, L.bo)
             x, h = ops.rms_norm(a, L.ln2, self.eps, residual=h)
             h = h + F.linear(F.silu(F.linear(x, L.gate)) * F.linear(x, L.up), L.down)
@@ -231,9 +241,7 @@ class TargetModel:
 
     def drafter_info(self) -> dict:
         """What a drafter keeps of its target (``Eagle3Drafter.attach_target_embedding``)."""
-        from .rope import rope_parameters
-
-        return {"max_position_embeddings": self.max_position_embeddings, "rope": rope_parameters(self.config)}
+        return target_info(self.config)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[..., H] -> [..., V]`` float32 logits (argmax ties break to the lowest id)."""

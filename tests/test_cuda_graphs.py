@@ -1,6 +1,6 @@
 """CUDA-graph decode rounds (runtime/graphs.py).
 
-On the CPU: the round (``SpeculativeRuntime._round``, the function that is captured on a GPU) has
+On the CPU: the round (``Decoder.round``, the function that is captured on a GPU) has
 no host synchronisation; and a replay emulator (``make_fx``: record the round's aten ops once,
 replay only those, Python does not run again) reproduces eager output bit for bit through
 batch buckets, padding, shrinking and growth, greedy and sampled. An inverse test shows the
@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tritonspec.runtime.decode import Decoder
 from tritonspec.runtime.graphs import MAX_GRAPHS, GraphRunner, default_sizes, graph_runner
 
 from _util import perm_pair, random_prompts, runtime
@@ -49,14 +50,13 @@ class _NoSync(TorchDispatchMode):
 
 
 def _round_without_sync(rt, temperature, speculative=True, fail_on=None, detect=True):
-    from tritonspec.runtime.config import SpecStats
     from tritonspec.runtime.sampling import SamplingParams
 
     sp = SamplingParams(temperature=temperature)
-    stats = SpecStats(accepted_per_position=[0] * rt.spec.num_speculative_tokens)
     prompts = random_prompts(24, [5, 9, 3], seed=0)
+    dec = rt.decoder
     with torch.inference_mode():
-        st = rt._prefill(prompts, speculative, sp, [1, 2, 3], stats, rows=4)
+        dec.prefill(prompts, speculative=speculative, sampling=sp, seeds=[1, 2, 3], rows=4)
         readers = {m: getattr(torch.Tensor, m) for m in ("tolist", "cpu", "numpy")}  # device -> host reads
 
         def refuse(m):
@@ -69,13 +69,13 @@ def _round_without_sync(rt, temperature, speculative=True, fail_on=None, detect=
                 setattr(torch.Tensor, m, refuse(m))
         try:
             with _NoSync() if detect else contextlib.nullcontext():
-                rt._round(st, speculative, None, whole_cache=True)
+                dec.round(whole_cache=True)
                 if fail_on is not None:
-                    fail_on(st)
+                    fail_on(dec)
         finally:
             for m, f in readers.items():
                 setattr(torch.Tensor, m, f)
-    return st
+    return dec
 
 
 @pytest.mark.parametrize("shape", [(3, 2, 6), (3, 1, 4)], ids=["tree", "chain"])  # chain at T > 0: sampled drafts
@@ -102,9 +102,9 @@ def test_sync_detector_catches_item_and_tolist():  # inverse: the detector is no
     with pytest.raises(AssertionError, match="tolist"):
         _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.tolist())
     with pytest.raises(AssertionError, match="lift_fresh"):
-        _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.add_(torch.tensor(st.L_host[: st.rows])))
+        _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.add_(torch.tensor(st.lengths[: st.rows])))
     with pytest.raises(AssertionError, match="aten.index"):
-        _round_without_sync(rt, 0.0, fail_on=lambda st: st.L[st.active_t])
+        _round_without_sync(rt, 0.0, fail_on=lambda st: st.L[st.active])
     with pytest.raises(AssertionError, match="aten.equal"):
         _round_without_sync(rt, 0.0, fail_on=lambda st: torch.equal(st.L, st.root))
     with pytest.raises(AssertionError, match="Tensor.cpu"):
@@ -170,14 +170,14 @@ def test_emulator_catches_host_state_in_the_round(monkeypatch):
     graph = _emulated(model, drafter, spec=spec)
     prompts = random_prompts(24, [5, 9], seed=4)
     want = eager.generate(prompts, max_new_tokens=20).token_ids
-    orig = type(graph)._verify
+    orig = Decoder.verify
 
-    def host_positions(self, st, tree, stats, whole_cache=False):
-        frozen = torch.tensor(st.L_host[: st.rows], device=self.device)  # host state: baked in at capture
-        st.L.copy_(torch.where(st.active_t, frozen, st.L))
-        return orig(self, st, tree, stats, whole_cache)
+    def host_positions(self, tree, **kw):
+        frozen = torch.tensor(self.lengths[: self.rows], device=self.device)  # host state: baked in at capture
+        self.L.copy_(torch.where(self.active, frozen, self.L))
+        return orig(self, tree, **kw)
 
-    monkeypatch.setattr(type(graph), "_verify", host_positions)
+    monkeypatch.setattr(Decoder, "verify", host_positions)
     assert eager.generate(prompts, max_new_tokens=20).token_ids == want  # eagerly still right
     assert graph.generate(prompts, max_new_tokens=20).token_ids != want  # replayed: wrong
 

@@ -11,6 +11,7 @@ import tritonspec as ts
 from tritonspec.runtime.ops import TorchOps
 
 from _util import runtime, tiny_target
+from tritonspec.runtime.metadata import AttentionMetadata, KVCache
 
 OPS = TorchOps()
 
@@ -38,8 +39,9 @@ def one_step(d, hidden, tokens):
     k = torch.zeros(B, Q + 1, c.num_key_value_heads, c.head_dim)
     v = torch.zeros_like(k)
     pos = torch.arange(Q).expand(B, Q)
-    return d.step(OPS, hidden, tokens, pos, k, v, pos, torch.zeros(B, dtype=torch.int64),
-                  torch.ones(Q, Q, dtype=torch.bool).tril().expand(B, Q, Q), Q)
+    meta = AttentionMetadata(pos, pos, torch.zeros(B, dtype=torch.int64),
+                             torch.ones(Q, Q, dtype=torch.bool).tril().expand(B, Q, Q), Q)
+    return d.step(OPS, hidden, tokens, meta, KVCache(k, v))
 
 
 def eagle3_by_hand(d, u, y):

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 import tritonspec as ts
-from tritonspec.runtime.drift import measure_drift, write_report
+from tritonspec.runtime.drift import DriftRecorder, measure_drift, write_report
 
 from _util import perm_pair, random_prompts, runtime, tiny_target
+from tritonspec.runtime.metadata import AttentionMetadata, KVCache
 
 CHAIN = ts.SpecConfig.chain(4)
 
@@ -86,13 +87,13 @@ def test_carry_norm_matches_a_direct_computation():
     causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
     zero = torch.zeros(1, dtype=torch.int64)
     with torch.no_grad():
-        logits_h, aux = tm.forward(ops, torch.tensor([prompt]), pos, pos, zero, causal, T)
+        logits_h, aux = tm.forward(ops, torch.tensor([prompt]), AttentionMetadata(pos, pos, zero, causal, T))
         root = tm.logits(logits_h[0, -1]).argmax()
         nxt = torch.tensor([prompt[1:] + [int(root)]])
         for d, curves in ((d3, rep.drafters[0]), (d31, rep.drafters[1])):
             g = d.combine(ops, aux[0], torch.arange(T))[None]
             k = torch.zeros(1, T + 1, d.config.num_key_value_heads, d.config.head_dim)
-            hn, carry = d.step(ops, g, nxt, pos, k, torch.zeros_like(k), pos, zero, causal, T)
+            hn, carry = d.step(ops, g, nxt, AttentionMetadata(pos, pos, zero, causal, T), KVCache(k, torch.zeros_like(k)))
             want = carry[0, -1].pow(2).mean().sqrt().item()
             assert curves.carry_rms[0] == pytest.approx(want, rel=1e-5)
     assert rep.drafters[1].carry_rms[0] == pytest.approx(
@@ -104,11 +105,11 @@ def test_measuring_does_not_change_tokens_and_writes_report(tmp_path):
     prompts = random_prompts(24, [6, 9], seed=3)
     rt = runtime(model, d, CHAIN)
     before = [rt.generate([p], max_new_tokens=20).token_ids[0] for p in prompts]
-    rt.drift = __import__("tritonspec.runtime.drift", fromlist=["DriftRecorder"]).DriftRecorder(4)
-    d.capture_attention = True
-    during = [rt.generate([p], max_new_tokens=20).token_ids[0] for p in prompts]
-    d.capture_attention, rt.drift = False, None
+    rec = DriftRecorder(4)
+    with rt.observe(rec):
+        during = [rt.generate([p], max_new_tokens=20).token_ids[0] for p in prompts]
     assert before == during
+    assert rec.counts.min() > 0, "the observer saw every depth"
     rep = measure_drift(model, [d], prompts, spec=CHAIN, max_new_tokens=20, names=["perm"])
     files = write_report(rep, tmp_path)
     data = json.loads((tmp_path / "drift.json").read_text())

@@ -6,11 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonspec.kernels.tree_attention import kv_write_reference, tree_attention_reference
-from tritonspec.kernels.tree_attention import prefill_attention
+from tritonspec.kernels.kv_write import kv_write_reference
+from tritonspec.kernels.prefill_attention import prefill_attention
+from tritonspec.kernels.tree_attention import tree_attention_reference
 from tritonspec.runtime.target import TargetModel
 
 from _util import random_prompts, tiny_target
+from tritonspec.runtime.metadata import AttentionMetadata, KVCache
 
 
 def _case(B, P, hq, hkv, D, seed):
@@ -70,7 +72,7 @@ def test_target_prefill_flag_gives_the_same_forward(arch):
         tm.allocate_cache(B, P + 4)
         tm.k_cache.zero_()
         tm.v_cache.zero_()
-        h, aux = tm.forward(TorchOps(), tokens, pos, slots, zero, causal, P, prefill=prefill)
+        h, aux = tm.forward(TorchOps(), tokens, AttentionMetadata(pos, slots, zero, causal, P, prefill=prefill))
         outs.append((h, aux, tm.k_cache.clone()))
     (h0, a0, k0), (h1, a1, k1) = outs
     for b in range(B):
@@ -107,7 +109,8 @@ def test_drafter_prefill_flag_gives_the_same_step(norm_output):
         for prefill in (False, True):
             kc = torch.zeros(B, P + 1, c.num_key_value_heads, c.head_dim)
             vc = torch.zeros_like(kc)
-            outs.append(d.step(TorchOps(), hidden, tokens, pos, kc, vc, slots, zero, causal, P, prefill=prefill))
+            outs.append(d.step(TorchOps(), hidden, tokens, AttentionMetadata(pos, slots, zero, causal, P, prefill=prefill),
+                                KVCache(kc, vc)))
     (h0, c0), (h1, c1) = outs
     for b in range(B):
         n = int(lens[b])

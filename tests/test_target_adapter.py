@@ -11,6 +11,7 @@ from tritonspec.runtime.ops import TorchOps
 from tritonspec.runtime.target import TargetModel
 
 from _util import hf_greedy, random_prompts, runtime, tiny_target
+from tritonspec.runtime.metadata import AttentionMetadata
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -22,7 +23,7 @@ def adapter_logits(tm: TargetModel, ids: list[int]) -> torch.Tensor:
     tok = torch.tensor([ids])
     pos = torch.arange(T)[None]
     mask = torch.ones(T, T, dtype=torch.bool).tril()[None]
-    hidden, _ = tm.forward(TorchOps(), tok, pos, pos, torch.zeros(1, dtype=torch.int64), mask, T)
+    hidden, _ = tm.forward(TorchOps(), tok, AttentionMetadata(pos, pos, torch.zeros(1, dtype=torch.int64), mask, T))
     return tm.logits(hidden)[0]
 
 
@@ -108,8 +109,8 @@ def test_aux_boundaries_are_the_residual_stream():
     T = len(ids)
     tm.allocate_cache(1, T)
     pos = torch.arange(T)[None]
-    _, aux = tm.forward(TorchOps(), torch.tensor([ids]), pos, pos, torch.zeros(1, dtype=torch.int64),
-                        torch.ones(T, T, dtype=torch.bool).tril()[None], T)
+    meta = AttentionMetadata(pos, pos, torch.zeros(1, dtype=torch.int64), torch.ones(T, T, dtype=torch.bool).tril()[None], T)
+    _, aux = tm.forward(TorchOps(), torch.tensor([ids]), meta)
     H = tm.hidden_size
     for j, b in enumerate((0, 2, 5)):
         torch.testing.assert_close(aux[0, :, j * H:(j + 1) * H], hs[b][0], atol=1e-4, rtol=1e-4)

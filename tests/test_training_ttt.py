@@ -12,6 +12,7 @@ from tritonspec.runtime.target import TargetModel
 from tritonspec.runtime.tiny import tiny_target
 from tritonspec.training.trainer import TrainConfig, build_drafter, capture
 from tritonspec.training.ttt import ttt_forward, ttt_mask
+from tritonspec.runtime.metadata import AttentionMetadata
 
 DEPTH = 4
 T = 14
@@ -62,12 +63,12 @@ def _serving_chain(model, drafter, window: torch.Tensor, t: int, depth: int) -> 
         pos = torch.arange(P)[None]
         causal = torch.ones(P, P, dtype=torch.bool).tril()[None]
         zero = torch.zeros(1, dtype=torch.int64)
-        hidden, aux = rt.target.forward(ops, prompt, pos, pos, zero, causal, P)
+        hidden, aux = rt.target.forward(ops, prompt, AttentionMetadata(pos, pos, zero, causal, P))
         root = rt.target.logits(hidden[:, -1]).argmax(-1)
         assert root.item() == window[0, P].item()  # the greedy window: root = x_{t+1}
         nxt = torch.cat([prompt[:, 1:], root[:, None]], dim=1)  # pairs (g_s, x_{s+1})
         g = d.combine(ops, aux.reshape(P, -1), torch.arange(P)).view(1, P, -1)
-        hn, carry = d.step(ops, g, nxt, pos, rt.dk, rt.dv, pos, zero, causal, P)
+        hn, carry = d.step(ops, g, nxt, AttentionMetadata(pos, pos, zero, causal, P), rt.decoder.draft_cache)
         hns, hid = [hn[:, -1:]], carry[:, -1:]
         L = torch.tensor([P])
         width = depth - 1
@@ -77,7 +78,7 @@ def _serving_chain(model, drafter, window: torch.Tensor, t: int, depth: int) -> 
             fmask[0, 0, s - 1] = True
             tok = window[:, P + s: P + s + 1]
             slot = L[:, None] + s - 1
-            hn, hid = d.step(ops, hid, tok, slot, rt.dk, rt.dv, slot, L, fmask, P + width)
+            hn, hid = d.step(ops, hid, tok, AttentionMetadata(slot, slot, L, fmask, P + width), rt.decoder.draft_cache)
             hns.append(hn)
     return [h[0, 0] for h in hns]
 

@@ -22,6 +22,7 @@ import torch
 
 from ..runtime.config import SpecConfig
 from ..runtime.engine import SpeculativeRuntime
+from ..runtime.metadata import AttentionMetadata
 
 
 @dataclass
@@ -81,16 +82,15 @@ def step_cost_ratio(rt: SpeculativeRuntime, context: int = 512, reps: int = 30) 
     B = 1
     tok = torch.zeros(B, 1, dtype=torch.int64)
     pos = torch.full((B, 1), context, dtype=torch.int64)
-    L = torch.tensor([context])
-    mask = torch.ones(B, 1, 1, dtype=torch.bool)
+    meta = AttentionMetadata(pos, pos, torch.tensor([context]), torch.ones(B, 1, 1, dtype=torch.bool), context + 1)
     hid = torch.zeros(B, 1, d.config.hidden_size)
 
     def target_step():
-        h, _ = t.forward(ops, tok, pos, pos, L, mask, context + 1, capture_aux=True)
+        h, _ = t.forward(ops, tok, meta, capture_aux=True)
         t.logits(h).argmax(-1)
 
     def drafter_step():
-        hn, _ = d.step(ops, hid, tok, pos, rt.dk, rt.dv, pos, L, mask, context + 1)
+        hn, _ = d.step(ops, hid, tok, meta, rt.decoder.draft_cache)
         d.logits(hn).argmax(-1)
 
     return _time(target_step, reps), _time(drafter_step, reps)

@@ -12,17 +12,25 @@ import json
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..runtime.drafter import Eagle3Drafter
+from ..runtime.metadata import AttentionMetadata
 from ..runtime.ops import TorchOps
 from ..runtime.target import TargetModel
-from .data import (check_tokenizer, draft_vocab_from_counts, load_token_sequences, regenerate_continuations,
-                   token_windows)
+from .data import (
+    check_tokenizer,
+    draft_vocab_from_counts,
+    load_token_sequences,
+    regenerate_continuations,
+    token_windows,
+)
 from .ttt import ttt_forward
 
 CHECKPOINT = "checkpoint.pt"
@@ -121,7 +129,7 @@ def capture(target: TargetModel, ops: Any, tokens: torch.Tensor) -> tuple[torch.
     positions = torch.arange(T, device=tokens.device).expand(B, T)
     causal = torch.ones(T, T, dtype=torch.bool, device=tokens.device).tril().expand(B, T, T)
     zero = torch.zeros(B, dtype=torch.int64, device=tokens.device)
-    hidden, aux = target.forward(ops, tokens, positions, positions, zero, causal, T)
+    hidden, aux = target.forward(ops, tokens, AttentionMetadata(positions, positions, zero, causal, T))
     return aux, target.logits(hidden)
 
 
@@ -153,25 +161,28 @@ def fingerprint(target: TargetModel, cfg: TrainConfig, windows: torch.Tensor) ->
 
 
 class Progress:
-    """A one-line progress bar (``\\r`` on a terminal, a log line every ``every`` steps otherwise)."""
+    """Training progress: a ``tqdm`` bar on a terminal; elsewhere (CI, a file, a ``log`` callback) the
+    same line, logged at the first step, every ``every`` steps and at the last."""
 
     def __init__(self, total: int, start: int, log: Callable[[str], None], every: int = 10):
         self.total, self.start, self.log, self.every = total, start, log, every
         self.t0 = time.time()
         self.tty = sys.stderr.isatty() and log is print
+        self.bar = tqdm(total=total, initial=start, desc="train", file=sys.stderr, dynamic_ncols=True,
+                        disable=not self.tty)
 
     def update(self, step: int, loss: float, accs: list[float]) -> None:
         done = step + 1
-        rate = (done - self.start) / max(time.time() - self.t0, 1e-9)
-        eta = (self.total - done) / max(rate, 1e-9)
-        filled = int(20 * done / self.total)
-        acc = " ".join(f"{a:.2f}" for a in accs)
-        line = (f"train [{'#' * filled}{'.' * (20 - filled)}] {done}/{self.total} loss {loss:.3f} "
-                f"acc@depth {acc} | {rate:.2f} it/s eta {eta / 60:.1f} min")
+        postfix = f"loss {loss:.3f} acc@depth {' '.join(f'{a:.2f}' for a in accs)}"
         if self.tty:
-            print("\r" + line, end="" if done < self.total else "\n", file=sys.stderr, flush=True)
+            self.bar.set_postfix_str(postfix, refresh=False)
+            self.bar.update(1)
         elif done % self.every == 0 or done == self.total or done == self.start + 1:
-            self.log(line)
+            self.log(tqdm.format_meter(done, self.total, time.time() - self.t0, prefix="train", ascii=True,
+                                       postfix=postfix, initial=self.start))
+
+    def close(self) -> None:
+        self.bar.close()
 
 
 # ---------------------------------------------------------------------------------- entry point
@@ -245,6 +256,7 @@ def train_drafter(
         bar.update(step, _mean_recent(history, "loss"), _mean_recent_acc(history))
         if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
             _save_checkpoint(out / CHECKPOINT, fp, drafter, opt, step + 1, history)
+    bar.close()
     drafter.eval()
     drafter.save_pretrained(out, format=cfg.save_format, dtype=DTYPES[cfg.save_dtype])
     (out / "training_args.json").write_text(json.dumps(

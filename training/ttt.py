@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..runtime.drafter import Eagle3Drafter
+from ..runtime.metadata import AttentionMetadata, KVCache
 
 LOSS_DECAY = 0.8
 
@@ -99,7 +100,8 @@ def ttt_forward(
         k_cache = grow_cache(k_cache, B, T, c.num_key_value_heads, c.head_dim, u)
         v_cache = grow_cache(v_cache, B, T, c.num_key_value_heads, c.head_dim, u)
         mask = ttt_mask(T, j, dev).expand(B, T, (j + 1) * T)
-        hn, u = drafter.step(ops, u, ids, positions, k_cache, v_cache, slots, zero, mask, (j + 1) * T)
+        hn, u = drafter.step(ops, u, ids, AttentionMetadata(positions, slots, zero, mask, (j + 1) * T),
+                             KVCache(k_cache, v_cache))
         hns.append(hn)
         if target_logits is None:
             losses.append(u.new_zeros(()))

@@ -1,0 +1,503 @@
+"""``Decoder``: the decode state of a batch and the steps of a speculative round.
+
+One round, for a batch of B rows with committed target length ``L[b]`` and root token
+``root[b]`` (emitted, not yet in the cache)::
+
+    draft   the drafter expands an EAGLE-2 tree from its last catch-up state (``tree.py``), or
+            draws a chain from its distribution (``top_k=1`` at temperature > 0)
+    verify  the target runs [root + N-1 nodes] at slots L..L+N-1 under the tree mask; greedy or
+            lossless sampling verification picks the accepted path and the bonus token
+    commit  the accepted path's K/V moves to slots L..L+a (kv_compact); the drafter re-encodes
+            positions L..L+a with the target's true aux states (catch-up); L += a+1; the emitted
+            tokens and their count go to ``out``
+
+``round`` runs the three on the static buffers only (``DecodeBuffers``: lengths, roots, drafter
+states, random keys/counters, the emitted-token row, plus both KV caches), in place, with fixed
+shapes and no host synchronisation: a CUDA graph captures it (``runtime/graphs.py``) and eager
+execution calls the very same function. ``collect`` is the round's one host sync: it reads the
+emitted tokens and advances the host-side lengths; ``finish`` retires rows. Plain decoding is the
+same round with a tree that is only the root.
+
+Users of the steps (the engine, ``runtime/bench.py``, the tree tuner, training evaluation) call
+these methods and never touch the bookkeeping themselves.
+
+Examples
+--------
+>>> dec = rt.decoder                                                   # doctest: +SKIP
+>>> dec.prefill([[1, 2, 3]], speculative=True)                         # doctest: +SKIP
+>>> tree = dec.draft(); v = dec.verify(tree); dec.commit(tree, v)      # doctest: +SKIP
+>>> dec.collect()                                                      # doctest: +SKIP
+[[17, 9, 4]]
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .config import SpecConfig
+from .metadata import AttentionMetadata, KVCache
+from .sampling import RowRandom, SamplingParams, process_logits
+from .tree import build_tree, rerank, topk_stable
+
+if TYPE_CHECKING:
+    from .drafter import Eagle3Drafter
+    from .ops import Ops
+    from .target import TargetModel
+
+
+@dataclass
+class DraftTree:
+    """A draft tree of N nodes per row, node 0 the root (``kernels/verify.py`` conventions)."""
+
+    tokens: torch.Tensor  # [B, N] target ids, node 0 = root
+    parents: torch.Tensor  # [B, N] parent node, -1 for the root and padding
+    depth: torch.Tensor  # [B, N] depth of each node (root 0)
+    mask: torch.Tensor  # [B, N, N] bool: node i sees node j (its ancestors and itself)
+    max_depth: int
+    draft_probs: torch.Tensor | None = None  # [B, N-1, V] q of each node of a sampled chain (verify_chain)
+
+
+@dataclass
+class Verification:
+    """What verification accepted, per row."""
+
+    nodes: torch.Tensor  # [B, D+1] accepted node ids along the path (root first), -1 = none
+    num: torch.Tensor  # [B] accepted draft tokens (the root excluded)
+    emitted: torch.Tensor  # [B, D+1] the accepted draft tokens, then the bonus token, -1 padded
+    aux: torch.Tensor | None  # [B, N, n_aux*H_t] the target's aux states of every tree node (drafting only)
+
+
+class DraftObserver(Protocol):
+    """Diagnostics hooks of the drafter's forwards (``runtime/drift.py``'s ``DriftRecorder``).
+
+    ``wrap`` returns the ops the drafter steps run with (it may record attention); the ``on_*``
+    calls follow each drafter forward. An observed decoder runs eagerly (never in a graph)."""
+
+    def wrap(self, ops: Ops) -> Ops: ...
+
+    def on_catch_up(self, last: torch.Tensor, prefix_lens: torch.Tensor) -> None: ...
+
+    def on_depth1(self, carry: torch.Tensor, active: torch.Tensor) -> None: ...
+
+    def on_step(self, depth: int, prefix_lens: torch.Tensor, carry: torch.Tensor, active: torch.Tensor) -> None: ...
+
+
+class DecodeBuffers:
+    """Static decode state for ``max_batch`` rows; a round's tensors are views ``[:rows]``."""
+
+    def __init__(self, max_batch: int, hidden: int | None, width: int, device: torch.device, dtype: torch.dtype):
+        i64 = dict(dtype=torch.int64, device=device)
+        self.L = torch.zeros(max_batch, **i64)  # [Bmax] committed target length (= drafter's encoded length)
+        self.root = torch.zeros(max_batch, **i64)  # [Bmax] last emitted token
+        self.active = torch.zeros(max_batch, dtype=torch.bool, device=device)  # [Bmax]
+        self.key = torch.zeros(max_batch, **i64)  # [Bmax] random key per request (sampling.RowRandom)
+        self.counter = torch.zeros(max_batch, **i64)  # [Bmax] rounds drawn per request
+        self.out = torch.zeros(max_batch, width, **i64)  # [Bmax, D+2] emitted tokens, then their count
+        h = (max_batch, hidden) if hidden else (max_batch, 0)
+        self.hn = torch.zeros(h, device=device, dtype=dtype)  # [Bmax, H] drafter normed hidden at L-1
+        self.carry = torch.zeros(h, device=device, dtype=dtype)  # [Bmax, H] drafter carry at L-1
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.L, self.root, self.active, self.key, self.counter, self.out, self.hn, self.carry]
+
+
+@dataclass
+class Snapshot:
+    """The state a step changes (``Decoder.snapshot`` / ``restore``), for measuring steps repeatedly."""
+
+    tensors: list[torch.Tensor]
+    lengths: list[int]
+
+
+class Decoder:
+    """The decode state of up to ``max_batch_size`` rows and the steps of a round.
+
+    Parameters
+    ----------
+    target, drafter : the models (``drafter=None``: plain decoding only).
+    ops : the backend (``runtime/ops.py``).
+    spec : the draft-tree shape; ``spec`` is read at every draft (settable).
+    max_batch_size, max_seq_len : static cache sizes (max_seq_len = prompt + generated).
+
+    Attributes
+    ----------
+    rows : rows of the round's tensors (live rows plus idle padding up to a graph bucket).
+    lengths : host copy of the committed lengths ``L`` (kept by ``collect``/``finish`` only).
+    running : host flags of the rows still decoding.
+    L, root, active, hn, carry, out : the round's views ``[:rows]`` of the static buffers.
+    """
+
+    def __init__(self, target: TargetModel, drafter: Eagle3Drafter | None, ops: Ops, spec: SpecConfig, *,
+                 max_batch_size: int, max_seq_len: int):
+        self.target, self.drafter, self.ops, self.spec = target, drafter, ops, spec
+        self.device = target.device
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.observer: DraftObserver | None = None
+        self._chains: dict[tuple[int, int], tuple] = {}  # (rows, nodes) -> chain parents, depths, mask
+        K, D, N = spec.top_k, spec.num_speculative_tokens, spec.num_draft_tokens
+        target.allocate_cache(max_batch_size, max_seq_len + N)
+        self.draft_cache: KVCache | None = None
+        if drafter is not None:
+            self.drafter_capacity = max_seq_len + max((D - 1) * K, D + 1)
+            c = drafter.config
+            shape = (max_batch_size, self.drafter_capacity + 1, c.num_key_value_heads, c.head_dim)
+            self.draft_cache = KVCache(torch.zeros(shape, device=self.device, dtype=target.dtype),
+                                       torch.zeros(shape, device=self.device, dtype=target.dtype))
+            drafter.rope(self.drafter_capacity + 1)
+            self.d2t = drafter.target_ids()  # [Vd] target ids, for the sampled chain
+        self.bufs = self._new_buffers()
+        self.rows = self.num_prompts = 0
+        self.lengths: list[int] = []
+        self.running: list[bool] = []
+        self.sampling = SamplingParams()
+        self.rng: RowRandom | None = None
+        self.speculative = False
+
+    def _new_buffers(self) -> DecodeBuffers:
+        hidden = self.drafter.config.hidden_size if self.drafter is not None else None
+        return DecodeBuffers(self.max_batch_size, hidden, self.spec.num_speculative_tokens + 2, self.device,
+                             self.target.dtype)
+
+    # ================================================================== state
+    def narrow(self, rows: int) -> None:
+        """Point the round's tensors at rows ``[:rows]`` of the static buffers."""
+        b = self.bufs
+        self.rows = rows
+        self.L, self.root, self.active = b.L[:rows], b.root[:rows], b.active[:rows]  # [rows]
+        self.hn, self.carry = b.hn[:rows], b.carry[:rows]  # [rows, H]
+        self.out = b.out[:rows]  # [rows, D+2]
+        if self.rng is not None:
+            self.rng.key, self.rng.counter = b.key[:rows], b.counter[:rows]
+
+    def collect(self) -> list[list[int]]:
+        """The round's one host sync: each running row's emitted tokens (``[]`` for the others);
+        advances the host lengths by as many tokens."""
+        width = self.emitted_width
+        em = self.out[:, :width].tolist()
+        new = [row[: row[width - 1] + 1] if run else [] for row, run in zip(em, self.running)]
+        for b, toks in enumerate(new):
+            self.lengths[b] += len(toks)
+        return new
+
+    @property
+    def emitted_width(self) -> int:
+        """Columns of ``out`` a round writes: D+1 emitted tokens (1 when plain), then their count."""
+        return (self.spec.num_speculative_tokens if self.speculative else 0) + 2
+
+    def first_tokens(self) -> list[int]:
+        """The token the prefill picked per row (a host sync)."""
+        return self.root[: self.num_prompts].tolist()
+
+    def finish(self, rows: Sequence[int]) -> None:
+        """Retire rows: they idle at L=0 (so they never write past their cache) and write nowhere."""
+        for b in rows:
+            self.running[b] = False
+            self.lengths[b] = 0
+        stopped = [b for b in rows if b < self.rows]
+        if stopped:  # a host-side list: no device read
+            idx = torch.tensor(stopped, device=self.device)
+            self.L.index_fill_(0, idx, 0)
+            self.active.index_fill_(0, idx, False)
+
+    def snapshot(self) -> Snapshot:
+        """Copy the state a draft/verify/commit changes (lengths, roots, drafter states)."""
+        return Snapshot([t.clone() for t in (self.L, self.root, self.hn, self.carry)], list(self.lengths))
+
+    def restore(self, snap: Snapshot) -> None:
+        for t, s in zip((self.L, self.root, self.hn, self.carry), snap.tensors):
+            t.copy_(s)
+        self.lengths = list(snap.lengths)
+
+    def _kv_len(self, whole_cache: bool, extra: int) -> int | None:
+        """Attention bound: the longest row plus ``extra`` slots (None: the whole cache, in graphs)."""
+        return None if whole_cache else max(self.lengths) + extra
+
+    # ================================================================== prefill
+    def prefill(self, batch: list[list[int]], *, speculative: bool, sampling: SamplingParams | None = None,
+                seeds: Sequence[int] | None = None, rows: int | None = None,
+                timings: dict[str, float] | None = None) -> None:
+        """Run the prompts, pick the first token of each row, encode the drafter (``speculative``).
+
+        ``rows - len(batch)`` idle rows pad the state up to a graph bucket; ``seeds`` (one per
+        prompt) seed the rows' random streams when ``sampling`` is not greedy."""
+        t0 = time.perf_counter()
+        sampling = sampling or SamplingParams()
+        if speculative and self.drafter is None:
+            raise ValueError("speculative prefill needs a drafter")
+        self.speculative = speculative
+        if speculative:  # runtimes may share one TargetModel (e.g. EAGLE-3 and 3.1 drafters side by side)
+            self.target.set_aux_layer_ids(self.drafter.config.aux_layer_ids)
+        if self.bufs.out.shape[1] < self.emitted_width:  # the tree depth grew since construction (autotune)
+            self.bufs = self._new_buffers()
+        # runtimes may share the target, whose cache only grows: make sure it fits this one
+        self.target.allocate_cache(self.max_batch_size, self.max_seq_len + self.spec.num_draft_tokens)
+        B, P = len(batch), max(len(p) for p in batch)
+        rows = B if rows is None else rows
+        dev = self.device
+        lens = torch.tensor([len(p) for p in batch], device=dev)
+        tokens = torch.zeros(B, P, dtype=torch.int64, device=dev)
+        for b, p in enumerate(batch):
+            tokens[b, : len(p)] = torch.tensor(p, device=dev)
+        ar = torch.arange(P, device=dev)
+        valid = ar[None, :] < lens[:, None]
+        positions = ar.expand(B, P)
+        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril().expand(B, P, P)
+        zero = torch.zeros(B, dtype=torch.int64, device=dev)
+        meta = AttentionMetadata(positions, torch.where(valid, positions, -1), zero, causal, P, prefill=True)
+        hidden, aux = self.target.forward(self.ops, tokens, meta, capture_aux=speculative)
+        last = (lens - 1)[:, None]
+        h_last = hidden.gather(1, last[..., None].expand(B, 1, hidden.shape[-1]))[:, 0]
+        pad = rows - B
+        bufs = self.bufs
+        for t in bufs.tensors():
+            t[:rows].zero_()
+        self.sampling = sampling
+        self.rng = None
+        if not sampling.greedy:
+            seeds = [0] * B if seeds is None else list(seeds)
+            self.rng = RowRandom(seeds + [0] * pad, dev, key=bufs.key[:rows], counter=bufs.counter[:rows])
+        self.num_prompts = B
+        self.lengths = [len(p) for p in batch] + [0] * pad
+        self.running = [True] * B + [False] * pad
+        self.narrow(rows)
+        logits = self.target.logits(h_last)
+        if sampling.greedy:
+            root = logits.argmax(-1)
+        else:  # the first token: an exponential-race sample of the processed distribution
+            _, xi = self.rng.draw(1, logits.shape[-1])
+            root = (process_logits(logits, sampling).log_softmax(-1) - xi[:B].log()).argmax(-1)
+        self.L[:B].copy_(lens)
+        self.root[:B].copy_(root)
+        self.active[:B].fill_(True)
+        if speculative:
+            nxt = torch.cat([tokens[:, 1:], torch.zeros(B, 1, dtype=torch.int64, device=dev)], dim=1)
+            nxt = nxt.scatter(1, last, root[:, None])  # pair (g_t, x_{t+1}); x_P = root
+            index = torch.where(valid, torch.arange(B, device=dev)[:, None] * P + ar, -1)
+            self._catch_up(aux.reshape(B * P, -1), index, nxt, lens, zero, P, prefill=True)
+        _add_time(timings, "prefill", t0)
+
+    def _catch_up(self, aux_flat: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor, n_valid: torch.Tensor,
+                  start: torch.Tensor, kv_len: int | None, prefill: bool = False) -> None:
+        """Drafter re-encodes ``n_valid`` positions from ``start`` with true target features; the
+        state's first ``B`` rows get the drafter's state at the last one (B = rows of ``index``)."""
+        d = self.drafter
+        B, Qc = index.shape
+        ar = torch.arange(Qc, device=self.device)
+        g = d.combine(self.ops, aux_flat, index.reshape(-1)).view(B, Qc, -1)
+        positions = start[:, None] + ar
+        slots = torch.where(ar[None, :] < n_valid[:, None], positions, -1)
+        if prefill:  # Qc = the prompt length: not a shape worth keeping
+            causal = torch.ones(Qc, Qc, dtype=torch.bool, device=self.device).tril().expand(B, Qc, Qc)
+        else:  # a decode round: Qc = max depth + 1, the chain's constant mask
+            causal = self._chain_consts(B, Qc)[2]
+        meta = AttentionMetadata(positions, slots, start, causal, kv_len, prefill=prefill)
+        hn, carry = d.step(self._drafter_ops(), g, tokens, meta, self.draft_cache)
+        last = (n_valid - 1).clamp(min=0)[:, None, None].expand(B, 1, hn.shape[-1])
+        self.hn[:B].copy_(hn.gather(1, last)[:, 0])
+        self.carry[:B].copy_(carry.gather(1, last)[:, 0])
+        if self.observer is not None:  # depth 1 of the next round is this catch-up's last position
+            self.observer.on_catch_up(last[:, 0, 0], start + n_valid)
+
+    def _drafter_ops(self) -> Ops:
+        return self.ops if self.observer is None else self.observer.wrap(self.ops)
+
+    def drafter_step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                     visible: torch.Tensor, kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One drafter forward of ``tokens [B, Q]`` over the committed prefix ``L`` plus the tree
+        region (``visible [B, Q, T]``); returns ``(hn, carry)`` ``[B, Q, H]``."""
+        meta = AttentionMetadata(positions, slots, self.L, visible, kv_len)
+        return self.drafter.step(self._drafter_ops(), hidden, tokens, meta, self.draft_cache)
+
+    def draft_logprobs(self, hn: torch.Tensor) -> torch.Tensor:
+        """Log q over the draft vocabulary ``[..., Vd]`` (processed like the target's logits when sampling)."""
+        logits = self.drafter.logits(hn)
+        if not self.sampling.greedy:
+            logits = process_logits(logits, self.sampling)
+        return F.log_softmax(logits, dim=-1)
+
+    # ================================================================== draft
+    def draft(self, spec: SpecConfig | None = None, *, whole_cache: bool = False,
+              timings: dict[str, float] | None = None) -> DraftTree:
+        """EAGLE-2 expansion from the last catch-up state, then global rerank (``tree.py``); a
+        sampled chain instead for ``top_k=1`` at temperature > 0 (``SpecConfig.sample_chain_drafts``).
+        ``spec``: the tree shape (default ``self.spec``)."""
+        spec = spec or self.spec
+        if spec.top_k == 1 and spec.sample_chain_drafts and not self.sampling.greedy:
+            return self._draft_sampled_chain(spec.num_draft_tokens - 1, whole_cache, timings)
+        t0 = time.perf_counter()
+        d, dev = self.drafter, self.device
+        K, D, N = spec.top_k, spec.num_speculative_tokens, spec.num_draft_tokens
+        B = self.L.shape[0]
+        lp = self.draft_logprobs(self.hn)  # [B, Vd]
+        score, tk = lp.topk(K, dim=-1)  # [B, K] (ties over the vocabulary need no fixed order)
+        tok = d.to_target_ids(tk)
+        scores, tokens, parents = [score], [tok], [torch.full((B, K), -1, dtype=torch.int64, device=dev)]
+        depths = [torch.ones(K, dtype=torch.int64, device=dev)]
+        gid = torch.arange(K, device=dev).expand(B, K)  # candidate ids of the frontier
+        hid = self.carry[:, None, :].expand(B, K, self.carry.shape[-1])
+        width = max((D - 1) * K, 1)
+        fmask = torch.zeros(B, K, width, dtype=torch.bool, device=dev)
+        kv_len = self._kv_len(whole_cache, width)
+        offset = K
+        if self.observer is not None:
+            self.observer.on_depth1(self.carry[:, None], self.active)
+        for s in range(1, D):
+            own = (s - 1) * K + torch.arange(K, device=dev)
+            fmask = fmask.scatter(2, own.expand(B, K)[..., None], True)
+            positions = (self.L + s - 1)[:, None].expand(B, K)
+            slots = torch.where(self.active[:, None], self.L[:, None] + own, -1)  # idle rows write nowhere
+            hn, carry = self.drafter_step(hid, tok, positions, slots, fmask, kv_len)
+            if self.observer is not None:
+                self.observer.on_step(s + 1, self.L, carry, self.active)
+            lp = self.draft_logprobs(hn)  # [B, K, Vd]
+            sk, tk = lp.topk(K, dim=-1)  # [B, K, K]
+            cum = (score[:, :, None] + sk).reshape(B, K * K)
+            ctok = d.to_target_ids(tk).reshape(B, K * K)
+            scores.append(cum)
+            tokens.append(ctok)
+            parents.append(gid.repeat_interleave(K, dim=1))
+            depths.append(torch.full((K * K,), s + 1, dtype=torch.int64, device=dev))
+            if s == D - 1:
+                break
+            score, sel = topk_stable(cum, K)  # next frontier: best K of K^2
+            up = sel // K
+            tok = ctok.gather(1, sel)
+            hid = carry.gather(1, up[..., None].expand(B, K, carry.shape[-1]))
+            fmask = fmask.gather(1, up[..., None].expand(B, K, width))
+            gid = offset + sel
+            offset += K * K
+        keep = rerank(torch.cat(scores, dim=1), N - 1)
+        par, depth, mask = build_tree(keep, torch.cat(parents, dim=1), torch.cat(depths), D)
+        node_tokens = torch.cat([self.root[:, None], torch.cat(tokens, dim=1).gather(1, keep)], dim=1)
+        _add_time(timings, "draft", t0)
+        return DraftTree(node_tokens, par, depth, mask, D)
+
+    def draft_chain(self, n: int, pick: Callable[[int, torch.Tensor], torch.Tensor], *, whole_cache: bool = False,
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Draft a chain of ``n`` tokens from the last catch-up state: at depth ``s+1`` the drafter's
+        log q ``[B, Vd]`` is computed and ``pick(s, lp)`` chooses the token ``[B]`` (target ids) that
+        the next drafter step is fed. Returns the picked tokens and the log q of every depth."""
+        B = self.L.shape[0]
+        lp = self.draft_logprobs(self.hn)  # [B, Vd] log q of depth 1
+        hid = self.carry[:, None, :]  # [B, 1, H]
+        width = max(n - 1, 1)
+        kv_len = self._kv_len(whole_cache, width)
+        fmask = torch.zeros(B, 1, width, dtype=torch.bool, device=self.device)
+        col = torch.arange(width, device=self.device)
+        toks, lps = [], []
+        for s in range(n):
+            tok = pick(s, lp)  # [B]
+            toks.append(tok)
+            lps.append(lp)
+            if s == n - 1:
+                break
+            fmask = fmask | (col == s)  # the chain so far, this token included
+            positions = (self.L + s)[:, None]
+            slots = torch.where(self.active[:, None], positions, -1)  # idle rows write nowhere
+            hn, hid = self.drafter_step(hid, tok[:, None], positions, slots, fmask, kv_len)
+            lp = self.draft_logprobs(hn[:, 0])
+        return toks, lps
+
+    def _draft_sampled_chain(self, n: int, whole_cache: bool, timings: dict[str, float] | None) -> DraftTree:
+        """A chain of ``n`` tokens, each drawn from the drafter's processed distribution q by the
+        exponential race; verified with min(1, p/q) (``kernels/verify_chain.py``)."""
+        t0 = time.perf_counter()
+        B = self.L.shape[0]
+        Vd = self.drafter.config.draft_vocab_size
+        _, xi = self.rng.draw(0, n * Vd)
+        xi = xi.view(B, n, Vd)  # Exp(1) noise per depth
+        d2t = self.d2t  # [Vd] target id of each draft id
+        toks, lps = self.draft_chain(n, lambda s, lp: d2t[(lp - xi[:, s].log()).argmax(-1)], whole_cache=whole_cache)
+        qs = [lp.exp() for lp in lps]
+        q = torch.zeros(B, n, self.target.vocab_size, device=self.device).index_add_(2, d2t, torch.stack(qs, 1))
+        tree = self.chain_tree(torch.cat([self.root[:, None], torch.stack(toks, 1)], 1), draft_probs=q)
+        _add_time(timings, "draft", t0)
+        return tree
+
+    def root_tree(self) -> DraftTree:
+        """The tree of plain decoding: the root alone."""
+        return self.chain_tree(self.root[:, None])
+
+    def chain_tree(self, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
+        """The tree of a chain ``tokens [B, n+1]`` (root first); its parents/depths/mask are constants,
+        built once per shape (the first, eager round of a graph key builds them before capture)."""
+        B, N = tokens.shape
+        return DraftTree(tokens, *self._chain_consts(B, N), N - 1, draft_probs=draft_probs)
+
+    def _chain_consts(self, B: int, N: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(parents [B, N], depth [B, N], causal mask [B, N, N])`` of an N-node chain, built once."""
+        c = self._chains.get((B, N))
+        if c is None:
+            ar = torch.arange(N, device=self.device)
+            mask = torch.ones(N, N, dtype=torch.bool, device=self.device).tril()
+            c = self._chains[B, N] = tuple(t.expand(B, *t.shape).contiguous() for t in (ar - 1, ar, mask))  # the
+            #                                                                     Triton launchers take contiguous rows
+        return c
+
+    # ================================================================== verify
+    def verify(self, tree: DraftTree, *, whole_cache: bool = False,
+               timings: dict[str, float] | None = None) -> Verification:
+        """Target forward over the tree, then greedy or lossless sampling verification."""
+        t0 = time.perf_counter()
+        B, N = tree.tokens.shape
+        positions = self.L[:, None] + tree.depth
+        slots = torch.where(self.active[:, None], self.L[:, None] + torch.arange(N, device=self.device), -1)
+        meta = AttentionMetadata(positions, slots, self.L, tree.mask, self._kv_len(whole_cache, N))
+        hidden, aux = self.target.forward(self.ops, tree.tokens, meta, capture_aux=tree.max_depth > 0)
+        if self.sampling.greedy:
+            nodes, num, emitted = self.ops.verify_greedy(tree.tokens, tree.parents, self.target.greedy(hidden),
+                                                         tree.max_depth)
+        else:
+            logits = self.target.logits(hidden)  # [B, N, V]
+            probs = process_logits(logits, self.sampling).softmax(-1)
+            uniforms, xi = self.rng.draw(N, logits.shape[-1])
+            if tree.draft_probs is not None:  # a sampled chain: min(1, p/q)
+                nodes, num, emitted = self.ops.verify_chain(tree.tokens, probs, tree.draft_probs, uniforms, xi)
+            else:
+                nodes, num, emitted = self.ops.verify_sampling(tree.tokens, tree.parents, probs, uniforms, xi,
+                                                               tree.max_depth)
+        _add_time(timings, "verify", t0)
+        return Verification(nodes, num, emitted, aux)
+
+    # ================================================================== commit
+    def commit(self, tree: DraftTree, v: Verification, *, whole_cache: bool = False,
+               timings: dict[str, float] | None = None) -> None:
+        """Compact the accepted path's K/V, re-encode it in the drafter, advance L and the root, and
+        write the emitted tokens and their count into ``out`` (all in place)."""
+        t0 = time.perf_counter()
+        B, N = tree.tokens.shape
+        if tree.max_depth > 0:
+            self.ops.kv_compact(self.target.k_cache, self.target.v_cache, self.L,
+                                torch.where(self.active[:, None], v.nodes, -1))  # idle rows move nothing
+        if self.speculative:
+            index = torch.where(v.nodes >= 0, torch.arange(B, device=self.device)[:, None] * N + v.nodes, -1)
+            self._catch_up(v.aux.reshape(B * N, -1), index, v.emitted.clamp(min=0),
+                           torch.where(self.active, v.num + 1, 0), self.L,
+                           self._kv_len(whole_cache, tree.max_depth + 1))
+        self.L.add_(torch.where(self.active, v.num + 1, 0))
+        self.root.copy_(v.emitted.gather(1, v.num[:, None])[:, 0])
+        w = v.emitted.shape[1]
+        self.out[:, :w].copy_(v.emitted)
+        self.out[:, w].copy_(v.num)
+        _add_time(timings, "commit", t0)
+
+    # ================================================================== round
+    def round(self, *, whole_cache: bool = False, timings: dict[str, float] | None = None) -> None:
+        """One decode round on the static tensors: draft -> verify -> commit. No host
+        synchronisation, fixed shapes (what a CUDA graph captures).
+
+        ``whole_cache``: attend over the whole cache (a captured graph cannot know the lengths)
+        instead of up to the host-known longest row; the visible slots, and so the math, are the same.
+        """
+        tree = self.draft(whole_cache=whole_cache, timings=timings) if self.speculative else self.root_tree()
+        v = self.verify(tree, whole_cache=whole_cache, timings=timings)
+        self.commit(tree, v, whole_cache=whole_cache, timings=timings)
+
+
+def _add_time(timings: dict[str, float] | None, phase: str, t0: float) -> None:
+    if timings is not None:
+        timings[phase] += time.perf_counter() - t0

@@ -1,0 +1,79 @@
+"""The public decode-step object (runtime/decode.py): its steps, driven by hand, give what
+``generate`` gives; ``collect`` keeps the host lengths equal to the device lengths; snapshots
+restore a step exactly; drafting another shape leaves the runtime's spec alone."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritonspec as ts
+from tritonspec.runtime.decode import DraftTree, Verification
+from tritonspec.runtime.sampling import SamplingParams
+
+from _util import perm_pair, random_prompts, runtime
+
+
+def _rt(spec=(3, 2, 6)):
+    model, drafter = perm_pair("llama", vocab=24, seed=2, alpha=0.3)
+    return runtime(model, drafter, ts.SpecConfig(*spec), cuda_graphs=False)
+
+
+@pytest.mark.parametrize("speculative", [True, False])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_steps_by_hand_equal_generate(speculative, temperature):
+    rt = _rt()
+    prompts = random_prompts(24, [5, 9, 1], seed=7)
+    want = rt.generate(prompts, max_new_tokens=12, temperature=temperature, seed=[3, 4, 5], stop_token_ids=(),
+                       speculative=speculative).token_ids
+    dec = rt.decoder
+    outs = [[] for _ in prompts]
+    with torch.inference_mode():
+        dec.prefill(prompts, speculative=speculative, sampling=SamplingParams(temperature=temperature), seeds=[3, 4, 5])
+        for b, t in enumerate(dec.first_tokens()):
+            outs[b].append(t)
+        while min(len(o) for o in outs) < 12:
+            tree = dec.draft() if speculative else dec.root_tree()
+            assert isinstance(tree, DraftTree)
+            v = dec.verify(tree)
+            assert isinstance(v, Verification) and v.num.shape == (3,)
+            dec.commit(tree, v)
+            for b, toks in enumerate(dec.collect()):
+                outs[b] += toks
+            assert dec.lengths == dec.L.tolist(), "host lengths follow the device lengths"
+    assert [o[:12] for o in outs] == want
+
+
+def test_round_equals_its_steps_and_finish_retires_rows():
+    rt = _rt()
+    prompts = random_prompts(24, [4, 6], seed=1)
+    dec = rt.decoder
+    with torch.inference_mode():
+        dec.prefill(prompts, speculative=True)
+        snap = dec.snapshot()
+        tree = dec.draft()
+        dec.commit(tree, dec.verify(tree))
+        by_steps = [t.clone() for t in (dec.L, dec.root, dec.hn, dec.carry, dec.out)]
+        dec.restore(snap)
+        assert torch.equal(dec.L, snap.tensors[0]) and dec.lengths == snap.lengths
+        dec.round()
+        for a, b in zip(by_steps, (dec.L, dec.root, dec.hn, dec.carry, dec.out)):
+            assert torch.equal(a, b)
+        new = dec.collect()
+        assert [len(t) for t in new] == [int(n) + 1 for n in dec.out[:, dec.emitted_width - 1]]
+        dec.finish([0])
+        assert dec.running == [False, True] and dec.lengths[0] == 0 and int(dec.L[0]) == 0
+        assert not bool(dec.active[0])
+        dec.round()
+        assert dec.collect()[0] == [], "a retired row emits nothing"
+
+
+def test_draft_with_another_shape_leaves_the_spec_alone():
+    rt = _rt(spec=(3, 2, 6))
+    dec = rt.decoder
+    with torch.inference_mode():
+        dec.prefill(random_prompts(24, [5], seed=2), speculative=True)
+        tree = dec.draft(ts.SpecConfig(2, 1, 3))
+    assert tree.tokens.shape == (1, 3) and tree.max_depth == 2
+    assert rt.spec == ts.SpecConfig(3, 2, 6) and dec.spec is rt.spec
+    with pytest.raises(ValueError, match="needs a drafter"):
+        runtime(perm_pair("llama", vocab=24, seed=2)[0]).decoder.prefill([[1, 2]], speculative=True)
