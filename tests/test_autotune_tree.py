@@ -8,12 +8,14 @@ import warnings
 
 import pytest
 import torch
-from _util import perm_pair, random_prompts, runtime
 
 import tritonspec as ts
-from tritonspec.autotune import store
+from tritonspec.autotune.tree_model import AcceptanceProfile, CostModel, _monotone, neighbours, predict, search
+from tritonspec.autotune.tree_tuner import tune_tree
+from tritonspec.kernels import store
 from tritonspec.runtime.profiles import find_profile, tuned_spec
-from tritonspec.autotune.tree_tuner import AcceptanceProfile, CostModel, _monotone, neighbours, predict, search, tune_tree
+
+from _util import perm_pair, random_prompts, runtime
 
 
 def _costs(verify, head=lambda k: 0.0, step=lambda k: 0.0, commit=(0.0, 0.0), plain=1.0, ks=(1, 2, 4, 8)):
@@ -149,7 +151,7 @@ def test_cli_tree_on_a_tiny_pair(tmp_path, tuned_dir, capsys):
 def test_teacher_forced_profile_predicts_chain_acceptance():
     """For a chain the model has no tree-selection assumption left: the teacher-forced profile must
     predict the runtime's measured acceptance length (a check on the forced drafting itself)."""
-    from tritonspec.autotune.tree_tuner import _measure
+    from tritonspec.autotune.tree_measure import measure_generation
 
     model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3, chain=[3, 7, 11, 5, 9])
     prompts = random_prompts(24, [5, 7, 6, 8], seed=1)
@@ -159,7 +161,7 @@ def test_teacher_forced_profile_predicts_chain_acceptance():
     rt = runtime(model, drafter, spec=ts.SpecConfig.chain(3), max_batch_size=1)
     for k in (1, 3):
         spec = ts.SpecConfig.chain(k)
-        measured = _measure(rt, prompts, 24, [spec])[0].tau
+        measured = measure_generation(rt, prompts, 24, [spec])[0].tau
         # roots are sampled every other token, rounds start wherever acceptance leaves them: close, not equal
         assert predict(spec, res.costs, res.acceptance).tokens_per_round == pytest.approx(measured, abs=0.12)
 
