@@ -1,7 +1,7 @@
 """The bundled demo pair: a small Llama code model trained on the CPython standard library, with an
 EAGLE-3 and an EAGLE-3.1 drafter trained on the same data and budget.
 
-Built by ``python -m tritonspec.training.demo_recipe --out demo/`` (``manifest.json`` records the
+Built by ``python -m tritonspec.recipes.demo --out demo/`` (``manifest.json`` records the
 corpus file hashes, seeds and hyper-parameters); evaluation prompts live in ``prompts/*.jsonl``.
 
 >>> import tritonspec as ts
@@ -36,7 +36,7 @@ def demo_pair(variant: str = "eagle3.1") -> tuple[Path, Path]:
     for d in (target, drafter):
         if not (d / "config.json").exists():
             raise FileNotFoundError(f"the demo weights are missing ({d}); build them with "
-                                    "`python -m tritonspec.training.demo_recipe --out <package>/demo`")
+                                    "`python -m tritonspec.recipes.demo --out <package>/demo`")
     return target, drafter
 
 

@@ -7,8 +7,8 @@ import pytest
 
 import tritonspec as ts
 from tritonspec import demo
-from tritonspec.training.corpus import is_heldout, list_corpus
-from tritonspec.training.prompt_sets import chat_wrap, tabs_for_spaces
+from tritonspec.recipes.demo.corpus import is_heldout, list_corpus
+from tritonspec.recipes.demo.prompt_sets import chat_wrap, tabs_for_spaces
 
 needs_demo = pytest.mark.skipif(not demo.available(), reason="demo weights not built (run the demo recipe)")
 
@@ -72,9 +72,9 @@ def test_demo_pair_runs_losslessly_and_accepts(variant):
 
 @pytest.mark.slow
 def test_recipe_smoke_budget_builds_a_loadable_bundle(tmp_path):
-    from tritonspec.training import demo_recipe
+    from tritonspec.recipes import demo as recipe
 
-    out = demo_recipe.run(tmp_path / "out", tmp_path / "work", budget="smoke")
+    out = recipe.run(tmp_path / "out", tmp_path / "work", budget="smoke")
     assert (out / "manifest.json").exists()
     tdir, ddir = out / "target", out / "drafter-eagle3.1"
     rt = ts.SpeculativeRuntime.from_pretrained(tdir, ddir, backend="torch", max_seq_len=256)

@@ -1,4 +1,9 @@
-"""Drafter training (EAGLE-3 / EAGLE-3.1 training-time test) and the demo-pair recipe.
+"""Drafter training: the trainer (``trainer``), the unrolled training-time test (``ttt``) and the
+training data (``data``: loading, self-distillation, the draft vocabulary); ``cli`` is the
+``tritonspec train`` parser and ``evaluate`` the demo-pair evaluation.
+
+The recipe that rebuilds the bundled demo pair (corpus, prompt sets, draft LM, the build stages)
+lives in ``tritonspec.recipes.demo``.
 
 >>> from tritonspec.training import TrainConfig
 >>> TrainConfig(steps=5, fc_norm=False, norm_output=False).ttt_depth

@@ -1,4 +1,4 @@
-"""Reproducible recipe for the bundled demo pair: a small code LM and its EAGLE-3 / EAGLE-3.1 drafters.
+"""The demo recipe: rebuild the bundled demo pair (a small code LM and its EAGLE-3 / EAGLE-3.1 drafters).
 
 Stages (each writes into ``--work`` and is skipped when its output exists, so a stopped run resumes):
 
@@ -12,8 +12,8 @@ Stages (each writes into ``--work`` and is skipped when its output exists, so a 
 
 Examples
 --------
-    python -m tritonspec.training.demo_recipe --out demo/                 # full budget (~2 h, 2 CPU cores)
-    python -m tritonspec.training.demo_recipe --out demo/ --budget quick  # the budget run in development
+    python -m tritonspec.recipes.demo --out demo/                 # full budget (~2 h, 2 CPU cores)
+    python -m tritonspec.recipes.demo --out demo/ --budget quick  # the budget run in development
 """
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ import json
 import platform
 import random
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -30,10 +29,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..demo import VARIANTS as DEMO_VARIANTS
+from ...demo import VARIANTS as DEMO_VARIANTS
+from ...training.trainer import warmup_cosine
 from .corpus import EOS, list_corpus, read_text, stdlib_root, train_bpe_tokenizer
-from .trainer import warmup_cosine
-
 
 VARIANTS = tuple(DEMO_VARIANTS)  # the bundled drafters, as tritonspec.demo names them
 
@@ -129,7 +127,7 @@ def stage_corpus(cfg: RecipeConfig, work: Path, root: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------- 2. target
-def target_config(cfg: RecipeConfig, tok) -> "object":
+def target_config(cfg: RecipeConfig, tok) -> object:
     from transformers import LlamaConfig
 
     return LlamaConfig(
@@ -138,8 +136,6 @@ def target_config(cfg: RecipeConfig, tok) -> "object":
         max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=1e-5, rope_theta=10000.0,
         tie_word_embeddings=False, bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
         architectures=["LlamaForCausalLM"])
-
-
 
 
 def sample_windows(stream: np.ndarray, batch: int, seq: int, rng: np.random.Generator) -> torch.Tensor:
@@ -177,7 +173,7 @@ def stage_target(cfg: RecipeConfig, work: Path, device: torch.device) -> None:
         x = sample_windows(stream, max(1, cfg.target_batch_tokens // seq), seq + 1, rng).to(device)
         for g in opt.param_groups:
             g["lr"] = warmup_cosine(step, cfg.target_steps, cfg.target_lr, warmup=min(100, cfg.target_steps // 10 + 1))
-        loss = _lm_loss(model, x)
+        loss = lm_loss(model, x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -194,7 +190,7 @@ def stage_target(cfg: RecipeConfig, work: Path, device: torch.device) -> None:
     log(f"target: saved to {out}")
 
 
-def _lm_loss(model, x: torch.Tensor) -> torch.Tensor:  # x: [B, T+1]
+def lm_loss(model, x: torch.Tensor) -> torch.Tensor:  # x: [B, T+1]
     logits = model(input_ids=x[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
 
@@ -222,8 +218,8 @@ def stage_prompts(cfg: RecipeConfig, work: Path, root: Path) -> None:
 
 # ---------------------------------------------------------------------------------- 4. drafters
 def stage_drafters(cfg: RecipeConfig, work: Path, device: torch.device, variants: tuple[str, ...] = VARIANTS) -> None:
-    from .data import regenerate_continuations
-    from .trainer import TrainConfig, train_drafter
+    from ...training import TrainConfig, train_drafter
+    from ...training.data import regenerate_continuations
 
     regen = work / "regen.jsonl"
     stream = np.load(work / "train_tokens.npy")
@@ -252,7 +248,7 @@ def stage_bundle(cfg: RecipeConfig, work: Path, out: Path, budget: str, wall: di
         shutil.copytree(work / sub, out / sub, ignore=shutil.ignore_patterns("*.pt", "generation_config.json"))
     corpus = json.loads((work / "corpus.json").read_text())
     sizes = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*.safetensors"))}
-    manifest = {"recipe": "python -m tritonspec.training.demo_recipe --budget " + budget, "budget": budget,
+    manifest = {"recipe": "python -m tritonspec.recipes.demo --budget " + budget, "budget": budget,
                 "config": asdict(cfg), "torch": torch.__version__, "wall_time_s": wall, "weights_bytes": sizes,
                 "corpus": corpus}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
@@ -293,7 +289,7 @@ def run(out: Path, work: Path, budget: str = "full", root: Path | None = None, u
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tritonspec.training.demo_recipe", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m tritonspec.recipes.demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="demo", help="where the bundle goes (the package's demo/ folder)")
     p.add_argument("--work", default=None, help="scratch folder for checkpoints (default: <out>/../.demo-work)")
@@ -310,7 +306,3 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(args.work) if args.work else out.resolve().parent / ".demo-work"
     run(out, work, args.budget, args.stdlib, args.until, variants=(args.variant,) if args.variant else VARIANTS)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,9 +1,9 @@
 """A 2-layer draft LM with the demo tokenizer, the draft model for transformers' assisted
 generation in the performance reports (the baseline users would reach for).
 
-Same data, tokenizer and optimiser as the demo target (``demo_recipe``), 2 layers instead of 12:
+Same data, tokenizer and optimiser as the demo target (``build``), 2 layers instead of 12:
 
-    python -m tritonspec.training.draft_lm --work /path/to/demo-work --out <package>/demo/draft-lm
+    python -m tritonspec.recipes.demo.draft_lm --work /path/to/demo-work --out <package>/demo/draft-lm
 """
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .demo_recipe import _lm_loss, log, sample_windows, save_target, seed_everything
-from .trainer import warmup_cosine
+from ...training.trainer import warmup_cosine
+from .build import lm_loss, log, sample_windows, save_target, seed_everything
 
 
 def train_draft_lm(work: Path, out: Path, steps: int = 300, layers: int = 2, hidden: int = 128,
@@ -38,7 +38,7 @@ def train_draft_lm(work: Path, out: Path, steps: int = 300, layers: int = 2, hid
         x = sample_windows(stream, max(1, batch_tokens // seq), seq + 1, rng)
         for g in opt.param_groups:
             g["lr"] = warmup_cosine(step, steps, lr, warmup=min(50, steps // 10 + 1))
-        loss = _lm_loss(model, x)
+        loss = lm_loss(model, x)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -52,7 +52,8 @@ def train_draft_lm(work: Path, out: Path, steps: int = 300, layers: int = 2, hid
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(prog="python -m tritonspec.recipes.demo.draft_lm", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", required=True, type=Path, help="the demo recipe's work folder (tokenizer, tokens)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--steps", type=int, default=300)

@@ -10,10 +10,9 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-
-from ..demo import PROMPT_SETS
 from typing import Any
 
+from ...demo import PROMPT_SETS
 from .corpus import SourceFile, read_text
 
 SETS = PROMPT_SETS
