@@ -1,10 +1,13 @@
-"""``tritonspec autotune``: the argparse builder, registered by ``tritonspec.cli``."""
+"""``tritonspec autotune kernels|tree``: kernel launch configs (``autotune.kernel_tuner``) and the
+draft-tree shape (``autotune.tree_tuner``) for this device, written to the per-device store."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 from pathlib import Path
+
+from .common import demo_prompts, is_demo, parse_dtype, resolve_pair
 
 DEFAULT_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
                    "def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"", "for i in range(10):",
@@ -76,8 +79,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
     import torch
 
-    from ..cli import _dtype
-    from . import kernel_tuner as kt
+    from ..autotune import kernel_tuner as kt
 
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
@@ -85,7 +87,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
             raise ValueError("kernel tuning needs a CUDA GPU (for a machinery check on the CPU, run with "
                              "TRITON_INTERPRET=1 --device cpu and small --shapes; its timings mean nothing)")
         dev = torch.device("cpu")
-    dtype = _dtype(args.dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    dtype = parse_dtype(args.dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     shapes = [kt.LLAMA3_8B if s == "llama-3-8b" else kt.shape_from_model_dir(s) for s in args.shapes]
     if not shapes:
         shapes = [kt.LLAMA3_8B]
@@ -104,20 +106,17 @@ def cmd_kernels(args: argparse.Namespace) -> int:
 
 
 def cmd_tree(args: argparse.Namespace) -> int:
-    from ..cli import _dtype, _is_demo, _resolve_pair
+    from ..autotune.tree_tuner import tune_tree
     from ..runtime.drift import read_prompts
-    from .tree_tuner import tune_tree
 
-    is_demo = _is_demo(args.target)
-    target, drafter = _resolve_pair(args.target, args.drafter)
+    demo = is_demo(args.target)
+    target, drafter = resolve_pair(args.target, args.drafter)
     if drafter is None:
         raise ValueError("--drafter is required (a tree needs a drafter)")
     if args.prompts:
         prompts = read_prompts(args.prompts)
-    elif is_demo:
-        from ..demo import prompt_set
-
-        prompts = [r["prompt"] for r in prompt_set("standard")]
+    elif demo:
+        prompts = demo_prompts("standard")
     else:
         prompts = DEFAULT_PROMPTS
     prompts = prompts[: args.num_prompts]
@@ -133,7 +132,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    res = tune_tree(target, drafter, prompts, device=args.device, dtype=_dtype(args.dtype), backend=args.backend,
+    res = tune_tree(target, drafter, prompts, device=args.device, dtype=parse_dtype(args.dtype), backend=args.backend,
                     max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, top_ks=top_ks,
                     max_draft_tokens=args.max_draft_tokens, out_dir=args.out, dry_run=args.dry_run,
                     validate=not args.no_validate, log=lambda m: print(m, file=sys.stderr))

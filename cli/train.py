@@ -1,4 +1,5 @@
-"""``tritonspec train``: the argparse builder, registered by ``tritonspec.cli``."""
+"""``tritonspec train``: train an EAGLE-3 / EAGLE-3.1 drafter for a target through
+``training.trainer`` (training-time test; resumes from ``<out>/checkpoint.pt``)."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +42,7 @@ A stopped run resumes from <out>/checkpoint.pt when rerun with the same settings
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .trainer import TrainConfig, train_drafter
+    from ..training.trainer import TrainConfig, train_drafter
 
     flag = VARIANT_FLAGS[args.variant]
     ids = tuple(int(x) for x in args.aux_layer_ids.split(",")) if args.aux_layer_ids else None

@@ -65,7 +65,7 @@ def _runtime(pair: str, graphs: bool, quick: bool):
     dev = "cuda" if CUDA else "cpu"
     if pair == "demo":
         if not demo.available():
-            pytest.skip("the demo pair is not built (python -m tritonspec.training.demo_recipe)")
+            pytest.skip("the demo pair is not built (python -m tritonspec.recipes.demo)")
         if "demo" not in _cache:
             _cache["demo"] = (demo.ROOT / "target", ts.Eagle3Drafter.from_pretrained(demo.ROOT / "drafter-eagle3.1"))
         target, drafter = _cache["demo"]

@@ -1,4 +1,4 @@
-"""The command line: generate (tiny random pair, explicit directories, stdin) and export."""
+"""The command line: generate (tiny random pair, explicit directories, stdin), export, bench, error reporting."""
 from __future__ import annotations
 
 import io
@@ -30,7 +30,7 @@ def test_generate_prints_text_and_stats(pair_dirs, capsys):
 
 
 def test_partial_shape_flags():
-    from tritonspec.cli import _spec_from_flags
+    from tritonspec.cli.common import spec_from_flags as _spec_from_flags
 
     assert _spec_from_flags(None, None, None) is None  # the tuned profile, else the defaults
     assert _spec_from_flags(None, 1, None) == ts.SpecConfig.chain(6)  # "--draft-top-k 1" alone is a chain
@@ -101,3 +101,22 @@ def test_bench_prints_a_side_by_side_table(pair_dirs, tmp_path, capsys):
     assert [ln.split()[3] for ln in lines[1:]] == ["ours-plain", "hf-greedy", "ours-eagle3.1"]
     assert lines[1].split()[5] == "1.00x"
     assert main(["bench", "--target", str(t), "--systems", "nope"]) == 2
+
+
+def test_only_user_errors_become_one_line_messages(monkeypatch, capsys):
+    import tritonspec.cli.export as export
+
+    def fail(exc):
+        def cmd(args):
+            raise exc
+        return cmd
+
+    argv = ["export", "--drafter", "d", "--out", "o"]
+    for exc in (ValueError("bad value"), FileNotFoundError("no such file"), NotImplementedError("not yet")):
+        monkeypatch.setattr(export, "cmd_export", fail(exc))
+        assert main(argv) == 2
+        assert capsys.readouterr().err == f"tritonspec export: error: {exc}\n"
+    for exc in (KeyError("bug"), TypeError("bug")):  # bugs keep their traceback
+        monkeypatch.setattr(export, "cmd_export", fail(exc))
+        with pytest.raises(type(exc)):
+            main(argv)

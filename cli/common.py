@@ -1,0 +1,91 @@
+"""Helpers shared by the commands: target names (demo, tiny random pair), dtype flags, tree-shape
+flags and prompt reading. Light at import time: torch and the runtime load inside the functions."""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+TINY = "tiny-random"
+DEMO = "demo"  # the bundled demo pair (tritonspec.demo); "demo:eagle3" picks the EAGLE-3 drafter
+
+
+def spec_from_flags(depth: int | None, top_k: int | None, n: int | None):
+    """None when no shape flag is given (a tuned profile, else the defaults); else the defaults with
+    the given flags, a default ``num_draft_tokens`` capped at what the shape can draft (so
+    ``--draft-top-k 1`` alone is a chain)."""
+    from ..runtime.config import SpecConfig
+
+    if (depth, top_k, n) == (None, None, None):
+        return None
+    d = SpecConfig()
+    depth, top_k = depth or d.num_speculative_tokens, top_k or d.top_k
+    if n is None:
+        n = min(d.num_draft_tokens, top_k + (depth - 1) * top_k * top_k + 1)
+    return SpecConfig(depth, top_k, n)
+
+
+def cache_dir() -> Path:
+    """Where generated artefacts (the tiny random pair) live: ``$TRITONSPEC_CACHE`` or ~/.cache/tritonspec."""
+    return Path(os.environ.get("TRITONSPEC_CACHE", Path.home() / ".cache" / "tritonspec"))
+
+
+def is_demo(target: str) -> bool:
+    """True for ``demo``, ``demo:eagle3`` and ``demo:eagle3.1``."""
+    return target in (DEMO, f"{DEMO}:eagle3", f"{DEMO}:eagle3.1")
+
+
+def resolve_pair(target: str, drafter: str | None) -> tuple[str, str | None]:
+    """``(target_dir, drafter_dir)`` for a ``--target`` / ``--drafter`` pair: the demo pair and the
+    tiny random pair are resolved to their directories (``--drafter`` still wins); anything else
+    is passed through."""
+    if is_demo(target):
+        from ..demo import demo_pair
+
+        tdir, ddir = demo_pair(target.partition(":")[2] or "eagle3.1")
+        return str(tdir), (drafter or str(ddir))
+    if target != TINY:
+        return target, drafter
+    from ..runtime.tiny import tiny_random_pair
+
+    tdir, ddir = tiny_random_pair(cache_dir() / TINY)
+    print(f"note: '{TINY}' is a random-weight Llama target and drafter ({tdir.parent}); the text is noise and "
+          "the drafter is accepted only by chance", file=sys.stderr)
+    return str(tdir), (drafter or str(ddir))
+
+
+def default_target() -> str:
+    """The demo pair when its weights are installed, else the tiny random pair."""
+    from ..demo import available
+
+    return DEMO if available() else TINY
+
+
+def parse_dtype(name: str | None):
+    """A ``--dtype`` value as a torch dtype (None stays None); an unknown name exits with a message."""
+    import torch
+
+    if name is None:
+        return None
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if name not in table:
+        raise SystemExit(f"--dtype {name!r}: use one of {', '.join(table)}")
+    return table[name]
+
+
+def read_prompt(arg: str | None) -> str:
+    """The prompt argument, or stdin when it is missing or ``-``; an empty prompt exits with a message."""
+    prompt = arg
+    if prompt is None or prompt == "-":
+        prompt = sys.stdin.read()
+    if not prompt:
+        raise SystemExit("empty prompt: pass it as an argument or on stdin")
+    return prompt
+
+
+def demo_prompts(name: str) -> list[str]:
+    """The prompt strings of a bundled demo prompt set (standard, long, perturbed)."""
+    from ..demo import prompt_set
+
+    return [r["prompt"] for r in prompt_set(name)]
