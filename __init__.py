@@ -4,15 +4,24 @@
 >>> ts.SpecConfig.chain(4)
 SpecConfig(num_speculative_tokens=4, top_k=1, num_draft_tokens=5)
 """
+
+from .demo import demo_pair
+from .kernels.store import package_version
 from .runtime.config import GenerationOutput, SpecConfig, SpecStats
 from .runtime.drafter import DrafterConfig, Eagle3Drafter
 from .runtime.engine import SpeculativeRuntime
 from .runtime.target import SUPPORTED_ARCHITECTURES, TargetModel
-from .demo import demo_pair
-from .kernels.store import package_version
 
 __version__ = package_version()
 __all__ = [
-    "SpeculativeRuntime", "SpecConfig", "SpecStats", "GenerationOutput", "Eagle3Drafter", "DrafterConfig",
-    "TargetModel", "SUPPORTED_ARCHITECTURES", "__version__",
+    "SpeculativeRuntime",
+    "SpecConfig",
+    "SpecStats",
+    "GenerationOutput",
+    "Eagle3Drafter",
+    "DrafterConfig",
+    "TargetModel",
+    "SUPPORTED_ARCHITECTURES",
+    "demo_pair",
+    "__version__",
 ]

@@ -23,15 +23,16 @@ verify_greedy   tree tokens N  one row (discrete: any config gives the same bits
 kv_compact      Hkv * head_dim all layers, one row, a max_depth+1 path (discrete)
 =============== ============== ====================================================================
 """
+
 from __future__ import annotations
 
 import itertools
 import json
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
 
 import torch
 
@@ -44,8 +45,13 @@ from ..kernels.utils import next_pow2, rms_config
 from ..kernels.verify import verify_config, verify_greedy
 
 OPS = ("rms_norm", "aux_gather", "tree_attention", "verify_greedy", "kv_compact")
-BUCKETS = {"rms_norm": "hidden_size", "aux_gather": "row_width", "tree_attention": "head_dim",
-           "verify_greedy": "num_draft_tokens", "kv_compact": "kv_width"}
+BUCKETS = {
+    "rms_norm": "hidden_size",
+    "aux_gather": "row_width",
+    "tree_attention": "head_dim",
+    "verify_greedy": "num_draft_tokens",
+    "kv_compact": "kv_width",
+}
 
 
 @dataclass(frozen=True)
@@ -76,9 +82,14 @@ def shape_from_model_dir(path: str | Path) -> KernelShape:
     cfg = json.loads((Path(path) / "config.json").read_text())
     cfg = cfg.get("text_config", cfg)
     heads = cfg["num_attention_heads"]
-    return KernelShape(name=Path(path).name, hidden_size=cfg["hidden_size"], num_heads=heads,
-                       num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                       head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, num_layers=cfg["num_hidden_layers"])
+    return KernelShape(
+        name=Path(path).name,
+        hidden_size=cfg["hidden_size"],
+        num_heads=heads,
+        num_kv_heads=cfg.get("num_key_value_heads") or heads,
+        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+        num_layers=cfg["num_hidden_layers"],
+    )
 
 
 # ------------------------------------------------------------------ candidates, one function per kernel
@@ -99,8 +110,10 @@ def aux_gather_configs(width: int) -> list[dict]:
 def tree_attention_configs(head_dim: int) -> list[dict]:
     """Query/key tiles, warps, pipeline stages and the fixed prefix split size."""
     block_ns = (32, 64) if head_dim <= 128 else (16, 32)
-    return [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, split_kv=sp)
-            for m, n, w, st, sp in itertools.product((32, 64, 128), block_ns, (4, 8), (2, 3), (1024, 2048, 4096))]
+    return [
+        dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=st, split_kv=sp)
+        for m, n, w, st, sp in itertools.product((32, 64, 128), block_ns, (4, 8), (2, 3), (1024, 2048, 4096))
+    ]
 
 
 def verify_greedy_configs(n: int) -> list[dict]:
@@ -148,14 +161,28 @@ def problems(shape: KernelShape, dtype: torch.dtype, device: torch.device, ops: 
             kc, vc = randn(1, S, shape.num_kv_heads, D), randn(1, S, shape.num_kv_heads, D)
             pl = torch.tensor([shape.context], device=device)
             mask = torch.ones(Q, Q, dtype=torch.bool, device=device).tril()[None]
-            out.append(Problem(op, D, lambda q=q, kc=kc, vc=vc, pl=pl, m=mask: tree_attention(q, kc, vc, pl, m, D**-0.5),
-                               tree_attention_configs(D), False))
+            out.append(
+                Problem(
+                    op,
+                    D,
+                    lambda q=q, kc=kc, vc=vc, pl=pl, m=mask: tree_attention(q, kc, vc, pl, m, D**-0.5),
+                    tree_attention_configs(D),
+                    False,
+                )
+            )
         elif op == "verify_greedy":
             tok = torch.randint(0, 8, (1, Q), generator=g).to(device)
             par = torch.tensor([[-1] + [(i - 1) // 2 for i in range(1, Q)]], device=device)
             arg = torch.randint(0, 8, (1, Q), generator=g).to(device)
-            out.append(Problem(op, Q, lambda t=tok, p=par, a=arg: verify_greedy(t, p, a, shape.max_depth),
-                               verify_greedy_configs(Q), True))
+            out.append(
+                Problem(
+                    op,
+                    Q,
+                    lambda t=tok, p=par, a=arg: verify_greedy(t, p, a, shape.max_depth),
+                    verify_greedy_configs(Q),
+                    True,
+                )
+            )
         elif op == "kv_compact":
             ctx = min(shape.context, 512)
             shp = (shape.num_layers, 1, ctx + Q + 1, shape.num_kv_heads, D)
@@ -165,9 +192,9 @@ def problems(shape: KernelShape, dtype: torch.dtype, device: torch.device, ops: 
             # path nodes md+1 .. 2md: sources and destinations never overlap, so repeated calls are idempotent
             nodes = torch.tensor([[0] + [md + i for i in range(1, md + 1)]], device=device)
 
-            def run(kc=kc, vc=vc, start=start, nodes=nodes):
+            def run(kc=kc, vc=vc, start=start, nodes=nodes, ctx=ctx):
                 kv_compact(kc, vc, start, nodes)
-                return kc[:, :, ctx:ctx + shape.max_depth + 1]
+                return kc[:, :, ctx : ctx + shape.max_depth + 1]
 
             out.append(Problem(op, shape.kv_width, run, kv_compact_configs(shape.kv_width, shape.max_depth + 1), True))
         else:
@@ -224,8 +251,12 @@ def _same(a, b, exact: bool) -> bool:
     return torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2, equal_nan=True)
 
 
-def tune_problem(p: Problem, device: torch.device, progress: Callable | None = None,
-                 bench: Callable[[Callable, torch.device], float] = bench_us) -> TuneResult:
+def tune_problem(
+    p: Problem,
+    device: torch.device,
+    progress: Callable | None = None,
+    bench: Callable[[Callable, torch.device], float] = bench_us,
+) -> TuneResult:
     """Time every candidate of ``p``; the default (heuristic) config is timed too, as the baseline."""
     oor = _out_of_resources()
     with store.forced(p.op, {}):  # an empty forced config = the launcher's heuristic, whatever is stored
@@ -272,10 +303,18 @@ def _default_config(op: str, value: int) -> dict:
     return {}
 
 
-def tune_kernels(shapes: list[KernelShape], dtype: torch.dtype, device: str | torch.device = "cuda", *,
-                 ops: Iterable[str] = OPS, out_dir: str | Path | None = None, dry_run: bool = False,
-                 candidates: dict[str, list[dict]] | None = None, show_progress: bool | None = None,
-                 bench: Callable[[Callable, torch.device], float] = bench_us) -> tuple[list[TuneResult], list[Path]]:
+def tune_kernels(
+    shapes: list[KernelShape],
+    dtype: torch.dtype,
+    device: str | torch.device = "cuda",
+    *,
+    ops: Iterable[str] = OPS,
+    out_dir: str | Path | None = None,
+    dry_run: bool = False,
+    candidates: dict[str, list[dict]] | None = None,
+    show_progress: bool | None = None,
+    bench: Callable[[Callable, torch.device], float] = bench_us,
+) -> tuple[list[TuneResult], list[Path]]:
     """Tune ``ops`` for every shape; write the winners (merged per op file) unless ``dry_run``.
 
     ``candidates`` replaces an op's candidate list (tests use two-config lists). The progress bar
@@ -312,10 +351,14 @@ def tune_kernels(shapes: list[KernelShape], dtype: torch.dtype, device: str | to
         out = Path(out_dir) if out_dir is not None else store.user_dir()
         for op in dict.fromkeys(r.op for r in results):
             rs = [r for r in results if r.op == op]
-            table = store.make_table(op, BUCKETS[op], {r.value: r.best for r in rs},
-                                     dtype="int64" if op == "verify_greedy" else store.dtype_name(dtype), device=device,
-                                     timings_us={r.value: {"default": round(r.default_us, 2), "best": round(r.best_us, 2)}
-                                                 for r in rs})
+            table = store.make_table(
+                op,
+                BUCKETS[op],
+                {r.value: r.best for r in rs},
+                dtype="int64" if op == "verify_greedy" else store.dtype_name(dtype),
+                device=device,
+                timings_us={r.value: {"default": round(r.default_us, 2), "best": round(r.best_us, 2)} for r in rs},
+            )
             written.append(store.write_table(table, out))
     return results, written
 
@@ -334,8 +377,18 @@ def format_results(results: list[TuneResult]) -> str:
     """The winners as a plain-text table."""
     rows = [("op", "bucket", "default", "default us", "tuned", "tuned us", "speedup", "tried/skipped")]
     for r in results:
-        rows.append((r.op, f"{r.bucket}={r.value}", _cfg(r.default), f"{r.default_us:.1f}", _cfg(r.best),
-                     f"{r.best_us:.1f}", f"{r.speedup:.2f}x", f"{r.tried}/{len(r.skipped)}"))
+        rows.append(
+            (
+                r.op,
+                f"{r.bucket}={r.value}",
+                _cfg(r.default),
+                f"{r.default_us:.1f}",
+                _cfg(r.best),
+                f"{r.best_us:.1f}",
+                f"{r.speedup:.2f}x",
+                f"{r.tried}/{len(r.skipped)}",
+            )
+        )
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows)
 

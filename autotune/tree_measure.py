@@ -13,6 +13,7 @@
 * ``measure_generation``: end-to-end generation with given shapes against plain decoding (the
   tuner's check of its prediction).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -56,12 +57,25 @@ def _heap_tree(root: torch.Tensor, n: int, vocab: int) -> DraftTree:
             mask[i, j] = True
             j = int(parents[j]) if j > 0 else -1
     tokens = torch.cat([root[:, None], torch.arange(1, n, device=dev).remainder(vocab)[None].expand(B, n - 1)], 1)
-    return DraftTree(tokens, parents[None].expand(B, n).clone(), depth[None].expand(B, n).clone(),
-                     mask[None].expand(B, n, n), int(depth.max()))
+    return DraftTree(
+        tokens,
+        parents[None].expand(B, n).clone(),
+        depth[None].expand(B, n).clone(),
+        mask[None].expand(B, n, n),
+        int(depth.max()),
+    )
 
 
-def measure_costs(rt, prompt_ids: list[int], *, max_depth: int, top_ks: Sequence[int],
-                  verify_ns: Sequence[int] = VERIFY_NS, max_n: int = 64, reps: int = 5) -> CostModel:
+def measure_costs(
+    rt,
+    prompt_ids: list[int],
+    *,
+    max_depth: int,
+    top_ks: Sequence[int],
+    verify_ns: Sequence[int] = VERIFY_NS,
+    max_n: int = 64,
+    reps: int = 5,
+) -> CostModel:
     """Time the round pieces at batch size 1 on a context of ``len(prompt_ids)`` tokens.
 
     Round robin: each repetition times every piece once, in turn (a warm-up pass first), so a
@@ -137,8 +151,9 @@ def _rank(lp: torch.Tensor, draft_id: torch.Tensor, max_rank: int) -> torch.Tens
     return torch.where((draft_id >= 0) & (r < max_rank), r, -1)
 
 
-def forced_chain_ranks(dec: Decoder, future: torch.Tensor, max_rank: int,
-                       t2d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def forced_chain_ranks(
+    dec: Decoder, future: torch.Tensor, max_rank: int, t2d: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Teacher-forced draft from the decoder's current state: the drafter drafts a chain along
     ``future [B, D]`` (the true next tokens, -1 = unknown) with the decoder's own chain loop
     (``Decoder.draft_chain``, its pick feeding the true token at each depth); returns each true
@@ -151,8 +166,9 @@ def forced_chain_ranks(dec: Decoder, future: torch.Tensor, max_rank: int,
     return torch.where(future >= 0, r, -2), tops.float()
 
 
-def measure_acceptance(rt, prompts: list[list[int]], continuations: list[list[int]], *, max_depth: int,
-                       max_rank: int, stride: int = 1) -> tuple[AcceptanceProfile, int]:
+def measure_acceptance(
+    rt, prompts: list[list[int]], continuations: list[list[int]], *, max_depth: int, max_rank: int, stride: int = 1
+) -> tuple[AcceptanceProfile, int]:
     """Teacher-forced ranks at roots every ``stride + 1`` tokens of each continuation (the target's
     greedy output). Returns the profile and the number of roots sampled.
 

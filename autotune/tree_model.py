@@ -28,6 +28,7 @@ dynamic trees (which adapt to each context, so wide trees measure a little bette
 
 Pure arithmetic on measured figures: nothing here loads or runs a model.
 """
+
 from __future__ import annotations
 
 import math
@@ -188,8 +189,14 @@ def predict(spec: SpecConfig, costs: CostModel, acc: AcceptanceProfile) -> Predi
     return Prediction(spec, tau, t, tau / t * costs.plain_token_s)
 
 
-def search(costs: CostModel, acc: AcceptanceProfile, *, max_depth: int | None = None,
-           top_ks: Sequence[int] = TOP_KS, max_draft_tokens: int = 64) -> list[Prediction]:
+def search(
+    costs: CostModel,
+    acc: AcceptanceProfile,
+    *,
+    max_depth: int | None = None,
+    top_ks: Sequence[int] = TOP_KS,
+    max_draft_tokens: int = 64,
+) -> list[Prediction]:
     """Every valid shape, best predicted tokens/s first (ties: fewer tree tokens, shallower, narrower)."""
     max_depth = min(max_depth or acc.max_depth, acc.max_depth)
     out = []
@@ -200,8 +207,14 @@ def search(costs: CostModel, acc: AcceptanceProfile, *, max_depth: int | None = 
             for N in range(D + 1, n_hi + 1):  # N - 1 >= D: a tree too small to reach depth D wastes draft steps
                 t = costs.round(D, K, N)
                 out.append(Prediction(SpecConfig(D, K, N), tau[N - 1], t, tau[N - 1] / t * costs.plain_token_s))
-    out.sort(key=lambda p: (-round(p.tokens_per_second, 9), p.spec.num_draft_tokens, p.spec.num_speculative_tokens,
-                            p.spec.top_k))
+    out.sort(
+        key=lambda p: (
+            -round(p.tokens_per_second, 9),
+            p.spec.num_draft_tokens,
+            p.spec.num_speculative_tokens,
+            p.spec.top_k,
+        )
+    )
     return out
 
 
@@ -211,7 +224,7 @@ def neighbours(best: SpecConfig, ranked: list[Prediction]) -> list[Prediction]:
     D, K = best.num_speculative_tokens, best.top_k
     ks = sorted({p.spec.top_k for p in ranked})
     i = ks.index(K)
-    wants = [(D - 1, K), (D + 1, K)] + [(D, k) for k in ks[max(i - 1, 0):i] + ks[i + 1:i + 2]]
+    wants = [(D - 1, K), (D + 1, K)] + [(D, k) for k in ks[max(i - 1, 0) : i] + ks[i + 1 : i + 2]]
     out = []
     for d, k in wants:
         cands = [p for p in ranked if p.spec.top_k == k and p.spec.num_speculative_tokens == d]

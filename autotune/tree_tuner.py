@@ -10,6 +10,7 @@
    compared with their predictions (``tree_measure.measure_generation``)
 6. the profile written for the runtime to pick up (``runtime/profiles.write_profile``)
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -39,26 +40,71 @@ class TreeTuneResult:
     top: list[Prediction]
 
     def table(self) -> str:
-        rows = [("shape (D, K, N)", "role", "pred tau", "meas tau", "pred ms/round", "meas ms/round", "pred speedup",
-                 "meas speedup", "end-to-end")]
+        rows = [
+            (
+                "shape (D, K, N)",
+                "role",
+                "pred tau",
+                "meas tau",
+                "pred ms/round",
+                "meas ms/round",
+                "pred speedup",
+                "meas speedup",
+                "end-to-end",
+            )
+        ]
         for c in self.checks:
             s = c.spec
-            rows.append((f"({s.num_speculative_tokens}, {s.top_k}, {s.num_draft_tokens})", c.role,
-                         f"{c.predicted_tau:.2f}", f"{c.measured_tau:.2f}", f"{c.predicted_round_ms:.2f}",
-                         f"{c.measured_round_ms:.2f}", f"{c.predicted_speedup:.2f}x", f"{c.measured_speedup:.2f}x",
-                         f"{c.end_to_end_speedup:.2f}x"))
+            rows.append(
+                (
+                    f"({s.num_speculative_tokens}, {s.top_k}, {s.num_draft_tokens})",
+                    c.role,
+                    f"{c.predicted_tau:.2f}",
+                    f"{c.measured_tau:.2f}",
+                    f"{c.predicted_round_ms:.2f}",
+                    f"{c.measured_round_ms:.2f}",
+                    f"{c.predicted_speedup:.2f}x",
+                    f"{c.measured_speedup:.2f}x",
+                    f"{c.end_to_end_speedup:.2f}x",
+                )
+            )
         p = self.plain
-        rows.append(("plain decoding", "baseline", "1.00", "1.00", f"{self.costs.plain_token_s * 1e3:.2f}",
-                     f"{p.round_s * 1e3:.2f}", f"({p.decode_tokens_per_s:.1f} tok/s)", "1.00x", "1.00x"))
+        rows.append(
+            (
+                "plain decoding",
+                "baseline",
+                "1.00",
+                "1.00",
+                f"{self.costs.plain_token_s * 1e3:.2f}",
+                f"{p.round_s * 1e3:.2f}",
+                f"({p.decode_tokens_per_s:.1f} tok/s)",
+                "1.00x",
+                "1.00x",
+            )
+        )
         w = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         return "\n".join("  ".join(c.ljust(x) for c, x in zip(r, w)).rstrip() for r in rows)
 
 
-def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Sequence[int]], *,
-              device: str = "cpu", dtype: torch.dtype | None = None, backend: str = "auto",
-              max_new_tokens: int = 64, max_depth: int = 8, top_ks: Sequence[int] = TOP_KS,
-              max_draft_tokens: int = 64, stride: int = 1, reps: int = 7, out_dir: str | Path | None = None,
-              dry_run: bool = False, validate: bool = True, log=None) -> TreeTuneResult:
+def tune_tree(
+    target: Any,
+    drafter: Any,
+    prompts: Sequence[str] | Sequence[Sequence[int]],
+    *,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    backend: str = "auto",
+    max_new_tokens: int = 64,
+    max_depth: int = 8,
+    top_ks: Sequence[int] = TOP_KS,
+    max_draft_tokens: int = 64,
+    stride: int = 1,
+    reps: int = 7,
+    out_dir: str | Path | None = None,
+    dry_run: bool = False,
+    validate: bool = True,
+    log=None,
+) -> TreeTuneResult:
     """Measure costs and the acceptance profile, pick the best shape, check it, write the profile.
 
     ``target``/``drafter``: directories or loaded objects, as ``SpeculativeRuntime.from_pretrained``
@@ -83,11 +129,20 @@ def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Seque
     ids = [list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
     longest = max(len(p) for p in ids)
     big = SpecConfig(max_depth, kmax, max(2, min(kmax + (max_depth - 1) * kmax * kmax + 1, nmax)))
-    rt = SpeculativeRuntime(tm, d, tok, backend=backend, spec=big, max_batch_size=1,
-                            max_seq_len=min(longest + max_new_tokens + 2 * max_depth + 8, tm.max_position_embeddings))
+    rt = SpeculativeRuntime(
+        tm,
+        d,
+        tok,
+        backend=backend,
+        spec=big,
+        max_batch_size=1,
+        max_seq_len=min(longest + max_new_tokens + 2 * max_depth + 8, tm.max_position_embeddings),
+    )
     key.update(device=prof.device_key(rt.device), dtype=store.dtype_name(tm.dtype), backend=rt.backend)
-    say(f"[autotune tree] target={key['target']} drafter={key['drafter']} device={key['device']} "
-        f"backend={rt.backend} prompts={len(ids)}")
+    say(
+        f"[autotune tree] target={key['target']} drafter={key['drafter']} device={key['device']} "
+        f"backend={rt.backend} prompts={len(ids)}"
+    )
 
     measure_generation(rt, ids, max_new_tokens, [None])  # warm-up pass: first runs at each prompt length are slow
     plain = measure_generation(rt, ids, max_new_tokens, [None])[0]
@@ -104,8 +159,11 @@ def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Seque
     if validate:
         default = SpecConfig()
         shapes = [(best.spec, "chosen")] + [(n.spec, "neighbour") for n in neighbours(best.spec, ranked)]
-        fits = (default.num_speculative_tokens <= max_depth and default.top_k <= kmax
-                and default.num_draft_tokens <= big.num_draft_tokens)
+        fits = (
+            default.num_speculative_tokens <= max_depth
+            and default.top_k <= kmax
+            and default.num_draft_tokens <= big.num_draft_tokens
+        )
         if fits and all(s != default for s, _ in shapes):
             shapes.append((default, "default"))
         say(f"[autotune tree] checking {len(shapes)} shapes against plain decoding ...")
@@ -113,31 +171,67 @@ def tune_tree(target: Any, drafter: Any, prompts: Sequence[str] | Sequence[Seque
         for (spec, role), m in zip(shapes, ms):
             pred = predict(spec, costs, acc)
             D, K, N = spec.num_speculative_tokens, spec.top_k, spec.num_draft_tokens
-            psplit = {"draft": costs.draft(D, K), "verify": costs.verify(N), "commit": costs.commit(D),
-                      "other": costs.overhead_s}
+            psplit = {
+                "draft": costs.draft(D, K),
+                "verify": costs.verify(N),
+                "commit": costs.commit(D),
+                "other": costs.overhead_s,
+            }
             msplit = {k: m.split_s.get(k, 0.0) / max(m.rounds, 1) for k in ("draft", "verify", "commit")}
             msplit["other"] = m.round_s - sum(msplit.values())
-            checks.append(Check(spec, role, pred.tokens_per_round, m.tau, pred.round_s * 1e3, m.round_s * 1e3,
-                                pred.speedup, m.decode_tokens_per_s / plain.decode_tokens_per_s,
-                                m.tokens_per_s / plain.tokens_per_s,
-                                {k: round(v * 1e3, 3) for k, v in psplit.items()},
-                                {k: round(v * 1e3, 3) for k, v in msplit.items()}))
-            say(f"[autotune tree] {role} {spec}: predicted {pred.speedup:.2f}x, "
-                f"measured {checks[-1].measured_speedup:.2f}x")
+            checks.append(
+                Check(
+                    spec,
+                    role,
+                    pred.tokens_per_round,
+                    m.tau,
+                    pred.round_s * 1e3,
+                    m.round_s * 1e3,
+                    pred.speedup,
+                    m.decode_tokens_per_s / plain.decode_tokens_per_s,
+                    m.tokens_per_s / plain.tokens_per_s,
+                    {k: round(v * 1e3, 3) for k, v in psplit.items()},
+                    {k: round(v * 1e3, 3) for k, v in msplit.items()},
+                )
+            )
+            say(
+                f"[autotune tree] {role} {spec}: predicted {pred.speedup:.2f}x, "
+                f"measured {checks[-1].measured_speedup:.2f}x"
+            )
     path = None
     if not dry_run:
         path = _write_profile(out_dir, key, best, costs, acc, checks, plain, n_roots, max_new_tokens)
     return TreeTuneResult(best, checks, costs, acc, plain, n_roots, path, key, ranked[:10])
 
 
-def _write_profile(out_dir, key: dict, best: Prediction, costs: CostModel, acc: AcceptanceProfile, checks: list[Check],
-                   plain: Measured, n_roots: int, max_new_tokens: int) -> Path:
+def _write_profile(
+    out_dir,
+    key: dict,
+    best: Prediction,
+    costs: CostModel,
+    acc: AcceptanceProfile,
+    checks: list[Check],
+    plain: Measured,
+    n_roots: int,
+    max_new_tokens: int,
+) -> Path:
     """The profile of ``best`` with the evidence behind it (``runtime/profiles.py`` owns the file)."""
     return prof.write_profile(
-        out_dir, key, best.spec,
+        out_dir,
+        key,
+        best.spec,
         predicted={"tokens_per_round": best.tokens_per_round, "round_s": best.round_s, "speedup": best.speedup},
-        measured_with={"prompts": plain.n_prompts, "max_new_tokens": max_new_tokens, "acceptance_roots": n_roots,
-                       "plain_decode_tokens_per_s": plain.decode_tokens_per_s, "batch_size": 1},
-        costs=asdict(costs), acceptance=asdict(acc),
-        checks=[{**asdict(c), "spec": [c.spec.num_speculative_tokens, c.spec.top_k, c.spec.num_draft_tokens]}
-                for c in checks])
+        measured_with={
+            "prompts": plain.n_prompts,
+            "max_new_tokens": max_new_tokens,
+            "acceptance_roots": n_roots,
+            "plain_decode_tokens_per_s": plain.decode_tokens_per_s,
+            "batch_size": 1,
+        },
+        costs=asdict(costs),
+        acceptance=asdict(acc),
+        checks=[
+            {**asdict(c), "spec": [c.spec.num_speculative_tokens, c.spec.top_k, c.spec.num_draft_tokens]}
+            for c in checks
+        ],
+    )

@@ -13,6 +13,7 @@ One module per command, each with ``add_parser(subparsers)`` and its ``cmd_*`` f
 ``cli/common.py`` holds what they share (demo / tiny-random targets, ``--dtype``, tree-shape
 flags, prompts). Library imports stay inside the command functions, so ``--help`` stays fast.
 """
+
 from __future__ import annotations
 
 import argparse

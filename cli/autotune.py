@@ -1,5 +1,6 @@
 """``tritonspec autotune kernels|tree``: kernel launch configs (``autotune.kernel_tuner``) and the
 draft-tree shape (``autotune.tree_tuner``) for this device, written to the per-device store."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,49 +10,78 @@ from pathlib import Path
 
 from .common import demo_prompts, is_demo, parse_dtype, resolve_pair
 
-DEFAULT_PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n", "class Stack:\n    def __init__(self):",
-                   "def read_config(path):\n    \"\"\"Read a JSON config file.\"\"\"", "for i in range(10):",
-                   "The quick brown fox", "def quicksort(xs):", "with open(path) as f:"]
+DEFAULT_PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n\n",
+    "class Stack:\n    def __init__(self):",
+    'def read_config(path):\n    """Read a JSON config file."""',
+    "for i in range(10):",
+    "The quick brown fox",
+    "def quicksort(xs):",
+    "with open(path) as f:",
+]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``autotune`` subcommand (``kernels`` and ``tree``) to ``subparsers`` and return its parser."""
     a = subparsers.add_parser(
-        "autotune", help="tune kernel launch configs and the draft-tree shape for this device",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+        "autotune",
+        help="tune kernel launch configs and the draft-tree shape for this device",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""examples:
   tritonspec autotune kernels                                    # Llama-3-8B shapes (+ the demo target), bf16
   tritonspec autotune kernels --shapes ./llama --dtype float16 --out ./tuned
   tritonspec autotune tree --target ./llama --drafter ./eagle3 --prompts prompts.jsonl
   tritonspec autotune tree --target demo --num-prompts 4 --dry-run
 results go to $TRITONSPEC_TUNED_DIR or ~/.cache/tritonspec/tuned (override with --out); the kernel
-launchers and SpeculativeRuntime(spec=None) read them from there.""")
+launchers and SpeculativeRuntime(spec=None) read them from there.""",
+    )
     sub = a.add_subparsers(dest="autotune_command", required=True)
 
-    k = sub.add_parser("kernels", help="search launch configs of the Triton kernels (needs a GPU)",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""\
+    k = sub.add_parser(
+        "kernels",
+        help="search launch configs of the Triton kernels (needs a GPU)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""\
 Each op is tuned per hidden size / head_dim (the reduction kernels: never per row count, so tuning
-cannot break batch invariance); winners are merged into <op>,device_name=<GPU>,dtype=<dtype>.json.""")
-    k.add_argument("--shapes", action="append", default=[], metavar="MODEL_DIR",
-                   help="HF model directory whose shapes to tune (repeatable; 'llama-3-8b' = the built-in "
-                        "Llama-3-8B shape; default: llama-3-8b and the demo target when bundled)")
+cannot break batch invariance); winners are merged into <op>,device_name=<GPU>,dtype=<dtype>.json.""",
+    )
+    k.add_argument(
+        "--shapes",
+        action="append",
+        default=[],
+        metavar="MODEL_DIR",
+        help="HF model directory whose shapes to tune (repeatable; 'llama-3-8b' = the built-in "
+        "Llama-3-8B shape; default: llama-3-8b and the demo target when bundled)",
+    )
     k.add_argument("--dtype", default=None, help="bfloat16 (default on a GPU) | float16 | float32")
-    k.add_argument("--ops", default=None, help="comma-separated subset of rms_norm,aux_gather,tree_attention,"
-                                               "verify_greedy,kv_compact")
+    k.add_argument(
+        "--ops",
+        default=None,
+        help="comma-separated subset of rms_norm,aux_gather,tree_attention,verify_greedy,kv_compact",
+    )
     k.add_argument("--device", default="cuda")
     _common(k)
     k.set_defaults(fn=cmd_kernels)
 
-    t = sub.add_parser("tree", help="pick (num_speculative_tokens, top_k, num_draft_tokens) for a target + drafter",
-                       formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""\
+    t = sub.add_parser(
+        "tree",
+        help="pick (num_speculative_tokens, top_k, num_draft_tokens) for a target + drafter",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""\
 Measures the target's verify cost against tree size and the drafter's step cost on this device
 and backend, and the drafter's acceptance per depth and sibling rank on the prompts (teacher-forced
 along the target's greedy continuation); picks the shape with the best predicted tokens/s and
-checks it, two neighbours and the default shape by generating (measured vs predicted speedup).""")
+checks it, two neighbours and the default shape by generating (measured vs predicted speedup).""",
+    )
     t.add_argument("--target", required=True, help="HF target directory, or 'demo' / 'demo:eagle3' (the bundled pair)")
     t.add_argument("--drafter", default=None, help="drafter directory (default with 'demo': its drafter)")
-    t.add_argument("--prompts", default=None,
-                   help="a .jsonl of {\"prompt\"|\"text\": ...} rows or a text file (blank-line separated); default: "
-                        "the demo's standard set for 'demo', else a few built-in code prompts")
+    t.add_argument(
+        "--prompts",
+        default=None,
+        help='a .jsonl of {"prompt"|"text": ...} rows or a text file (blank-line separated); default: '
+        "the demo's standard set for 'demo', else a few built-in code prompts",
+    )
     t.add_argument("--num-prompts", type=int, default=8, help="use the first N prompts (default 8)")
     t.add_argument("--max-new-tokens", type=int, default=64)
     t.add_argument("--max-depth", type=int, default=8, help="deepest num_speculative_tokens searched (default 8)")
@@ -60,8 +90,12 @@ checks it, two neighbours and the default shape by generating (measured vs predi
     t.add_argument("--device", default="cpu")
     t.add_argument("--dtype", default=None)
     t.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
-    t.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads while measuring (default: torch's; 1 is steadiest on a busy machine)")
+    t.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads while measuring (default: torch's; 1 is steadiest on a busy machine)",
+    )
     t.add_argument("--no-validate", action="store_true", help="skip the measured check of the chosen shape")
     _common(t)
     t.set_defaults(fn=cmd_tree)
@@ -69,8 +103,9 @@ checks it, two neighbours and the default shape by generating (measured vs predi
 
 
 def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", default=None, help="output folder (default: $TRITONSPEC_TUNED_DIR or "
-                                               "~/.cache/tritonspec/tuned)")
+    p.add_argument(
+        "--out", default=None, help="output folder (default: $TRITONSPEC_TUNED_DIR or ~/.cache/tritonspec/tuned)"
+    )
     p.add_argument("--dry-run", action="store_true", help="measure and print the winners; write nothing")
 
 
@@ -84,8 +119,10 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     dev = torch.device(args.device)
     if dev.type == "cuda" and not torch.cuda.is_available():
         if os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("kernel tuning needs a CUDA GPU (for a machinery check on the CPU, run with "
-                             "TRITON_INTERPRET=1 --device cpu and small --shapes; its timings mean nothing)")
+            raise ValueError(
+                "kernel tuning needs a CUDA GPU (for a machinery check on the CPU, run with "
+                "TRITON_INTERPRET=1 --device cpu and small --shapes; its timings mean nothing)"
+            )
         dev = torch.device("cpu")
     dtype = parse_dtype(args.dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
     shapes = [kt.LLAMA3_8B if s == "llama-3-8b" else kt.shape_from_model_dir(s) for s in args.shapes]
@@ -132,20 +169,39 @@ def cmd_tree(args: argparse.Namespace) -> int:
         import torch
 
         torch.set_num_threads(args.threads)
-    res = tune_tree(target, drafter, prompts, device=args.device, dtype=parse_dtype(args.dtype), backend=args.backend,
-                    max_new_tokens=args.max_new_tokens, max_depth=args.max_depth, top_ks=top_ks,
-                    max_draft_tokens=args.max_draft_tokens, out_dir=args.out, dry_run=args.dry_run,
-                    validate=not args.no_validate, log=lambda m: print(m, file=sys.stderr))
+    res = tune_tree(
+        target,
+        drafter,
+        prompts,
+        device=args.device,
+        dtype=parse_dtype(args.dtype),
+        backend=args.backend,
+        max_new_tokens=args.max_new_tokens,
+        max_depth=args.max_depth,
+        top_ks=top_ks,
+        max_draft_tokens=args.max_draft_tokens,
+        out_dir=args.out,
+        dry_run=args.dry_run,
+        validate=not args.no_validate,
+        log=lambda m: print(m, file=sys.stderr),
+    )
     b = res.best
     s = b.spec
-    print(f"chosen: num_speculative_tokens={s.num_speculative_tokens} top_k={s.top_k} num_draft_tokens={s.num_draft_tokens} "
-          f"(predicted tau {b.tokens_per_round:.2f}, {b.round_s * 1e3:.2f} ms/round, {b.speedup:.2f}x over plain)")
+    print(
+        f"chosen: num_speculative_tokens={s.num_speculative_tokens} top_k={s.top_k} "
+        f"num_draft_tokens={s.num_draft_tokens} "
+        f"(predicted tau {b.tokens_per_round:.2f}, {b.round_s * 1e3:.2f} ms/round, {b.speedup:.2f}x over plain)"
+    )
     if b.speedup < 1:
-        print("note: every tree shape is predicted slower than plain decoding here (drafter too weak or too "
-              "costly for this target on this device); generate with speculative=False")
+        print(
+            "note: every tree shape is predicted slower than plain decoding here (drafter too weak or too "
+            "costly for this target on this device); generate with speculative=False"
+        )
     if res.checks:
         print(res.table())
-    print(f"device={res.key['device']} backend={res.key['backend']} dtype={res.key['dtype']} "
-          f"acceptance roots={res.n_roots} prompts={len(prompts)}")
+    print(
+        f"device={res.key['device']} backend={res.key['backend']} dtype={res.key['dtype']} "
+        f"acceptance roots={res.n_roots} prompts={len(prompts)}"
+    )
     print(f"wrote {res.profile_path}" if res.profile_path else "dry run: nothing written")
     return 0

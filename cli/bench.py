@@ -1,5 +1,6 @@
 """``tritonspec bench``: a quick side-by-side throughput table (ours vs transformers) on the same
 prompts, through ``runtime.bench``; the full reports are the perf/ suites."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,12 +12,16 @@ from .common import DEMO, demo_prompts, is_demo
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``subparsers`` and return its parser."""
     b = subparsers.add_parser(
-        "bench", help="quick side-by-side throughput table (ours vs transformers), same prompts",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+        "bench",
+        help="quick side-by-side throughput table (ours vs transformers), same prompts",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""examples:
   tritonspec bench                                   # demo pair, standard set, 4 prompts x 32 tokens, greedy
   tritonspec bench --sets standard,long,perturbed --systems ours-plain,ours-eagle3,ours-eagle3.1 --temperature 1
   tritonspec bench --target ./llama --drafter eagle3=./eagle3 --prompts p.jsonl
-full reports: python -m pytest perf/bench_e2e.py --benchmark-json perf/e2e.json && python perf/report.py perf/e2e.json""")
+full reports: python -m pytest perf/bench_e2e.py --benchmark-json perf/e2e.json &&
+              python perf/report.py perf/e2e.json""",
+    )
     b.add_argument("--target", default=DEMO)
     b.add_argument("--drafter", action="append", default=[], help="NAME=DIR (repeatable), for a --target directory")
     b.add_argument("--draft-lm", default=None, help="draft LM directory for hf-assisted")
@@ -60,7 +65,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     for name, prompts in sets.items():
         for system in systems:
             if bench.available(system, args.batch) is None:
-                results.append(bench.run(system, prompts[: args.num_prompts], name, args.temperature, args.batch,
-                                         args.max_new_tokens))
+                results.append(
+                    bench.run(
+                        system, prompts[: args.num_prompts], name, args.temperature, args.batch, args.max_new_tokens
+                    )
+                )
     print(format_table(results))
     return 0

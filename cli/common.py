@@ -1,5 +1,6 @@
 """Helpers shared by the commands: target names (demo, tiny random pair), dtype flags, tree-shape
 flags and prompt reading. Light at import time: torch and the runtime load inside the functions."""
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,11 @@ def resolve_pair(target: str, drafter: str | None) -> tuple[str, str | None]:
     from ..runtime.tiny import tiny_random_pair
 
     tdir, ddir = tiny_random_pair(cache_dir() / TINY)
-    print(f"note: '{TINY}' is a random-weight Llama target and drafter ({tdir.parent}); the text is noise and "
-          "the drafter is accepted only by chance", file=sys.stderr)
+    print(
+        f"note: '{TINY}' is a random-weight Llama target and drafter ({tdir.parent}); the text is noise and "
+        "the drafter is accepted only by chance",
+        file=sys.stderr,
+    )
     return str(tdir), (drafter or str(ddir))
 
 
@@ -67,8 +71,14 @@ def parse_dtype(name: str | None):
 
     if name is None:
         return None
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-             "float16": torch.float16, "fp16": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if name not in table:
         raise SystemExit(f"--dtype {name!r}: use one of {', '.join(table)}")
     return table[name]

@@ -1,5 +1,6 @@
 """``tritonspec drift``: attention drift per draft depth (EAGLE-3 vs 3.1), written as JSON + PNG
 plots by ``runtime.drift``."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,10 +11,13 @@ from .common import is_demo
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``drift`` subcommand to ``subparsers`` and return its parser."""
     dr = subparsers.add_parser(
-        "drift", help="measure attention drift per draft depth (EAGLE-3 vs 3.1), JSON + PNG plots",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+        "drift",
+        help="measure attention drift per draft depth (EAGLE-3 vs 3.1), JSON + PNG plots",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""examples:
   tritonspec drift --target ./llama --drafter ./eagle3 --drafter ./eagle3.1 --prompts prompts.jsonl --out drift/
-  tritonspec drift --target demo --prompts demo/prompts/long.jsonl --num-prompts 20 --out drift-long/""")
+  tritonspec drift --target demo --prompts demo/prompts/long.jsonl --num-prompts 20 --out drift-long/""",
+    )
     dr.add_argument("--target", required=True, help="HF target directory, or 'demo' (both demo drafters)")
     dr.add_argument("--drafter", action="append", default=[], help="drafter directory (repeatable)")
     dr.add_argument("--prompts", required=True, help="JSONL (prompt/text field) or text file (blank-line separated)")
@@ -41,8 +45,15 @@ def cmd_drift(args: argparse.Namespace) -> int:
     if not drafters:
         raise ValueError("pass at least one --drafter")
     prompts = read_prompts(args.prompts, args.num_prompts)
-    report = measure_drift(target, drafters, prompts, spec=ts.SpecConfig.chain(args.depth),
-                           max_new_tokens=args.max_new_tokens, n_sink=args.n_sink, device=args.device)
+    report = measure_drift(
+        target,
+        drafters,
+        prompts,
+        spec=ts.SpecConfig.chain(args.depth),
+        max_new_tokens=args.max_new_tokens,
+        n_sink=args.n_sink,
+        device=args.device,
+    )
     files = write_report(report, args.out)
     print(report.summary())
     print(f"wrote {', '.join(f.name for f in files)} to {args.out}")

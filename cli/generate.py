@@ -1,5 +1,6 @@
 """``tritonspec generate``: one prompt through SpeculativeRuntime, then the stats line
 (tokens/s, mean acceptance length; with ``--compare`` the plain-decoding speedup)."""
+
 from __future__ import annotations
 
 import argparse
@@ -13,22 +14,33 @@ GRAPH_MODES = {"auto": "auto", "on": True, "off": False}  # --cuda-graphs -> Spe
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``generate`` subcommand to ``subparsers`` and return its parser."""
     g = subparsers.add_parser(
-        "generate", help="generate text (speculative by default) and print tokens/s and acceptance",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+        "generate",
+        help="generate text (speculative by default) and print tokens/s and acceptance",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""examples:
   tritonspec generate "def fib(n):"                                 # tiny random pair (machinery check)
   tritonspec generate --target ./llama --drafter ./eagle3 "Hello" --compare
   echo "Hello" | tritonspec generate --target ./llama --no-speculative
-  tritonspec generate "import os" --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" --stream""")
+  tritonspec generate "import os" --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" --stream""",
+    )
     g.add_argument("prompt", nargs="?", help="the prompt; '-' or nothing reads stdin")
-    g.add_argument("--target", default=default_target(),
-                   help=f"HF target directory, '{DEMO}' / '{DEMO}:eagle3' (the bundled pair; default) or '{TINY}'")
+    g.add_argument(
+        "--target",
+        default=default_target(),
+        help=f"HF target directory, '{DEMO}' / '{DEMO}:eagle3' (the bundled pair; default) or '{TINY}'",
+    )
     g.add_argument("--drafter", default=None, help="EAGLE-3/3.1 drafter directory (none: plain decoding)")
     g.add_argument("--max-new-tokens", type=int, default=64)
-    g.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="draft depth (default: the tuned profile for this pair and device, else 6)")
+    g.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=None,
+        help="draft depth (default: the tuned profile for this pair and device, else 6)",
+    )
     g.add_argument("--draft-top-k", type=int, default=None, help="tree branching per level (default 8; 1 = chain)")
-    g.add_argument("--num-draft-tokens", type=int, default=None,
-                   help="tokens verified per round, root included (default 48)")
+    g.add_argument(
+        "--num-draft-tokens", type=int, default=None, help="tokens verified per round, root included (default 48)"
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off); the tree uses --draft-top-k")
@@ -41,8 +53,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16 (default: float32 on CPU)")
     g.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     g.add_argument("--max-seq-len", type=int, default=None)
-    g.add_argument("--cuda-graphs", default="auto", choices=list(GRAPH_MODES),
-                   help="capture decode rounds as CUDA graphs: auto (on a CUDA device), on, off (eager)")
+    g.add_argument(
+        "--cuda-graphs",
+        default="auto",
+        choices=list(GRAPH_MODES),
+        help="capture decode rounds as CUDA graphs: auto (on a CUDA device), on, off (eager)",
+    )
     g.add_argument("--quiet-stats", action="store_true", help="print the stats line on stderr")
     g.set_defaults(fn=cmd_generate)
     return g
@@ -55,11 +71,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
     target, drafter = resolve_pair(args.target, args.drafter)
     spec = spec_from_flags(args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens)
     rt = ts.SpeculativeRuntime.from_pretrained(
-        target, drafter, device=args.device, dtype=parse_dtype(args.dtype), backend=args.backend, spec=spec,
-        max_batch_size=1, max_seq_len=args.max_seq_len, cuda_graphs=GRAPH_MODES[args.cuda_graphs])
+        target,
+        drafter,
+        device=args.device,
+        dtype=parse_dtype(args.dtype),
+        backend=args.backend,
+        spec=spec,
+        max_batch_size=1,
+        max_seq_len=args.max_seq_len,
+        cuda_graphs=GRAPH_MODES[args.cuda_graphs],
+    )
     speculative = not args.no_speculative and rt.drafter is not None
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-              seed=args.seed, stop=args.stop or None, speculative=speculative)
+    kw = dict(
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        stop=args.stop or None,
+        speculative=speculative,
+    )
     if args.compare:  # one short warm-up per mode, so neither timing pays first-call costs
         for mode in (speculative, False):
             rt.generate(prompt, **(kw | {"max_new_tokens": 2, "speculative": mode}))
@@ -73,14 +104,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out = rt.generate(prompt, **kw)
         print(out.texts[0] if out.texts is not None else " ".join(map(str, out.token_ids[0])))
         s, out_ids = out.stats, out.token_ids
-    line = (f"[tritonspec] new_tokens={s.num_new_tokens} tokens/s={s.tokens_per_second:.1f} "
-            f"mean_acceptance_length={s.mean_acceptance_length:.2f} "
-            f"mode={'speculative' if speculative else 'plain'} backend={rt.backend} "
-            f"cuda_graphs={'on' if rt.graphs_enabled else 'off'}")
+    line = (
+        f"[tritonspec] new_tokens={s.num_new_tokens} tokens/s={s.tokens_per_second:.1f} "
+        f"mean_acceptance_length={s.mean_acceptance_length:.2f} "
+        f"mode={'speculative' if speculative else 'plain'} backend={rt.backend} "
+        f"cuda_graphs={'on' if rt.graphs_enabled else 'off'}"
+    )
     if args.compare and speculative:
         base = rt.generate(prompt, **(kw | {"speculative": False}))
-        line += (f" plain_tokens/s={base.stats.tokens_per_second:.1f} "
-                 f"speedup={s.tokens_per_second / max(base.stats.tokens_per_second, 1e-9):.2f}x")
+        line += (
+            f" plain_tokens/s={base.stats.tokens_per_second:.1f} "
+            f"speedup={s.tokens_per_second / max(base.stats.tokens_per_second, 1e-9):.2f}x"
+        )
         if out_ids is not None and args.temperature == 0:
             line += f" identical={base.token_ids == out_ids}"
     print(line, file=sys.stderr if args.quiet_stats else sys.stdout)

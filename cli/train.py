@@ -1,5 +1,6 @@
 """``tritonspec train``: train an EAGLE-3 / EAGLE-3.1 drafter for a target through
 ``training.trainer`` (training-time test; resumes from ``<out>/checkpoint.pt``)."""
+
 from __future__ import annotations
 
 import argparse
@@ -10,18 +11,25 @@ VARIANT_FLAGS = {"eagle3": False, "eagle3.1": True}
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``train`` subcommand to ``subparsers`` and return its parser."""
     t = subparsers.add_parser(
-        "train", help="train an EAGLE-3 / EAGLE-3.1 drafter for a target (training-time test)",
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog="""examples:
+        "train",
+        help="train an EAGLE-3 / EAGLE-3.1 drafter for a target (training-time test)",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""examples:
   tritonspec train --target ./llama --data code.jsonl --out ./my-eagle3.1
   tritonspec train --target ./llama --data ./src/ --variant eagle3 --ttt-depth 4 --steps 500 --out ./d3
   tritonspec train --target ./llama --data prompts.jsonl --regenerate 256 --out ./d   # self-distillation
 data: a .jsonl file of {"text": ...} or {"input_ids": [...]} records, a text file, or a folder of *.py files.
-A stopped run resumes from <out>/checkpoint.pt when rerun with the same settings.""")
+A stopped run resumes from <out>/checkpoint.pt when rerun with the same settings.""",
+    )
     t.add_argument("--target", required=True, help="HF target model directory")
     t.add_argument("--data", required=True, help="training data (see below)")
     t.add_argument("--out", required=True, help="output drafter directory")
-    t.add_argument("--variant", default="eagle3.1", choices=sorted(VARIANT_FLAGS),
-                   help="eagle3.1 = fc_norm + post-norm feedback (default); eagle3 = neither")
+    t.add_argument(
+        "--variant",
+        default="eagle3.1",
+        choices=sorted(VARIANT_FLAGS),
+        help="eagle3.1 = fc_norm + post-norm feedback (default); eagle3 = neither",
+    )
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=4)
     t.add_argument("--seq-len", type=int, default=512)
@@ -29,8 +37,13 @@ A stopped run resumes from <out>/checkpoint.pt when rerun with the same settings
     t.add_argument("--ttt-depth", type=int, default=7, help="unrolled training-time-test steps (default 7)")
     t.add_argument("--draft-vocab-size", type=int, default=None, help="default: the full target vocabulary")
     t.add_argument("--aux-layer-ids", default=None, help="comma-separated boundary ids (default 2,N//2,N-3)")
-    t.add_argument("--regenerate", type=int, default=0, metavar="N",
-                   help="replace the data by N-token greedy continuations of the target (self-distillation)")
+    t.add_argument(
+        "--regenerate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="replace the data by N-token greedy continuations of the target (self-distillation)",
+    )
     t.add_argument("--tokenizer", default=None, help="default: the tokenizer saved with the target")
     t.add_argument("--format", default="eagle3", choices=["eagle3", "speculators"])
     t.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
@@ -46,12 +59,26 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     flag = VARIANT_FLAGS[args.variant]
     ids = tuple(int(x) for x in args.aux_layer_ids.split(",")) if args.aux_layer_ids else None
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                      ttt_depth=args.ttt_depth, fc_norm=flag, norm_output=flag, draft_vocab_size=args.draft_vocab_size,
-                      aux_layer_ids=ids, regenerate_new_tokens=args.regenerate, seed=args.seed,
-                      save_format=args.format, save_dtype=args.dtype, device=args.device)
+    cfg = TrainConfig(
+        steps=args.steps,
+        batch_size=args.batch_size,
+        seq_len=args.seq_len,
+        lr=args.lr,
+        ttt_depth=args.ttt_depth,
+        fc_norm=flag,
+        norm_output=flag,
+        draft_vocab_size=args.draft_vocab_size,
+        aux_layer_ids=ids,
+        regenerate_new_tokens=args.regenerate,
+        seed=args.seed,
+        save_format=args.format,
+        save_dtype=args.dtype,
+        device=args.device,
+    )
     res = train_drafter(args.target, args.data, args.out, cfg, tokenizer=args.tokenizer, resume=not args.no_resume)
     acc = " ".join(f"{a:.2f}" for a in res.accuracies)
-    print(f"[tritonspec] drafter={res.out_dir} variant={args.variant} steps={res.steps} "
-          f"loss={res.final_loss:.3f} accuracy_per_depth={acc}")
+    print(
+        f"[tritonspec] drafter={res.out_dir} variant={args.variant} steps={res.steps} "
+        f"loss={res.final_loss:.3f} accuracy_per_depth={acc}"
+    )
     return 0

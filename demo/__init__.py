@@ -8,6 +8,7 @@ corpus file hashes, seeds and hyper-parameters); evaluation prompts live in ``pr
 >>> target_dir, drafter_dir = ts.demo_pair("eagle3.1")    # doctest: +SKIP
 >>> rt = ts.SpeculativeRuntime.from_pretrained(target_dir, drafter_dir)   # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +21,8 @@ PROMPT_SETS = ("standard", "long", "perturbed")
 def available() -> bool:
     """True when the demo weights are installed (they are built by the demo recipe)."""
     return (ROOT / "target" / "config.json").exists() and all(
-        (ROOT / d / "config.json").exists() for d in VARIANTS.values())
+        (ROOT / d / "config.json").exists() for d in VARIANTS.values()
+    )
 
 
 def demo_pair(variant: str = "eagle3.1") -> tuple[Path, Path]:
@@ -35,8 +37,10 @@ def demo_pair(variant: str = "eagle3.1") -> tuple[Path, Path]:
     target, drafter = ROOT / "target", ROOT / VARIANTS[variant]
     for d in (target, drafter):
         if not (d / "config.json").exists():
-            raise FileNotFoundError(f"the demo weights are missing ({d}); build them with "
-                                    "`python -m tritonspec.recipes.demo --out <package>/demo`")
+            raise FileNotFoundError(
+                f"the demo weights are missing ({d}); build them with "
+                "`python -m tritonspec.recipes.demo --out <package>/demo`"
+            )
     return target, drafter
 
 

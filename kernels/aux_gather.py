@@ -8,6 +8,7 @@ The target captures its residual stream at ``n_aux`` boundaries, concatenated pe
 
 ``index[i] = -1`` marks a padding row: its output is all zeros.
 """
+
 from __future__ import annotations
 
 import torch

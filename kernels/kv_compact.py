@@ -10,6 +10,7 @@ Source and destination ranges overlap. The path's node ids increase along the pa
 ``nodes[b, k] >= k``, so every source is read before any destination that could alias it is
 written (the reference reads all sources first).
 """
+
 from __future__ import annotations
 
 import torch
@@ -48,8 +49,9 @@ def kv_compact_reference(
 # Entries with nodes[j] == j (already in place) and padding (-1) are skipped: the reference
 # copies those slots onto themselves.
 # --------------------------------------------------------------------------------------------
-def compact_config(hd: int, block_m: int, dtype: torch.dtype | None = None,
-                   device: torch.device | None = None) -> tuple[int, int]:
+def compact_config(
+    hd: int, block_m: int, dtype: torch.dtype | None = None, device: torch.device | None = None
+) -> tuple[int, int]:
     """``(BLOCK_C, num_warps)`` per row width Hkv*D (a discrete copy: every config gives the same bits)."""
     default = {"BLOCK_C": min(next_pow2(hd), max(8192 // block_m, 128)), "num_warps": 4}
     cfg = tuned("kv_compact", hd, default, dtype=dtype, device=device)

@@ -7,6 +7,7 @@ needs no host-side filtering and can run inside a CUDA graph. Values are cast to
 (round to nearest even, as ``Tensor.to``). Tree attention reads the queries' own K/V from the
 cache, so the runtime writes them first.
 """
+
 from __future__ import annotations
 
 import torch

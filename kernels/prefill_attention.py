@@ -7,6 +7,7 @@ with G = Hq / Hkv query heads per KV head (GQA). This is tree attention's math f
 a blocked kernel on a CPU) skips the masked half, which the general tree-mask path cannot.
 Prefill is not a decode-round op, so there is no Triton kernel: both backends use this function.
 """
+
 from __future__ import annotations
 
 import torch
@@ -21,6 +22,12 @@ def prefill_attention(
 ) -> torch.Tensor:  # [B, P, Hq, D]
     """Causal self-attention of a prompt with an empty prefix: ``softmax(q k^T * scale + causal) v``
     (``tree_attention_reference`` with ``prefix_lens == 0`` and a causal tree mask)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2).to(q.dtype), v.transpose(1, 2).to(q.dtype),
-                                         is_causal=True, scale=scale, enable_gqa=q.shape[2] != k.shape[2])
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2),
+        k.transpose(1, 2).to(q.dtype),
+        v.transpose(1, 2).to(q.dtype),
+        is_causal=True,
+        scale=scale,
+        enable_gqa=q.shape[2] != k.shape[2],
+    )
     return out.transpose(1, 2)

@@ -9,6 +9,7 @@ Accumulation is in float32; the normalised row is cast back to the input dtype *
 weight multiply, exactly as Hugging Face's ``LlamaRMSNorm`` does, so the torch backend
 reproduces transformers bit for bit.
 """
+
 from __future__ import annotations
 
 import torch
@@ -80,7 +81,9 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         # the add rounds to the input dtype like the reference (fp32 sum, one rounding: exact
         # for fp16/bf16 operands since 24 >= 2 * 11 + 2)
-        s = round_to(h + tl.load(r_ptr + i * stride_r0 + j * stride_r1 + cols, mask=mask, other=0.0).to(tl.float32), DTYPE)
+        s = round_to(
+            h + tl.load(r_ptr + i * stride_r0 + j * stride_r1 + cols, mask=mask, other=0.0).to(tl.float32), DTYPE
+        )
         tl.store(s_ptr + row * H + cols, s, mask=mask)
         h = s.to(tl.float32)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0)

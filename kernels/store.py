@@ -31,6 +31,7 @@ shape a lookup is one dict access, with no file I/O.
 This module is the one owner of the format: the kernel launchers read it (``tuned``) and
 ``tritonspec autotune kernels`` writes it (``make_table``, ``write_table``, ``forced``).
 """
+
 from __future__ import annotations
 
 import functools
@@ -124,12 +125,23 @@ def user_dir() -> Path:
 
 
 # ------------------------------------------------------------------------------------------ files
-def make_table(op: str, bucket: str, configs: dict[int, dict], *, dtype: str, device: torch.device | str | None = None,
-               timings_us: dict[int, dict] | None = None, name: str | None = None) -> dict:
+def make_table(
+    op: str,
+    bucket: str,
+    configs: dict[int, dict],
+    *,
+    dtype: str,
+    device: torch.device | str | None = None,
+    timings_us: dict[int, dict] | None = None,
+    name: str | None = None,
+) -> dict:
     """A store file's content, stamped with this machine's GPU, capability and versions."""
     return {
-        "op": op, "bucket": bucket, "device_name": name or device_name(device),
-        "compute_capability": compute_capability(device) if name is None else None, "dtype": dtype,
+        "op": op,
+        "bucket": bucket,
+        "device_name": name or device_name(device),
+        "compute_capability": compute_capability(device) if name is None else None,
+        "dtype": dtype,
         "versions": versions(),
         "configs": {str(k): v for k, v in sorted(configs.items())},
         "timings_us": {str(k): v for k, v in sorted((timings_us or {}).items())},
@@ -145,8 +157,11 @@ def write_table(table: dict, out_dir: str | Path, shape: dict[str, Any] | None =
         try:
             old = json.loads(path.read_text())
             if _mismatch(old, table["device_name"], table["compute_capability"]) is None:
-                table = dict(table, configs={**old.get("configs", {}), **table["configs"]},
-                             timings_us={**old.get("timings_us", {}), **table["timings_us"]})
+                table = dict(
+                    table,
+                    configs={**old.get("configs", {}), **table["configs"]},
+                    timings_us={**old.get("timings_us", {}), **table["timings_us"]},
+                )
         except (OSError, ValueError):
             pass  # a corrupt file is replaced
     path.write_text(json.dumps(table, indent=2) + "\n")
@@ -207,8 +222,9 @@ def _warn_once(msg: str) -> None:
         warnings.warn(msg, TunedConfigWarning, stacklevel=4)
 
 
-def load_table(op: str, dtype: str, name: str, capability: list[int] | None,
-               shape: dict[str, Any] | None = None) -> dict | None:
+def load_table(
+    op: str, dtype: str, name: str, capability: list[int] | None, shape: dict[str, Any] | None = None
+) -> dict | None:
     """The first usable table for this op/device/dtype in ``search_dirs()``, else None (warned once)."""
     dirs = tuple(search_dirs())
     fname = config_filename(op, name, dtype, shape)
@@ -228,8 +244,10 @@ def load_table(op: str, dtype: str, name: str, capability: list[int] | None,
             continue
         why = _mismatch(cand, name, capability)
         if why is not None:
-            _warn_once(f"ignoring the tuned-config file {path}: {why}; using the heuristic default "
-                       "(re-run `tritonspec autotune kernels`)")
+            _warn_once(
+                f"ignoring the tuned-config file {path}: {why}; using the heuristic default "
+                "(re-run `tritonspec autotune kernels`)"
+            )
             continue
         have, want = (cand.get("versions") or {}).get("torch"), versions()["torch"]
         if _minor(have) != _minor(want):
@@ -237,8 +255,10 @@ def load_table(op: str, dtype: str, name: str, capability: list[int] | None,
         table = cand
         break
     if not seen and name != "cpu":  # the CPU (interpreter) is a test tool: no files expected there
-        _warn_once(f"no tuned {op} configs for {name} ({dtype}) in {', '.join(map(str, dirs))}; using the "
-                   "heuristic default (run `tritonspec autotune kernels` to tune this GPU)")
+        _warn_once(
+            f"no tuned {op} configs for {name} ({dtype}) in {', '.join(map(str, dirs))}; using the "
+            "heuristic default (run `tritonspec autotune kernels` to tune this GPU)"
+        )
     _TABLES[key] = table
     return table
 
@@ -256,8 +276,15 @@ def nearest_bucket(keys: list[str] | dict, value: int) -> str | None:
     return None if best is None else best[1]
 
 
-def tuned(op: str, value: int, default: dict, *, dtype: torch.dtype | str | None,
-          device: torch.device | str | None, shape: dict[str, Any] | None = None) -> dict:
+def tuned(
+    op: str,
+    value: int,
+    default: dict,
+    *,
+    dtype: torch.dtype | str | None,
+    device: torch.device | str | None,
+    shape: dict[str, Any] | None = None,
+) -> dict:
     """``default`` updated with the stored config of the bucket nearest ``value``.
 
     Only the keys of ``default`` are taken from the file, and only integer values; a stored
@@ -281,8 +308,10 @@ def tuned(op: str, value: int, default: dict, *, dtype: torch.dtype | str | None
         if b is not None:
             stored = table["configs"][b]
             if isinstance(stored, dict) and all(
-                    isinstance(stored.get(k, v), int) and not isinstance(stored.get(k, v), bool) and stored.get(k, v) > 0
-                    for k, v in default.items() if isinstance(v, int)):
+                isinstance(stored.get(k, v), int) and not isinstance(stored.get(k, v), bool) and stored.get(k, v) > 0
+                for k, v in default.items()
+                if isinstance(v, int)
+            ):
                 cfg = {**default, **{k: stored[k] for k in default if k in stored}}
             else:
                 _warn_once(f"ignoring the malformed tuned {op} config {stored!r} (bucket {b}) for {name}")

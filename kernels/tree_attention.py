@@ -13,6 +13,7 @@ with G = Hq / Hkv query heads per KV head (GQA). The queries' own K/V must alrea
 into the cache (``kernels.kv_write``). A causal mask over the tree region gives ordinary
 causal attention (prefill, catch-up); a 1x1 mask gives one-token decode.
 """
+
 from __future__ import annotations
 
 import os
@@ -245,8 +246,13 @@ def _tree_attn_merge_kernel(
 def attention_config(head_dim: int, dtype: torch.dtype, device: torch.device | None = None) -> dict:
     """Tiles, warps, stages and the prefix split per head_dim (never per B, Q or context length):
     the tuned entry for this GPU/dtype (``kernels.store``) when there is a valid one, else the heuristic."""
-    default = dict(BLOCK_M=64, BLOCK_N=64 if max(next_pow2(head_dim), 16) <= 128 else 32, num_warps=4, num_stages=2,
-                   split_kv=SPLIT_KV)
+    default = dict(
+        BLOCK_M=64,
+        BLOCK_N=64 if max(next_pow2(head_dim), 16) <= 128 else 32,
+        num_warps=4,
+        num_stages=2,
+        split_kv=SPLIT_KV,
+    )
     cfg = tuned("tree_attention", head_dim, default, dtype=dtype, device=device)
     return cfg if cfg["split_kv"] % cfg["BLOCK_N"] == 0 and min(cfg["BLOCK_M"], cfg["BLOCK_N"]) >= 16 else default
 
@@ -322,7 +328,8 @@ def tree_attention(
     neg = -1.0e30  # finite "minus infinity" for running maxima: exp2(NEG - NEG) = 1, never NaN
     _tree_attn_partial_kernel[(hkv * n_mtiles, ns, B)](
         q, k_cache, v_cache, prefix_lens, tree_mask, acc, ml,
-        q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2),
         Q, T, kv_len, ns, float(scale) * _LOG2E,
         HQ=hq, HKV=hkv, D=d, SPLIT=split_kv, NEG=neg, **cfg,

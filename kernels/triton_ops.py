@@ -5,6 +5,7 @@ signatures (structurally: this module does not import the runtime); each is the 
 op's kernel module. On a CPU the launchers run under ``TRITON_INTERPRET=1`` (set before triton
 is imported), which is how the tests exercise them.
 """
+
 from __future__ import annotations
 
 from .aux_gather import aux_gather

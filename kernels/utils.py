@@ -17,6 +17,7 @@ off) and differ from the interpreter (numpy, never fused) that the tests run. Of
 multiply and add rounds like the PyTorch reference does, and the compiled kernels compute
 what the tests checked. ``tests/test_compile_ptx.py`` compiles with the same flag.
 """
+
 from __future__ import annotations
 
 import torch

@@ -15,6 +15,7 @@ Outputs per row: ``nodes`` (root + accepted node ids, -1 padded), ``num_accepted
 draft tokens, root excluded) and ``emitted`` (accepted draft tokens then the bonus token, -1
 padded): at least one new token per round.
 """
+
 from __future__ import annotations
 
 import torch

@@ -21,6 +21,7 @@ Exactly reproducible arithmetic: the coin test is ``float64(u) * float64(q) <= f
 ``r / xi`` are single correctly rounded fp32 operations, and the all-zero test is a max: so the
 Triton kernel equals this reference bit for bit.
 """
+
 from __future__ import annotations
 
 import torch

@@ -35,6 +35,7 @@ overflows). The bonus compares ``r[v] / xi[v]`` (one correctly rounded division,
 the textbook ``log r - log xi``, whose ``log`` is not correctly rounded on a GPU); the first
 maximal index wins, as ``torch.argmax``. ``xi`` must be > 0 (``RowRandom`` clamps it).
 """
+
 from __future__ import annotations
 
 import torch

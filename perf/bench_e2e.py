@@ -10,6 +10,7 @@ Each benchmark records in ``extra_info`` the metrics of ``runtime/bench.py`` (to
 acceptance per position, device, versions); speedups are computed against ``ours-plain`` of the
 same set, temperature and batch by the report generator.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -31,8 +32,12 @@ def test_e2e(benchmark, e2e, system, prompt_set, temperature, batch):
         pytest.skip(why)
     prompts = sets[prompt_set][: max(n, batch)]
     results = []
-    benchmark.pedantic(lambda: results.append(bench.run(system, prompts, prompt_set, temperature, batch, tokens)),
-                       rounds=1, iterations=1, warmup_rounds=0)
+    benchmark.pedantic(
+        lambda: results.append(bench.run(system, prompts, prompt_set, temperature, batch, tokens)),
+        rounds=1,
+        iterations=1,
+        warmup_rounds=0,
+    )
     r = results[-1]
     benchmark.extra_info.update(r.info() | {"pair": pair, "max_new_tokens": tokens})
     assert r.new_tokens == len(prompts) * tokens

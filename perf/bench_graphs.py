@@ -15,6 +15,7 @@ draft vocabulary 32K): a cost model only, its τ is ~1 and its speedup meaningle
 ``perf/gpu_check.py`` combines its round costs with the demo pair's τ into a *projected* speedup.
 Without CUDA the graph rows and the 8B pair skip; the demo eager rows run (few tokens in CI).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -34,25 +35,43 @@ def llama3_8b_random(device: str = "cuda"):
     import tritonspec as ts
     from tritonspec.runtime.target import TargetModel
 
-    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=8192,
-                      rms_norm_eps=1e-5, tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    cfg = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+    )
     g = torch.Generator(device=device).manual_seed(0)
 
     def w(*shape):
         return torch.randn(*shape, generator=g, device=device, dtype=torch.bfloat16) * 0.02
 
     H, I, kv = 4096, 14336, 8 * 128
-    state = {"embed_tokens.weight": w(cfg.vocab_size, H), "norm.weight": torch.ones(H, device=device),
-             "lm_head.weight": w(cfg.vocab_size, H)}
+    state = {
+        "embed_tokens.weight": w(cfg.vocab_size, H),
+        "norm.weight": torch.ones(H, device=device),
+        "lm_head.weight": w(cfg.vocab_size, H),
+    }
     for i in range(cfg.num_hidden_layers):
         p = f"layers.{i}."
-        state |= {p + "input_layernorm.weight": torch.ones(H, device=device),
-                  p + "post_attention_layernorm.weight": torch.ones(H, device=device),
-                  p + "self_attn.q_proj.weight": w(H, H), p + "self_attn.k_proj.weight": w(kv, H),
-                  p + "self_attn.v_proj.weight": w(kv, H), p + "self_attn.o_proj.weight": w(H, H),
-                  p + "mlp.gate_proj.weight": w(I, H), p + "mlp.up_proj.weight": w(I, H),
-                  p + "mlp.down_proj.weight": w(H, I)}
+        state |= {
+            p + "input_layernorm.weight": torch.ones(H, device=device),
+            p + "post_attention_layernorm.weight": torch.ones(H, device=device),
+            p + "self_attn.q_proj.weight": w(H, H),
+            p + "self_attn.k_proj.weight": w(kv, H),
+            p + "self_attn.v_proj.weight": w(kv, H),
+            p + "self_attn.o_proj.weight": w(H, H),
+            p + "mlp.gate_proj.weight": w(I, H),
+            p + "mlp.up_proj.weight": w(I, H),
+            p + "mlp.down_proj.weight": w(H, I),
+        }
     target = TargetModel(cfg, state, torch.device(device), torch.bfloat16)
     drafter = ts.Eagle3Drafter.for_target(cfg, draft_vocab_size=32000, seed=0)
     return target, drafter
@@ -69,8 +88,9 @@ def _runtime(pair: str, graphs: bool, quick: bool):
         if "demo" not in _cache:
             _cache["demo"] = (demo.ROOT / "target", ts.Eagle3Drafter.from_pretrained(demo.ROOT / "drafter-eagle3.1"))
         target, drafter = _cache["demo"]
-        rt = ts.SpeculativeRuntime.from_pretrained(target, drafter, device=dev, spec=ts.SpecConfig(),
-                                                   max_batch_size=4, max_seq_len=1024, cuda_graphs=graphs)
+        rt = ts.SpeculativeRuntime.from_pretrained(
+            target, drafter, device=dev, spec=ts.SpecConfig(), max_batch_size=4, max_seq_len=1024, cuda_graphs=graphs
+        )
         prompts = [rt.tokenizer(r["prompt"])["input_ids"] for r in demo.prompt_set("standard")[:4]]
         return rt, prompts, (8 if quick else 128)
     if not CUDA:
@@ -78,8 +98,9 @@ def _runtime(pair: str, graphs: bool, quick: bool):
     if pair not in _cache:
         _cache[pair] = llama3_8b_random()
     target, drafter = _cache[pair]
-    rt = ts.SpeculativeRuntime(target, drafter, spec=ts.SpecConfig(), max_batch_size=4, max_seq_len=2048,
-                               cuda_graphs=graphs)
+    rt = ts.SpeculativeRuntime(
+        target, drafter, spec=ts.SpecConfig(), max_batch_size=4, max_seq_len=2048, cuda_graphs=graphs
+    )
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128256, (512,), generator=g).tolist() for _ in range(4)]
     return rt, prompts, 128
@@ -103,15 +124,24 @@ def test_graphs_vs_eager(benchmark, pair, mode, runner, batch, request):
         captures = rt._graphs.captures
     timed_generate(rt, prompts, min(tokens, 8), spec)  # warm-up (JIT, allocator)
     results = []
-    benchmark.pedantic(lambda: results.append(timed_generate(rt, prompts, tokens, spec)), rounds=1, iterations=1,
-                       warmup_rounds=0)
+    benchmark.pedantic(
+        lambda: results.append(timed_generate(rt, prompts, tokens, spec)), rounds=1, iterations=1, warmup_rounds=0
+    )
     r = results[-1]
     prof = round_profile(rt, prompts, spec, rounds=2 if quick else 8)
-    info = dict(pair=pair, mode=mode, runner=runner, batch=batch, spec=str(rt.spec) if spec else "-",
-                max_new_tokens=tokens) | r | prof
+    info = (
+        dict(
+            pair=pair, mode=mode, runner=runner, batch=batch, spec=str(rt.spec) if spec else "-", max_new_tokens=tokens
+        )
+        | r
+        | prof
+    )
     if runner == "graphs":
-        info |= dict(graphs_captured=rt._graphs.captures, graph_failures=len(rt._graphs.failed),
-                     captured_while_timed=rt._graphs.captures - captures)
+        info |= dict(
+            graphs_captured=rt._graphs.captures,
+            graph_failures=len(rt._graphs.failed),
+            captured_while_timed=rt._graphs.captures - captures,
+        )
         assert not rt._graphs.failed, "a CUDA-graph capture failed (see the warning)"
     benchmark.extra_info.update(info | {"device": environment().get("device", "cpu")})
     assert r["new_tokens"] == len(prompts) * tokens

@@ -1,12 +1,14 @@
 """Aux-state gather with fused fc_norm: reference vs Triton. Llama-3-8B on a GPU (3 captured
 states of H 4096, bf16; 8 rows of accepted tokens and a 480-row catch-up), small on a CPU."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, skip_unless_runnable  # noqa: F401
 
 from tritonspec.kernels.aux_gather import aux_gather_reference
+
+from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, skip_unless_runnable  # noqa: F401
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 HIDDEN = 4096 if CUDA else 256
@@ -28,5 +30,13 @@ def test_aux_gather(kernel_bench, provider, n, fc_norm):
     w = torch.randn(N_AUX, HIDDEN, device=DEVICE, dtype=DTYPE) if fc_norm else None
     row = aux[0]
     moved = 2 * n * nbytes(row) + (nbytes(w) if fc_norm else 0)  # rows in + rows out (+ weights)
-    kernel_bench(lambda: fn(aux, index, w, 1e-5), moved, provider=provider, n=n, hidden=HIDDEN, n_aux=N_AUX,
-                 fc_norm=fc_norm, dtype=str(DTYPE))
+    kernel_bench(
+        lambda: fn(aux, index, w, 1e-5),
+        moved,
+        provider=provider,
+        n=n,
+        hidden=HIDDEN,
+        n_aux=N_AUX,
+        fc_norm=fc_norm,
+        dtype=str(DTYPE),
+    )

@@ -5,14 +5,16 @@ tree mask, prefix 2K / 8K / 32K, batch 1 and 8. CPU: 8/2 heads, head_dim 64, pre
 GB/s counts the K/V bytes a query block must read (prefix + tree, once per KV head) plus q and
 the output.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, skip_unless_runnable  # noqa: F401
 
 from tritonspec.kernels.kv_write import kv_write_reference
 from tritonspec.kernels.tree_attention import tree_attention_reference
+
+from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, skip_unless_runnable  # noqa: F401
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 HQ, HKV, D = (32, 8, 128) if CUDA else (8, 2, 64)
@@ -54,8 +56,17 @@ def test_tree_attention(kernel_bench, provider, batch, prefix):
     q, k_cache, v_cache, prefix_lens, mask = _case(batch, prefix)
     kv_len = prefix + T
     moved = 2 * batch * kv_len * HKV * D * k_cache.element_size() + 2 * nbytes(q) + nbytes(mask)
-    kernel_bench(lambda: fn(q, k_cache, v_cache, prefix_lens, mask, D**-0.5, kv_len), moved, provider=provider,
-                 batch=batch, prefix=prefix, tree_tokens=T, heads=f"{HQ}/{HKV}", head_dim=D, dtype=str(DTYPE))
+    kernel_bench(
+        lambda: fn(q, k_cache, v_cache, prefix_lens, mask, D**-0.5, kv_len),
+        moved,
+        provider=provider,
+        batch=batch,
+        prefix=prefix,
+        tree_tokens=T,
+        heads=f"{HQ}/{HKV}",
+        head_dim=D,
+        dtype=str(DTYPE),
+    )
 
 
 @pytest.mark.parametrize("batch", BATCHES)
@@ -72,5 +83,11 @@ def test_kv_write(kernel_bench, provider, batch):
     slots = (torch.arange(T, device=DEVICE) + 100).expand(batch, T).contiguous()
     k = torch.randn(batch, T, HKV, D, device=DEVICE, dtype=DTYPE)
     v = torch.randn_like(k)
-    kernel_bench(lambda: fn(k_cache, v_cache, slots, k, v), 4 * nbytes(k), provider=provider, batch=batch,
-                 tokens=T, dtype=str(DTYPE))
+    kernel_bench(
+        lambda: fn(k_cache, v_cache, slots, k, v),
+        4 * nbytes(k),
+        provider=provider,
+        batch=batch,
+        tokens=T,
+        dtype=str(DTYPE),
+    )

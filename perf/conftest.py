@@ -7,6 +7,7 @@ files; pass them explicitly, their names are not ``test_*``). On a GPU every op 
 and the reference runs at small shapes. Each benchmark reports in ``extra_info``:
 ``us_per_call`` (median) and ``gbps`` (bytes the op must move / time), plus the shape.
 """
+
 from __future__ import annotations
 
 import time
@@ -66,10 +67,18 @@ def nbytes(*tensors: torch.Tensor) -> int:
 # ---------------------------------------------------------------------------------------------
 # End-to-end suites (perf/bench_e2e.py): one Bench (all systems loaded once) per session.
 def pytest_addoption(parser):
-    parser.addoption("--e2e-prompts", type=int, default=None,
-                     help="prompts per set for perf/bench_e2e.py (default 8; 1 with --benchmark-disable)")
-    parser.addoption("--e2e-tokens", type=int, default=None,
-                     help="new tokens per prompt for perf/bench_e2e.py (default 64; 8 with --benchmark-disable)")
+    parser.addoption(
+        "--e2e-prompts",
+        type=int,
+        default=None,
+        help="prompts per set for perf/bench_e2e.py (default 8; 1 with --benchmark-disable)",
+    )
+    parser.addoption(
+        "--e2e-tokens",
+        type=int,
+        default=None,
+        help="new tokens per prompt for perf/bench_e2e.py (default 64; 8 with --benchmark-disable)",
+    )
 
 
 @pytest.fixture(scope="session")

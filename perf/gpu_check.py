@@ -29,6 +29,7 @@ the table always comes out. ``--skip-install``, ``--skip-tests`` and ``--bench F
 parts; without CUDA the same code runs the reference rows at CPU shapes and a host-memory copy
 (how ``tests/test_perf_gpu_check.py`` exercises it).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,23 +62,67 @@ def plan(args, out: Path) -> list[tuple[str, list[str], float]]:
     py = sys.executable
     steps = []
     if not args.skip_install:
-        steps.append(("install", [py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."],
-                      120.0))
+        steps.append(
+            ("install", [py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."], 120.0)
+        )
     if not args.skip_tests:
-        tests = [str(ROOT / "tests" / "test_cuda_graphs.py")] + sorted(glob.glob(str(ROOT / "tests" / "test_kernels_*.py"))) \
+        tests = (
+            [str(ROOT / "tests" / "test_cuda_graphs.py")]
+            + sorted(glob.glob(str(ROOT / "tests" / "test_kernels_*.py")))
             + [str(ROOT / "tests" / "test_backend_triton.py")]
-        cmd = [py, "-m", "pytest", *[os.path.relpath(t, ROOT) for t in tests], "-q", "-p", "no:cacheprovider",
-               "--durations=10"]
+        )
+        cmd = [
+            py,
+            "-m",
+            "pytest",
+            *[os.path.relpath(t, ROOT) for t in tests],
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "--durations=10",
+        ]
         if args.workers and has("xdist"):
             cmd += ["-n", str(args.workers)]
         steps.append(("tests", cmd, args.test_timeout_s))
     if not args.skip_graphs:
-        steps.append(("graphs", [py, "-m", "pytest", "perf/bench_graphs.py", "--benchmark-only", "-q", "-p",
-                                 "no:cacheprovider", f"--benchmark-json={out / 'graphs.json'}"], args.graphs_timeout_s))
-    benches = args.bench or sorted(os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / "perf" / "bench_kernels_*.py")))
+        steps.append(
+            (
+                "graphs",
+                [
+                    py,
+                    "-m",
+                    "pytest",
+                    "perf/bench_graphs.py",
+                    "--benchmark-only",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    f"--benchmark-json={out / 'graphs.json'}",
+                ],
+                args.graphs_timeout_s,
+            )
+        )
+    benches = args.bench or sorted(
+        os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / "perf" / "bench_kernels_*.py"))
+    )
     if benches:
-        steps.append(("bench", [py, "-m", "pytest", *benches, "--benchmark-only", "-q", "-p", "no:cacheprovider",
-                                f"--benchmark-json={out / 'bench.json'}"], float("inf")))
+        steps.append(
+            (
+                "bench",
+                [
+                    py,
+                    "-m",
+                    "pytest",
+                    *benches,
+                    "--benchmark-only",
+                    "-q",
+                    "-p",
+                    "no:cacheprovider",
+                    f"--benchmark-json={out / 'bench.json'}",
+                ],
+                float("inf"),
+            )
+        )
     return steps
 
 
@@ -88,8 +133,9 @@ def run_step(name: str, argv: list[str], timeout_s: float, out: Path) -> dict:
     t0 = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with open(out / f"{name}.log", "w") as log:
-        proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
 
         def pump():
             for line in proc.stdout:
@@ -137,7 +183,9 @@ def copy_baseline(mib: int = 1024, iters: int = 20) -> dict:
         for _ in range(iters):
             dst.copy_(src)
         sec = (time.perf_counter() - t0) / iters
-    return dict(device=torch.cuda.get_device_name() if cuda else "cpu", mib=mib, gbps=round(2 * src.numel() / sec / 1e9, 1))
+    return dict(
+        device=torch.cuda.get_device_name() if cuda else "cpu", mib=mib, gbps=round(2 * src.numel() / sec / 1e9, 1)
+    )
 
 
 def table_rows(bench: dict, copy_gbps: float | None) -> list[dict]:
@@ -149,22 +197,39 @@ def table_rows(bench: dict, copy_gbps: float | None) -> list[dict]:
             continue
         shape = " ".join(f"{k}={v}" for k, v in info.items() if k not in INFO_KEYS_HIDDEN)
         gbps = info.get("gbps")
-        rows.append(dict(
-            op=b["name"].removeprefix("test_"),
-            shape=shape,
-            us=info["us_per_call"],
-            gbps=gbps,
-            pct_copy=100 * gbps / copy_gbps if gbps is not None and copy_gbps else None,
-        ))
+        rows.append(
+            dict(
+                op=b["name"].removeprefix("test_"),
+                shape=shape,
+                us=info["us_per_call"],
+                gbps=gbps,
+                pct_copy=100 * gbps / copy_gbps if gbps is not None and copy_gbps else None,
+            )
+        )
     return rows
 
 
 def graph_rows(graphs: dict) -> list[dict]:
     """One row per ``perf/bench_graphs.py`` benchmark (its ``extra_info``)."""
-    keys = ("pair", "mode", "runner", "batch", "tokens_s", "tau", "round_ms", "draft_ms", "verify_ms", "commit_ms",
-            "launches", "aten_ops")
-    return [{k: b.get("extra_info", {}).get(k) for k in keys} for b in graphs.get("benchmarks", [])
-            if "round_ms" in b.get("extra_info", {})]
+    keys = (
+        "pair",
+        "mode",
+        "runner",
+        "batch",
+        "tokens_s",
+        "tau",
+        "round_ms",
+        "draft_ms",
+        "verify_ms",
+        "commit_ms",
+        "launches",
+        "aten_ops",
+    )
+    return [
+        {k: b.get("extra_info", {}).get(k) for k in keys}
+        for b in graphs.get("benchmarks", [])
+        if "round_ms" in b.get("extra_info", {})
+    ]
 
 
 def format_graph_table(rows: list[dict]) -> str:
@@ -175,12 +240,16 @@ def format_graph_table(rows: list[dict]) -> str:
     def f(v, nd=2):
         return "-" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
 
-    head = ("| pair | mode | runner | batch | tok/s | τ | ms/round | eager draft | eager verify | eager commit | "
-            "launches/round (eager) | aten ops/round |\n|" + " --- |" * 4 + " ---: |" * 8)
-    lines = [f"| {r['pair']} | {r['mode']} | {r['runner']} | {r['batch']} | {f(r['tokens_s'], 1)} | {f(r['tau'])} | "
-             f"{f(r['round_ms'])} | {f(r['draft_ms'])} | {f(r['verify_ms'])} | {f(r['commit_ms'])} | {f(r['launches'])} | "
-             f"{f(r['aten_ops'])} |"
-             for r in rows]
+    head = (
+        "| pair | mode | runner | batch | tok/s | τ | ms/round | eager draft | eager verify | eager commit | "
+        "launches/round (eager) | aten ops/round |\n|" + " --- |" * 4 + " ---: |" * 8
+    )
+    lines = [
+        f"| {r['pair']} | {r['mode']} | {r['runner']} | {r['batch']} | {f(r['tokens_s'], 1)} | {f(r['tau'])} | "
+        f"{f(r['round_ms'])} | {f(r['draft_ms'])} | {f(r['verify_ms'])} | {f(r['commit_ms'])} | {f(r['launches'])} | "
+        f"{f(r['aten_ops'])} |"
+        for r in rows
+    ]
     at = {(r["pair"], r["mode"], r["runner"], r["batch"]): r for r in rows}
     notes = []
     for (pair, mode, runner, batch), r in sorted(at.items()):
@@ -193,20 +262,26 @@ def format_graph_table(rows: list[dict]) -> str:
         s8 = at.get(("llama3-8b-random", "speculative", "graphs", batch))
         if demo and p8 and s8 and s8["round_ms"]:
             proj = demo["tau"] * p8["round_ms"] / s8["round_ms"]
-            notes.append(f"- PROJECTED llama3-8b speedup, batch {batch}: τ {demo['tau']:.2f} (demo pair, same tree) x "
-                         f"plain round {p8['round_ms']:.2f} ms / speculative round {s8['round_ms']:.2f} ms = {proj:.2f}x "
-                         "(projected, not measured: the 8B drafter is random)")
+            notes.append(
+                f"- PROJECTED llama3-8b speedup, batch {batch}: τ {demo['tau']:.2f} (demo pair, same tree) x "
+                f"plain round {p8['round_ms']:.2f} ms / speculative round {s8['round_ms']:.2f} ms = {proj:.2f}x "
+                "(projected, not measured: the 8B drafter is random)"
+            )
     return "\n".join([head, *lines, "", *notes])
 
 
 def format_table(rows: list[dict], copy: dict | None) -> str:
     head = "| op | shape | us/call | GB/s | % of copy GB/s |\n| --- | --- | ---: | ---: | ---: |"
+
     def fmt(v):  # 3 significant digits below 100, whole numbers above
         return "-" if v is None else f"{v:.0f}" if abs(v) >= 100 else f"{v:.3g}"
 
     lines = [f"| {r['op']} | {r['shape']} | {fmt(r['us'])} | {fmt(r['gbps'])} | {fmt(r['pct_copy'])} |" for r in rows]
-    note = (f"\ncopy baseline: {copy['gbps']} GB/s ({copy['mib']} MiB dst.copy_(src) on {copy['device']}, "
-            "read + write)") if copy else "\ncopy baseline: not measured"
+    note = (
+        (f"\ncopy baseline: {copy['gbps']} GB/s ({copy['mib']} MiB dst.copy_(src) on {copy['device']}, read + write)")
+        if copy
+        else "\ncopy baseline: not measured"
+    )
     return "\n".join([head, *lines]) + "\n" + note
 
 
@@ -227,7 +302,9 @@ def environment() -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--dry-run", action="store_true", help="print the plan and commands, run nothing")
     ap.add_argument("--skip-install", action="store_true")
     ap.add_argument("--skip-tests", action="store_true")
@@ -248,8 +325,10 @@ def main(argv: list[str] | None = None) -> int:
             t = "the rest of the budget" if timeout_s == float("inf") else f"<= {timeout_s:.0f} s"
             print(f"{i}. {name} ({t}): {shlex.join(cmd)}")
         print(f"{len(steps) + 1}. copy baseline: 1 GiB device-to-device dst.copy_(src), CUDA events, 20 copies")
-        print(f"{len(steps) + 2}. tables: op, shape, us/call, GB/s, % of copy GB/s; graphs vs eager with the projected "
-              f"8B speedup -> {out / 'summary.md'}")
+        print(
+            f"{len(steps) + 2}. tables: op, shape, us/call, GB/s, % of copy GB/s; graphs vs eager with the projected "
+            f"8B speedup -> {out / 'summary.md'}"
+        )
         return 0
 
     deadline = time.perf_counter() + args.budget_s
@@ -276,14 +355,20 @@ def main(argv: list[str] | None = None) -> int:
     grows = graph_rows(json.loads(graphs_path.read_text())) if graphs_path.exists() else []
     table = format_table(rows, copy) + "\n\n" + format_graph_table(grows)
     date = time.strftime("%Y-%m-%d")
-    steps_md = "\n".join(f"- {r['step']}: rc={r['rc']}" + (f", {r['wall_s']} s" if "wall_s" in r else "")
-                         for r in results)
-    (out / "summary.md").write_text(f"# gpu_check {date}\n\nenvironment: `{json.dumps(env)}`\n\n{steps_md}\n\n{table}\n")
-    (out / "summary.json").write_text(json.dumps(dict(date=date, environment=env, steps=results, copy=copy, rows=rows,
-                                                      graphs=grows),
-                                                 indent=1))
-    print(f"\n=== summary ({date}, {env.get('gpu', 'no GPU')}; steps: "
-          + ", ".join(f"{r['step']}={r['rc']}" for r in results) + ")")
+    steps_md = "\n".join(
+        f"- {r['step']}: rc={r['rc']}" + (f", {r['wall_s']} s" if "wall_s" in r else "") for r in results
+    )
+    (out / "summary.md").write_text(
+        f"# gpu_check {date}\n\nenvironment: `{json.dumps(env)}`\n\n{steps_md}\n\n{table}\n"
+    )
+    (out / "summary.json").write_text(
+        json.dumps(dict(date=date, environment=env, steps=results, copy=copy, rows=rows, graphs=grows), indent=1)
+    )
+    print(
+        f"\n=== summary ({date}, {env.get('gpu', 'no GPU')}; steps: "
+        + ", ".join(f"{r['step']}={r['rc']}" for r in results)
+        + ")"
+    )
     print(table)
     return 0 if all(r["rc"] == 0 for r in results) else 1
 

@@ -6,6 +6,7 @@
 Speedup = tokens/s ÷ ``ours-plain`` tokens/s of the same prompt set, temperature and batch,
 measured in the same run (same process, same prompts).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,12 +48,17 @@ def render(rows: list[dict], source: str) -> tuple[str, dict]:
         "",
     ]
     speedups: dict[str, dict[str, float]] = defaultdict(dict)
-    for (pset, temp, batch) in sorted(groups, key=lambda k: (k[2], k[1], PROMPT_SETS.index(k[0])
-                                                              if k[0] in PROMPT_SETS else 9)):
+    for pset, temp, batch in sorted(
+        groups, key=lambda k: (k[2], k[1], PROMPT_SETS.index(k[0]) if k[0] in PROMPT_SETS else 9)
+    ):
         g = groups[(pset, temp, batch)]
         base = g.get("ours-plain", {}).get("tokens_per_second")
-        out += [f"## {pset}, temperature {temp:g}, batch {batch}", "",
-                "| system | tokens/s | speedup | τ | acceptance per depth |", "|---|---:|---:|---:|---|"]
+        out += [
+            f"## {pset}, temperature {temp:g}, batch {batch}",
+            "",
+            "| system | tokens/s | speedup | τ | acceptance per depth |",
+            "|---|---:|---:|---:|---|",
+        ]
         for s in ORDER:
             r = g.get(s)
             if r is None:
@@ -92,8 +98,14 @@ def plots(rows: list[dict], speedups: dict, out_dir: Path) -> list[Path]:
     fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharey=True)
     for ax, pset in zip(axes, sets):
         for s in ("ours-eagle3", "ours-eagle3.1"):
-            r = next((r for r in rows if r["system"] == s and r["prompt_set"] == pset and r["temperature"] == 0
-                      and r["batch"] == 1), None)
+            r = next(
+                (
+                    r
+                    for r in rows
+                    if r["system"] == s and r["prompt_set"] == pset and r["temperature"] == 0 and r["batch"] == 1
+                ),
+                None,
+            )
             if r:
                 acc = r["accepted_per_position"]
                 ax.plot(range(1, len(acc) + 1), acc, marker="o", label=f"{s} (τ {r['tau']:.2f})")

@@ -16,6 +16,7 @@ i+1; speedup = tokens/s ÷ ours-plain tokens/s for the same prompt set, temperat
 transformers' prompt lookup and assisted generation run one prompt at a time (transformers
 supports batch 1 only there), so at batch 4 they are reported as not applicable.
 """
+
 from __future__ import annotations
 
 import platform
@@ -57,22 +58,39 @@ class BenchResult:
 def environment() -> dict:
     import transformers
 
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu ({platform.processor() or platform.machine()})"
+    dev = (
+        torch.cuda.get_device_name()
+        if torch.cuda.is_available()
+        else f"cpu ({platform.processor() or platform.machine()})"
+    )
     try:
         import triton
 
         tv = triton.__version__
     except ImportError:
         tv = None
-    return {"device": dev, "torch": torch.__version__, "transformers": transformers.__version__, "triton": tv,
-            "tritonspec": package_version(), "threads": torch.get_num_threads()}
+    return {
+        "device": dev,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": tv,
+        "tritonspec": package_version(),
+        "threads": torch.get_num_threads(),
+    }
 
 
 class Bench:
     """Loads each system once; ``run(system, prompts, ...)`` measures one configuration."""
 
-    def __init__(self, target_dir: str | Path, drafters: dict[str, str | Path], draft_lm_dir: str | Path | None = None,
-                 spec: SpecConfig | None = None, max_seq_len: int | None = None, device: str = "cpu"):
+    def __init__(
+        self,
+        target_dir: str | Path,
+        drafters: dict[str, str | Path],
+        draft_lm_dir: str | Path | None = None,
+        spec: SpecConfig | None = None,
+        max_seq_len: int | None = None,
+        device: str = "cpu",
+    ):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from .drafter import Eagle3Drafter
@@ -83,11 +101,20 @@ class Bench:
         self.tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         tm = TargetModel.from_pretrained(target_dir, device=device)
         self.dtype = tm.dtype
-        self.runtimes = {"ours-plain": SpeculativeRuntime(tm, None, self.tokenizer, spec=spec, max_batch_size=4,
-                                                          max_seq_len=max_seq_len)}
+        self.runtimes = {
+            "ours-plain": SpeculativeRuntime(
+                tm, None, self.tokenizer, spec=spec, max_batch_size=4, max_seq_len=max_seq_len
+            )
+        }
         for name, d in drafters.items():
-            self.runtimes[f"ours-{name}"] = SpeculativeRuntime(tm, Eagle3Drafter.from_pretrained(d), self.tokenizer,
-                                                               spec=spec, max_batch_size=4, max_seq_len=max_seq_len)
+            self.runtimes[f"ours-{name}"] = SpeculativeRuntime(
+                tm,
+                Eagle3Drafter.from_pretrained(d),
+                self.tokenizer,
+                spec=spec,
+                max_batch_size=4,
+                max_seq_len=max_seq_len,
+            )
         self.hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=self.dtype).to(device).eval()
         self.draft_lm = None
         if draft_lm_dir is not None and (Path(draft_lm_dir) / "config.json").exists():
@@ -103,13 +130,21 @@ class Bench:
             return f"no {system[5:]} drafter"
         return None
 
-    def run(self, system: str, prompts: list[str], prompt_set: str = "", temperature: float = 0.0, batch: int = 1,
-            max_new_tokens: int = 64, seed: int = 0) -> BenchResult:
+    def run(
+        self,
+        system: str,
+        prompts: list[str],
+        prompt_set: str = "",
+        temperature: float = 0.0,
+        batch: int = 1,
+        max_new_tokens: int = 64,
+        seed: int = 0,
+    ) -> BenchResult:
         why = self.available(system, batch)
         if why:
             raise ValueError(f"{system} at batch {batch}: {why}")
         ids = [self.tokenizer(p)["input_ids"] for p in prompts]
-        chunks = [ids[i:i + batch] for i in range(0, len(ids), batch)]
+        chunks = [ids[i : i + batch] for i in range(0, len(ids), batch)]
         if system.startswith("ours-"):
             return self._ours(system, chunks, prompt_set, temperature, batch, max_new_tokens, seed)
         return self._hf(system, chunks, prompt_set, temperature, batch, max_new_tokens, seed)
@@ -121,8 +156,14 @@ class Bench:
         per_pos = torch.zeros(rt.spec.num_speculative_tokens)
         t0 = time.perf_counter()
         for i, c in enumerate(chunks):
-            out = rt.generate(c, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed + i,
-                              stop_token_ids=[], speculative=spec)
+            out = rt.generate(
+                c,
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                seed=seed + i,
+                stop_token_ids=[],
+                speculative=spec,
+            )
             s = out.stats
             tokens += s.num_new_tokens
             drafts += s.num_drafts
@@ -130,16 +171,25 @@ class Bench:
             if spec:
                 per_pos += torch.tensor(s.accepted_per_position, dtype=torch.float32)
         wall = time.perf_counter() - t0
-        return BenchResult(system, prompt_set, temperature, batch, sum(len(c) for c in chunks), tokens, wall,
-                           tau=(1 + accepted / drafts) if spec and drafts else None,
-                           accepted_per_position=(per_pos / max(drafts, 1)).tolist() if spec else [])
+        return BenchResult(
+            system,
+            prompt_set,
+            temperature,
+            batch,
+            sum(len(c) for c in chunks),
+            tokens,
+            wall,
+            tau=(1 + accepted / drafts) if spec and drafts else None,
+            accepted_per_position=(per_pos / max(drafts, 1)).tolist() if spec else [],
+        )
 
     @torch.inference_mode()
     def _hf(self, system, chunks, prompt_set, temperature, batch, max_new_tokens, seed) -> BenchResult:
         tok = self.tokenizer
         pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        kw: dict[str, Any] = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=pad,
-                                  eos_token_id=None)
+        kw: dict[str, Any] = dict(
+            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=None
+        )
         if temperature > 0:
             kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
         else:
@@ -170,8 +220,10 @@ def format_table(results: list[BenchResult]) -> str:
         sp = f"{r.tokens_per_second / b:.2f}x" if b else "-"
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
         acc = " ".join(f"{a:.2f}" for a in r.accepted_per_position)
-        lines.append(f"{r.prompt_set:<10} {r.temperature:>3g} {r.batch:>2} {r.system:<17} {r.tokens_per_second:>8.1f} "
-                     f"{sp:>8} {tau:>5}  {acc}")
+        lines.append(
+            f"{r.prompt_set:<10} {r.temperature:>3g} {r.batch:>2} {r.system:<17} {r.tokens_per_second:>8.1f} "
+            f"{sp:>8} {tau:>5}  {acc}"
+        )
     return "\n".join(lines)
 
 
@@ -195,8 +247,14 @@ def timed_generate(rt: Any, prompts: list[list[int]], max_new_tokens: int, specu
     wall = time.perf_counter() - t0
     out = run.result
     n = out.stats.num_new_tokens
-    return dict(tokens_s=n / wall, tau=out.stats.mean_acceptance_length if speculative else 1.0, rounds=rounds,
-                round_ms=(wall - (t_first - t0)) / max(rounds, 1) * 1e3, prefill_ms=(t_first - t0) * 1e3, new_tokens=n)
+    return dict(
+        tokens_s=n / wall,
+        tau=out.stats.mean_acceptance_length if speculative else 1.0,
+        rounds=rounds,
+        round_ms=(wall - (t_first - t0)) / max(rounds, 1) * 1e3,
+        prefill_ms=(t_first - t0) * 1e3,
+        new_tokens=n,
+    )
 
 
 def round_profile(rt: Any, prompts: list[list[int]], speculative: bool = True, rounds: int = 8) -> dict:
@@ -243,8 +301,9 @@ def round_profile(rt: Any, prompts: list[list[int]], speculative: bool = True, r
                 device_sync(dev)
             launches = sum(1 for e in p.events() if e.device_type == torch.autograd.DeviceType.CUDA)
     n = max(done, 1)
-    return {f"{k}_ms": v / n * 1e3 for k, v in split.items()} | dict(launches=launches, aten_ops=aten_ops,
-                                                                     profiled_rounds=done)
+    return {f"{k}_ms": v / n * 1e3 for k, v in split.items()} | dict(
+        launches=launches, aten_ops=aten_ops, profiled_rounds=done
+    )
 
 
 def _count_aten_ops(fn) -> int:

@@ -9,6 +9,7 @@ Written: ``format="eagle3"`` (``LlamaForCausalLMEagle3`` config + flat ``midlaye
 This module works on configs and state dicts only; ``Eagle3Drafter.from_pretrained`` /
 ``save_pretrained`` (``runtime/drafter.py``) build and unpack the module around it.
 """
+
 from __future__ import annotations
 
 import json
@@ -53,8 +54,16 @@ def read_checkpoint(path: str | Path, aux_layer_convention: str = "auto") -> Dra
     return DrafterCheckpoint(cfg, state, embed)
 
 
-def write_checkpoint(path: str | Path, config: DrafterConfig, state: dict[str, torch.Tensor], *, format: str,
-                     dtype: torch.dtype | None, default_dtype: torch.dtype, target_info: dict | None) -> Path:
+def write_checkpoint(
+    path: str | Path,
+    config: DrafterConfig,
+    state: dict[str, torch.Tensor],
+    *,
+    format: str,
+    dtype: torch.dtype | None,
+    default_dtype: torch.dtype,
+    target_info: dict | None,
+) -> Path:
     """Validate and write a drafter checkpoint that vLLM/SGLang load as is (``format``: eagle3 or
     speculators); ``dtype`` converts the floating tensors (None: as they are, recorded as
     ``default_dtype``); ``target_info`` (max positions and rope of the target) is checked."""
@@ -62,19 +71,30 @@ def write_checkpoint(path: str | Path, config: DrafterConfig, state: dict[str, t
         raise ValueError(f"format={format!r} is not one of {FORMATS}")
     c = config
     if c.aux_layer_ids is None:
-        raise ValueError("set config.aux_layer_ids before saving: the layers the drafter was trained on must be recorded")
+        raise ValueError(
+            "set config.aux_layer_ids before saving: the layers the drafter was trained on must be recorded"
+        )
     if target_info is not None:
         tmax = target_info["max_position_embeddings"]
         if c.max_position_embeddings < tmax:
-            raise ValueError(f"max_position_embeddings={c.max_position_embeddings} is below the target's {tmax}; "
-                             "long prompts would be drafted with wrong positions")
+            raise ValueError(
+                f"max_position_embeddings={c.max_position_embeddings} is below the target's {tmax}; "
+                "long prompts would be drafted with wrong positions"
+            )
         if c.rope != target_info["rope"]:
             raise ValueError(f"drafter rope settings {c.rope} differ from the target's {target_info['rope']}")
     state = {k: v.detach().cpu().contiguous() for k, v in state.items()}
     if dtype is not None:
         state = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in state.items()}
-    required = ["fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-                "midlayer.self_attn.q_proj.weight", "midlayer.hidden_norm.weight"]
+    required = [
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "midlayer.self_attn.q_proj.weight",
+        "midlayer.hidden_norm.weight",
+    ]
     required += [f"fc_norm.{i}.weight" for i in range(c.num_aux_hidden_states)] if c.fc_norm else []
     lacking = [k for k in required if k not in state]
     if lacking:
@@ -95,14 +115,16 @@ def _canonical_keys(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     legacy = {"aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1", "aux_norm_high": "fc_norm.2"}
     for k, v in state.items():
         if k.startswith("model."):
-            k = k[len("model."):]
+            k = k[len("model.") :]
         if k.startswith("layers.0."):
-            k = "midlayer." + k[len("layers.0."):]
+            k = "midlayer." + k[len("layers.0.") :]
         elif k.startswith("layers."):
-            raise ValueError(f"multi-layer drafters are not supported yet (found {k!r}); use a one-layer EAGLE-3 drafter")
+            raise ValueError(
+                f"multi-layer drafters are not supported yet (found {k!r}); use a one-layer EAGLE-3 drafter"
+            )
         for old, new in legacy.items():
             if k.startswith(old + "."):
-                k = new + k[len(old):]
+                k = new + k[len(old) :]
         if k == "draft_id_to_target_id":
             k = "d2t"
         out[k] = v
@@ -114,7 +136,9 @@ def _config_from_dict(raw: dict, state: dict, convention: str, where: str) -> Dr
     layer = raw.get("transformer_layer_config", raw) if spec else raw
     eagle = raw.get("eagle_config") or {}
     if int(layer.get("num_hidden_layers", 1)) != 1:
-        raise ValueError(f"{where}: multi-layer drafters (num_hidden_layers={layer['num_hidden_layers']}) are not supported yet")
+        raise ValueError(
+            f"{where}: multi-layer drafters (num_hidden_layers={layer['num_hidden_layers']}) are not supported yet"
+        )
     hidden = layer["hidden_size"]
     heads = layer["num_attention_heads"]
     fc = state.get("fc.weight", state.get("model.fc.weight"))
@@ -126,8 +150,10 @@ def _config_from_dict(raw: dict, state: dict, convention: str, where: str) -> Dr
     if n_aux is None:
         n_aux = len(ids) if ids else fc.shape[1] // target_hidden
     if fc.shape[1] != n_aux * target_hidden:
-        raise ValueError(f"{where}: fc.weight takes {fc.shape[1]} inputs but {n_aux} aux states of target_hidden_size "
-                         f"{target_hidden} make {n_aux * target_hidden}")
+        raise ValueError(
+            f"{where}: fc.weight takes {fc.shape[1]} inputs but {n_aux} aux states of target_hidden_size "
+            f"{target_hidden} make {n_aux * target_hidden}"
+        )
     if ids is not None:
         if convention not in ("auto", "boundary", "post_layer"):
             raise ValueError(f"aux_layer_convention={convention!r}: use 'auto', 'boundary' or 'post_layer'")
@@ -135,8 +161,11 @@ def _config_from_dict(raw: dict, state: dict, convention: str, where: str) -> Dr
             convention = "boundary"  # written by us: no guessing
         post = convention == "post_layer" or (convention == "auto" and int(ids[0]) == 1)
         if post and convention == "auto":
-            warnings.warn(f"{where}: aux layer ids {ids} start at 1, read as post-layer ids (+1, SGLang's rule); "
-                          "pass aux_layer_convention='boundary' if they are boundary ids", stacklevel=3)
+            warnings.warn(
+                f"{where}: aux layer ids {ids} start at 1, read as post-layer ids (+1, SGLang's rule); "
+                "pass aux_layer_convention='boundary' if they are boundary ids",
+                stacklevel=3,
+            )
         ids = tuple(int(i) + 1 for i in ids) if post else tuple(int(i) for i in ids)
     rope = rope_parameters(_Obj(layer))
     fc_norm = bool(raw.get("fc_norm", raw.get("use_aux_norm", eagle.get("fc_norm", False))))
@@ -205,9 +234,17 @@ def _config_to_dict(c: DrafterConfig, format: str, dtype: torch.dtype) -> dict:
             "architectures": ["LlamaForCausalLMEagle3"],
             **layer,
             **flags,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids), "use_aux_hidden_state": True,
-                             "fc_norm": c.fc_norm, "norm_output": c.norm_output, "norm_before_fc": c.norm_before_fc},
-            "tritonspec": {"aux_layer_convention": "boundary", "config": asdict(c) | {"aux_layer_ids": list(c.aux_layer_ids)}},
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+                "use_aux_hidden_state": True,
+                "fc_norm": c.fc_norm,
+                "norm_output": c.norm_output,
+                "norm_before_fc": c.norm_before_fc,
+            },
+            "tritonspec": {
+                "aux_layer_convention": "boundary",
+                "config": asdict(c) | {"aux_layer_ids": list(c.aux_layer_ids)},
+            },
         }
     return {
         "architectures": ["Eagle3Speculator"],

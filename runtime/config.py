@@ -1,4 +1,5 @@
 """Small validated dataclasses: the draft-tree shape, the stats, the generation output."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -37,7 +38,9 @@ class SpecConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_draft_tokens < 2:
-            raise ValueError(f"num_draft_tokens={self.num_draft_tokens} must be >= 2 (the root plus at least one draft)")
+            raise ValueError(
+                f"num_draft_tokens={self.num_draft_tokens} must be >= 2 (the root plus at least one draft)"
+            )
         if self.num_draft_tokens - 1 > self.max_candidates:
             raise ValueError(
                 f"num_draft_tokens={self.num_draft_tokens} asks for {self.num_draft_tokens - 1} draft nodes but depth "
@@ -51,7 +54,7 @@ class SpecConfig:
         return self.top_k + (self.num_speculative_tokens - 1) * self.top_k * self.top_k
 
     @classmethod
-    def chain(cls, k: int) -> "SpecConfig":
+    def chain(cls, k: int) -> SpecConfig:
         """A chain of ``k`` drafted tokens (``top_k=1``, ``num_draft_tokens=k+1``)."""
         return cls(num_speculative_tokens=k, top_k=1, num_draft_tokens=k + 1)
 
@@ -98,8 +101,10 @@ class SpecStats:
 
     def summary(self) -> str:
         split = " ".join(f"{k}={v * 1e3:.0f}ms" for k, v in self.time_split_s.items())
-        return (f"new_tokens={self.num_new_tokens} tokens/s={self.tokens_per_second:.1f} "
-                f"mean_acceptance_length={self.mean_acceptance_length:.2f} rounds={self.num_drafts} [{split}]")
+        return (
+            f"new_tokens={self.num_new_tokens} tokens/s={self.tokens_per_second:.1f} "
+            f"mean_acceptance_length={self.mean_acceptance_length:.2f} rounds={self.num_drafts} [{split}]"
+        )
 
 
 @dataclass

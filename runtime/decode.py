@@ -29,11 +29,13 @@ Examples
 >>> dec.collect()                                                      # doctest: +SKIP
 [[17, 9, 4]]
 """
+
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -131,8 +133,16 @@ class Decoder:
     L, root, active, hn, carry, out : the round's views ``[:rows]`` of the static buffers.
     """
 
-    def __init__(self, target: TargetModel, drafter: Eagle3Drafter | None, ops: Ops, spec: SpecConfig, *,
-                 max_batch_size: int, max_seq_len: int):
+    def __init__(
+        self,
+        target: TargetModel,
+        drafter: Eagle3Drafter | None,
+        ops: Ops,
+        spec: SpecConfig,
+        *,
+        max_batch_size: int,
+        max_seq_len: int,
+    ):
         self.target, self.drafter, self.ops, self.spec = target, drafter, ops, spec
         self.device = target.device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
@@ -145,8 +155,10 @@ class Decoder:
             self.drafter_capacity = max_seq_len + max((D - 1) * K, D + 1)
             c = drafter.config
             shape = (max_batch_size, self.drafter_capacity + 1, c.num_key_value_heads, c.head_dim)
-            self.draft_cache = KVCache(torch.zeros(shape, device=self.device, dtype=target.dtype),
-                                       torch.zeros(shape, device=self.device, dtype=target.dtype))
+            self.draft_cache = KVCache(
+                torch.zeros(shape, device=self.device, dtype=target.dtype),
+                torch.zeros(shape, device=self.device, dtype=target.dtype),
+            )
             drafter.rope(self.drafter_capacity + 1)
             self.d2t = drafter.target_ids()  # [Vd] target ids, for the sampled chain
         self.bufs = self._new_buffers()
@@ -159,8 +171,9 @@ class Decoder:
 
     def _new_buffers(self) -> DecodeBuffers:
         hidden = self.drafter.config.hidden_size if self.drafter is not None else None
-        return DecodeBuffers(self.max_batch_size, hidden, self.spec.num_speculative_tokens + 2, self.device,
-                             self.target.dtype)
+        return DecodeBuffers(
+            self.max_batch_size, hidden, self.spec.num_speculative_tokens + 2, self.device, self.target.dtype
+        )
 
     # ================================================================== state
     def narrow(self, rows: int) -> None:
@@ -217,9 +230,16 @@ class Decoder:
         return None if whole_cache else max(self.lengths) + extra
 
     # ================================================================== prefill
-    def prefill(self, batch: list[list[int]], *, speculative: bool, sampling: SamplingParams | None = None,
-                seeds: Sequence[int] | None = None, rows: int | None = None,
-                timings: dict[str, float] | None = None) -> None:
+    def prefill(
+        self,
+        batch: list[list[int]],
+        *,
+        speculative: bool,
+        sampling: SamplingParams | None = None,
+        seeds: Sequence[int] | None = None,
+        rows: int | None = None,
+        timings: dict[str, float] | None = None,
+    ) -> None:
         """Run the prompts, pick the first token of each row, encode the drafter (``speculative``).
 
         ``rows - len(batch)`` idle rows pad the state up to a graph bucket; ``seeds`` (one per
@@ -280,8 +300,16 @@ class Decoder:
             self._catch_up(aux.reshape(B * P, -1), index, nxt, lens, zero, P, prefill=True)
         _add_time(timings, "prefill", t0)
 
-    def _catch_up(self, aux_flat: torch.Tensor, index: torch.Tensor, tokens: torch.Tensor, n_valid: torch.Tensor,
-                  start: torch.Tensor, kv_len: int | None, prefill: bool = False) -> None:
+    def _catch_up(
+        self,
+        aux_flat: torch.Tensor,
+        index: torch.Tensor,
+        tokens: torch.Tensor,
+        n_valid: torch.Tensor,
+        start: torch.Tensor,
+        kv_len: int | None,
+        prefill: bool = False,
+    ) -> None:
         """Drafter re-encodes ``n_valid`` positions from ``start`` with true target features; the
         state's first ``B`` rows get the drafter's state at the last one (B = rows of ``index``)."""
         d = self.drafter
@@ -305,8 +333,15 @@ class Decoder:
     def _drafter_ops(self) -> Ops:
         return self.ops if self.observer is None else self.observer.wrap(self.ops)
 
-    def drafter_step(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                     visible: torch.Tensor, kv_len: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def drafter_step(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        visible: torch.Tensor,
+        kv_len: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter forward of ``tokens [B, Q]`` over the committed prefix ``L`` plus the tree
         region (``visible [B, Q, T]``); returns ``(hn, carry)`` ``[B, Q, H]``."""
         meta = AttentionMetadata(positions, slots, self.L, visible, kv_len)
@@ -320,8 +355,9 @@ class Decoder:
         return F.log_softmax(logits, dim=-1)
 
     # ================================================================== draft
-    def draft(self, spec: SpecConfig | None = None, *, whole_cache: bool = False,
-              timings: dict[str, float] | None = None) -> DraftTree:
+    def draft(
+        self, spec: SpecConfig | None = None, *, whole_cache: bool = False, timings: dict[str, float] | None = None
+    ) -> DraftTree:
         """EAGLE-2 expansion from the last catch-up state, then global rerank (``tree.py``); a
         sampled chain instead for ``top_k=1`` at temperature > 0 (``SpecConfig.sample_chain_drafts``).
         ``spec``: the tree shape (default ``self.spec``)."""
@@ -376,8 +412,13 @@ class Decoder:
         _add_time(timings, "draft", t0)
         return DraftTree(node_tokens, par, depth, mask, D)
 
-    def draft_chain(self, n: int, pick: Callable[[int, torch.Tensor], torch.Tensor], *, whole_cache: bool = False,
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def draft_chain(
+        self,
+        n: int,
+        pick: Callable[[int, torch.Tensor], torch.Tensor],
+        *,
+        whole_cache: bool = False,
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Draft a chain of ``n`` tokens from the last catch-up state: at depth ``s+1`` the drafter's
         log q ``[B, Vd]`` is computed and ``pick(s, lp)`` chooses the token ``[B]`` (target ids) that
         the next drafter step is fed. Returns the picked tokens and the log q of every depth."""
@@ -439,8 +480,9 @@ class Decoder:
         return c
 
     # ================================================================== verify
-    def verify(self, tree: DraftTree, *, whole_cache: bool = False,
-               timings: dict[str, float] | None = None) -> Verification:
+    def verify(
+        self, tree: DraftTree, *, whole_cache: bool = False, timings: dict[str, float] | None = None
+    ) -> Verification:
         """Target forward over the tree, then greedy or lossless sampling verification."""
         t0 = time.perf_counter()
         B, N = tree.tokens.shape
@@ -449,8 +491,9 @@ class Decoder:
         meta = AttentionMetadata(positions, slots, self.L, tree.mask, self._kv_len(whole_cache, N))
         hidden, aux = self.target.forward(self.ops, tree.tokens, meta, capture_aux=tree.max_depth > 0)
         if self.sampling.greedy:
-            nodes, num, emitted = self.ops.verify_greedy(tree.tokens, tree.parents, self.target.greedy(hidden),
-                                                         tree.max_depth)
+            nodes, num, emitted = self.ops.verify_greedy(
+                tree.tokens, tree.parents, self.target.greedy(hidden), tree.max_depth
+            )
         else:
             logits = self.target.logits(hidden)  # [B, N, V]
             probs = process_logits(logits, self.sampling).softmax(-1)
@@ -458,26 +501,34 @@ class Decoder:
             if tree.draft_probs is not None:  # a sampled chain: min(1, p/q)
                 nodes, num, emitted = self.ops.verify_chain(tree.tokens, probs, tree.draft_probs, uniforms, xi)
             else:
-                nodes, num, emitted = self.ops.verify_sampling(tree.tokens, tree.parents, probs, uniforms, xi,
-                                                               tree.max_depth)
+                nodes, num, emitted = self.ops.verify_sampling(
+                    tree.tokens, tree.parents, probs, uniforms, xi, tree.max_depth
+                )
         _add_time(timings, "verify", t0)
         return Verification(nodes, num, emitted, aux)
 
     # ================================================================== commit
-    def commit(self, tree: DraftTree, v: Verification, *, whole_cache: bool = False,
-               timings: dict[str, float] | None = None) -> None:
+    def commit(
+        self, tree: DraftTree, v: Verification, *, whole_cache: bool = False, timings: dict[str, float] | None = None
+    ) -> None:
         """Compact the accepted path's K/V, re-encode it in the drafter, advance L and the root, and
         write the emitted tokens and their count into ``out`` (all in place)."""
         t0 = time.perf_counter()
         B, N = tree.tokens.shape
         if tree.max_depth > 0:
-            self.ops.kv_compact(self.target.k_cache, self.target.v_cache, self.L,
-                                torch.where(self.active[:, None], v.nodes, -1))  # idle rows move nothing
+            self.ops.kv_compact(
+                self.target.k_cache, self.target.v_cache, self.L, torch.where(self.active[:, None], v.nodes, -1)
+            )  # idle rows move nothing
         if self.speculative:
             index = torch.where(v.nodes >= 0, torch.arange(B, device=self.device)[:, None] * N + v.nodes, -1)
-            self._catch_up(v.aux.reshape(B * N, -1), index, v.emitted.clamp(min=0),
-                           torch.where(self.active, v.num + 1, 0), self.L,
-                           self._kv_len(whole_cache, tree.max_depth + 1))
+            self._catch_up(
+                v.aux.reshape(B * N, -1),
+                index,
+                v.emitted.clamp(min=0),
+                torch.where(self.active, v.num + 1, 0),
+                self.L,
+                self._kv_len(whole_cache, tree.max_depth + 1),
+            )
         self.L.add_(torch.where(self.active, v.num + 1, 0))
         self.root.copy_(v.emitted.gather(1, v.num[:, None])[:, 0])
         w = v.emitted.shape[1]

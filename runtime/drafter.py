@@ -16,6 +16,7 @@ Both flags off is EAGLE-3 exactly. ``state_dict()`` keys are the flat checkpoint
 (``fc.weight``, ``fc_norm.{i}.weight``, ``midlayer.*``, ``norm.weight``, ``lm_head.weight``,
 ``d2t``, ``t2d``) read by vLLM and SGLang.
 """
+
 from __future__ import annotations
 
 import math
@@ -98,8 +99,12 @@ class Eagle3Drafter(nn.Module):
         self.norm = _Norm(c.hidden_size)
         self.lm_head = nn.Linear(c.hidden_size, c.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(c.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.ones(c.vocab_size, dtype=torch.bool) if c.draft_vocab_size == c.vocab_size
-                             else torch.zeros(c.vocab_size, dtype=torch.bool))
+        self.register_buffer(
+            "t2d",
+            torch.ones(c.vocab_size, dtype=torch.bool)
+            if c.draft_vocab_size == c.vocab_size
+            else torch.zeros(c.vocab_size, dtype=torch.bool),
+        )
         self.embed_tokens: nn.Embedding | None = None  # the target's, unless the checkpoint has its own
         self.has_own_embedding = False
         self.target_info: dict | None = None  # max_position_embeddings / rope of the target, for export checks
@@ -117,7 +122,7 @@ class Eagle3Drafter(nn.Module):
         aux_layer_ids: tuple[int, ...] | list[int] | None = None,
         seed: int = 0,
         intermediate_size: int | None = None,
-    ) -> "Eagle3Drafter":
+    ) -> Eagle3Drafter:
         """A fresh, seeded drafter shaped for a target (a transformers config or a model directory).
 
         The drafter copies the target's hidden size, heads, rope settings and
@@ -239,14 +244,14 @@ class Eagle3Drafter(nn.Module):
         q, k = rope.apply(q, tables), rope.apply(k, tables)
         ops.kv_write(cache.k, cache.v, meta.slots, k, val)
         if meta.prefill:
-            o = ops.prefill_attention(q, k, val, c.head_dim ** -0.5)
+            o = ops.prefill_attention(q, k, val, c.head_dim**-0.5)
         else:
-            o = ops.tree_attention(q, cache.k, cache.v, meta.prefix_lens, meta.tree_mask, c.head_dim ** -0.5,
-                                   meta.kv_len)
+            o = ops.tree_attention(q, cache.k, cache.v, meta.prefix_lens, meta.tree_mask, c.head_dim**-0.5, meta.kv_len)
         o = F.linear(o.reshape(B, Q, -1), a.o_proj.weight)
         x, r = ops.rms_norm(o, m.post_attention_layernorm.weight, eps, residual=v if c.norm_before_residual else hidden)
-        h = r + F.linear(F.silu(F.linear(x, m.mlp.gate_proj.weight)) * F.linear(x, m.mlp.up_proj.weight),
-                         m.mlp.down_proj.weight)
+        h = r + F.linear(
+            F.silu(F.linear(x, m.mlp.gate_proj.weight)) * F.linear(x, m.mlp.up_proj.weight), m.mlp.down_proj.weight
+        )
         hn = ops.rms_norm(h, self.norm.weight, eps)
         return hn, (hn if c.norm_output else h)
 
@@ -263,7 +268,7 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, aux_layer_convention: str = "auto") -> "Eagle3Drafter":
+    def from_pretrained(cls, path: str | Path, *, aux_layer_convention: str = "auto") -> Eagle3Drafter:
         """Load an EAGLE-3/3.1 drafter: the official flat format (``midlayer.*``),
         ``LlamaForCausalLMEagle3`` (SpecForge/SGLang) or the speculators format (``runtime/checkpoint.py``).
 
@@ -291,5 +296,12 @@ class Eagle3Drafter(nn.Module):
         ``format="eagle3"``: ``LlamaForCausalLMEagle3`` config + flat ``midlayer.*`` tensors.
         ``format="speculators"``: ``Eagle3Speculator`` config + ``layers.0.*`` tensors.
         """
-        return write_checkpoint(path, self.config, self.state_dict(), format=format, dtype=dtype,
-                                default_dtype=self.fc.weight.dtype, target_info=self.target_info)
+        return write_checkpoint(
+            path,
+            self.config,
+            self.state_dict(),
+            format=format,
+            dtype=dtype,
+            default_dtype=self.fc.weight.dtype,
+            target_info=self.target_info,
+        )

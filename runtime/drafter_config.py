@@ -2,6 +2,7 @@
 
 Shared by the module (``runtime/drafter.py``) and the checkpoint formats (``runtime/checkpoint.py``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -40,24 +41,34 @@ class DrafterConfig:
                 f"draft_vocab_size={self.draft_vocab_size} is larger than the target vocabulary {self.vocab_size}"
             )
         if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads={self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads={self.num_key_value_heads}")
+            raise ValueError(
+                f"num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         if self.aux_layer_ids is not None:
             self.aux_layer_ids = tuple(int(i) for i in self.aux_layer_ids)
             if len(self.aux_layer_ids) != self.num_aux_hidden_states:
-                raise ValueError(f"{len(self.aux_layer_ids)} aux layer ids {list(self.aux_layer_ids)} but "
-                                 f"num_aux_hidden_states={self.num_aux_hidden_states}")
+                raise ValueError(
+                    f"{len(self.aux_layer_ids)} aux layer ids {list(self.aux_layer_ids)} but "
+                    f"num_aux_hidden_states={self.num_aux_hidden_states}"
+                )
 
     def hf_config(self) -> Any:
         """A transformers ``LlamaConfig`` carrying the rope settings (for rope init functions)."""
         from transformers import LlamaConfig
 
         return LlamaConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads, num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim, num_hidden_layers=1, vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps, max_position_embeddings=self.max_position_embeddings,
-            rope_theta=self.rope.get("rope_theta", 10000.0), rope_scaling=legacy_rope_scaling(self.rope),
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            num_hidden_layers=1,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_theta=self.rope.get("rope_theta", 10000.0),
+            rope_scaling=legacy_rope_scaling(self.rope),
         )
 
 

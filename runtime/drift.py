@@ -20,12 +20,14 @@ Examples
 >>> report = measure_drift("target_dir", ["eagle3_dir", "eagle31_dir"], prompts)   # doctest: +SKIP
 >>> report.drafters[0].attn_drafted      # per depth                                 # doctest: +SKIP
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -62,15 +64,21 @@ class DriftReport:
     def summary(self) -> str:
         lines = []
         for d in self.drafters:
-            lines.append(f"{d.name} (fc_norm={d.fc_norm}, norm_output={d.norm_output}): "
-                         f"tau={d.mean_acceptance_length:.2f}")
+            lines.append(
+                f"{d.name} (fc_norm={d.fc_norm}, norm_output={d.norm_output}): tau={d.mean_acceptance_length:.2f}"
+            )
             lines.append("  depth  sink   context drafted carry_rms accept")
             for k in range(len(d.carry_rms)):
-                lines.append(f"  {k + 1:>5}  {d.attn_sink[k]:.3f}  {d.attn_context[k]:.3f}   {d.attn_drafted[k]:.3f}"
-                             f"   {d.carry_rms[k]:>8.3f}  {d.acceptance[k]:.3f}")
+                lines.append(
+                    f"  {k + 1:>5}  {d.attn_sink[k]:.3f}  {d.attn_context[k]:.3f}   {d.attn_drafted[k]:.3f}"
+                    f"   {d.carry_rms[k]:>8.3f}  {d.acceptance[k]:.3f}"
+                )
             if len(d.carry_rms) > 1:
-                lines.append(f"  drafted share {d.attn_drafted[0]:.3f} -> {d.attn_drafted[-1]:.3f}, "
-                             f"carry RMS {d.carry_rms[0]:.3f} -> {d.carry_rms[-1]:.3f} (x{d.carry_rms[-1] / max(d.carry_rms[0], 1e-12):.2f})")
+                lines.append(
+                    f"  drafted share {d.attn_drafted[0]:.3f} -> {d.attn_drafted[-1]:.3f}, "
+                    f"carry RMS {d.carry_rms[0]:.3f} -> {d.carry_rms[-1]:.3f} "
+                    f"(x{d.carry_rms[-1] / max(d.carry_rms[0], 1e-12):.2f})"
+                )
         return "\n".join(lines)
 
 
@@ -108,8 +116,9 @@ class DriftRecorder:
     def on_step(self, depth: int, prefix_lens: torch.Tensor, carry: torch.Tensor, active: torch.Tensor) -> None:
         self.observe(depth, self._probe.last, prefix_lens, carry, active)
 
-    def observe(self, depth: int, attn: torch.Tensor, prefix_lens: torch.Tensor, carry: torch.Tensor,
-                active: torch.Tensor) -> None:
+    def observe(
+        self, depth: int, attn: torch.Tensor, prefix_lens: torch.Tensor, carry: torch.Tensor, active: torch.Tensor
+    ) -> None:
         """``attn [B, Hq, Q, S]`` probabilities, ``carry [B, Q, H]``, ``active [B]`` bool: one depth's queries."""
         S = attn.shape[-1]
         slot = torch.arange(S, device=attn.device)
@@ -225,11 +234,20 @@ def measure_drift(
                 accepted += s.num_accepted_tokens
                 per_pos += torch.tensor(s.accepted_per_position, dtype=torch.float32)
         c = rec.curves()
-        out.append(DrifterCurves(
-            name=name, fc_norm=drafter.config.fc_norm, norm_output=drafter.config.norm_output,
-            attn_sink=c[:, 0].tolist(), attn_context=c[:, 1].tolist(), attn_drafted=c[:, 2].tolist(),
-            carry_rms=c[:, 3].tolist(), acceptance=(per_pos / max(drafts, 1)).tolist(),
-            mean_acceptance_length=1 + accepted / max(drafts, 1), samples=rec.counts.long().tolist()))
+        out.append(
+            DrifterCurves(
+                name=name,
+                fc_norm=drafter.config.fc_norm,
+                norm_output=drafter.config.norm_output,
+                attn_sink=c[:, 0].tolist(),
+                attn_context=c[:, 1].tolist(),
+                attn_drafted=c[:, 2].tolist(),
+                carry_rms=c[:, 3].tolist(),
+                acceptance=(per_pos / max(drafts, 1)).tolist(),
+                mean_acceptance_length=1 + accepted / max(drafts, 1),
+                samples=rec.counts.long().tolist(),
+            )
+        )
     return DriftReport(drafters=out, spec=asdict(spec), num_prompts=len(prompts), n_sink=n_sink)
 
 

@@ -12,13 +12,15 @@ it is captured once per bucket and replayed; eager execution calls the very same
 beyond the live batch (bucket padding, finished rows) are idle: their writes go to the trash slot
 and their output is ignored. The only host synchronisation of a round is ``Decoder.collect``.
 """
+
 from __future__ import annotations
 
 import contextlib
 import time
 import warnings
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -81,13 +83,16 @@ class SpeculativeRuntime:
         window = getattr(target.config, "sliding_window", None)
         uses_window = getattr(target.config, "use_sliding_window", target.arch == "mistral")
         if window is not None and uses_window and window < self.max_seq_len:
-            raise ValueError(f"the target uses sliding-window attention (window {window}), which is not supported; "
-                             f"pass max_seq_len <= {window}")
+            raise ValueError(
+                f"the target uses sliding-window attention (window {window}), which is not supported; "
+                f"pass max_seq_len <= {window}"
+            )
         self.drafter = drafter
         if drafter is not None:
             self._attach_drafter(drafter, spec)
-        self.decoder = Decoder(target, drafter, self.ops, spec, max_batch_size=max_batch_size,
-                               max_seq_len=self.max_seq_len)
+        self.decoder = Decoder(
+            target, drafter, self.ops, spec, max_batch_size=max_batch_size, max_seq_len=self.max_seq_len
+        )
 
     @property
     def spec(self) -> SpecConfig:
@@ -105,8 +110,15 @@ class SpeculativeRuntime:
         """Whether decode rounds run as captured CUDA graphs (``cuda_graphs`` on a CUDA device)."""
         return self._graphs is not None
 
-    def warmup(self, batch_sizes: Sequence[int] | None = None, *, temperature: float = 0.0, top_p: float = 1.0,
-               top_k: int = 0, speculative: bool = True) -> list[int]:
+    def warmup(
+        self,
+        batch_sizes: Sequence[int] | None = None,
+        *,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        speculative: bool = True,
+    ) -> list[int]:
         """Capture the decode-round graphs now instead of on first use (CUDA only; a no-op eager).
 
         Runs a short dummy generation per batch-size bucket with these sampling settings (graphs
@@ -124,8 +136,16 @@ class SpeculativeRuntime:
         for b in sizes:
             if not 1 <= b <= self.max_batch_size:
                 raise ValueError(f"warmup batch size {b} must lie in [1, max_batch_size={self.max_batch_size}]")
-            self.generate([[0]] * b, max_new_tokens=2, temperature=temperature, top_p=top_p, top_k=top_k,
-                          seed=0, stop_token_ids=(), speculative=speculative and self.drafter is not None)
+            self.generate(
+                [[0]] * b,
+                max_new_tokens=2,
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=0,
+                stop_token_ids=(),
+                speculative=speculative and self.drafter is not None,
+            )
         captured = {k[0] for k in self._graphs.graphs}
         return sorted({self._graphs.bucket(b) for b in sizes} & captured)
 
@@ -134,15 +154,21 @@ class SpeculativeRuntime:
         if c.vocab_size != t.vocab_size:
             raise ValueError(f"drafter vocab_size={c.vocab_size} does not match the target's vocab_size={t.vocab_size}")
         if c.target_hidden_size != t.hidden_size:
-            raise ValueError(f"drafter target_hidden_size={c.target_hidden_size} does not match the target's "
-                             f"hidden_size={t.hidden_size}")
+            raise ValueError(
+                f"drafter target_hidden_size={c.target_hidden_size} does not match the target's "
+                f"hidden_size={t.hidden_size}"
+            )
         ids = c.aux_layer_ids
         if ids is None:
             ids = default_aux_layer_ids(t.num_layers)
-            warnings.warn(f"the drafter records no aux layer ids; using EAGLE-3's default boundaries {ids}", stacklevel=3)
+            warnings.warn(
+                f"the drafter records no aux layer ids; using EAGLE-3's default boundaries {ids}", stacklevel=3
+            )
             c.aux_layer_ids = ids
         if len(ids) != c.num_aux_hidden_states:
-            raise ValueError(f"drafter expects {c.num_aux_hidden_states} aux states but lists aux layer ids {list(ids)}")
+            raise ValueError(
+                f"drafter expects {c.num_aux_hidden_states} aux states but lists aux layer ids {list(ids)}"
+            )
         t.set_aux_layer_ids(ids)
         if spec.top_k > c.draft_vocab_size:
             raise ValueError(f"top_k={spec.top_k} exceeds the drafter's draft_vocab_size={c.draft_vocab_size}")
@@ -165,7 +191,7 @@ class SpeculativeRuntime:
         cuda_graphs: str | bool = "auto",
         cuda_graph_sizes: Sequence[int] | None = None,
         tokenizer: Any = None,
-    ) -> "SpeculativeRuntime":
+    ) -> SpeculativeRuntime:
         """Build a runtime from a target (HF directory or ``PreTrainedModel``) and an optional drafter.
 
         Parameters
@@ -192,8 +218,17 @@ class SpeculativeRuntime:
             raise TypeError(f"drafter must be a directory or an Eagle3Drafter, got {type(drafter).__name__}")
         if tokenizer is None and isinstance(target, (str, Path)):
             tokenizer = load_tokenizer(Path(target))
-        return cls(tm, d, tokenizer, backend=backend, spec=spec, max_batch_size=max_batch_size,
-                   max_seq_len=max_seq_len, cuda_graphs=cuda_graphs, cuda_graph_sizes=cuda_graph_sizes)
+        return cls(
+            tm,
+            d,
+            tokenizer,
+            backend=backend,
+            spec=spec,
+            max_batch_size=max_batch_size,
+            max_seq_len=max_seq_len,
+            cuda_graphs=cuda_graphs,
+            cuda_graph_sizes=cuda_graph_sizes,
+        )
 
     # ================================================================== public API
     def generate(
@@ -246,8 +281,17 @@ class SpeculativeRuntime:
         """
         if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
             raise ValueError("stream() takes one prompt (a string or a token id list); use generate() for batches")
-        run = self._start([prompt] if isinstance(prompt, str) else [list(prompt)], max_new_tokens, temperature,
-                          top_p, top_k, seed, stop_token_ids, speculative, stop)
+        run = self._start(
+            [prompt] if isinstance(prompt, str) else [list(prompt)],
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            stop_token_ids,
+            speculative,
+            stop,
+        )
         sent, n_tok = 0, 0
         hold = max((len(x) for x in run.sampling.stop), default=1) - 1
         for rows in run:
@@ -271,27 +315,44 @@ class SpeculativeRuntime:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if stops and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer: load a target directory that has one or pass tokenizer=")
-        batch = encode_prompts(prompts, self.tokenizer, vocab_size=self.target.vocab_size,
-                               max_seq_len=self.max_seq_len, max_batch_size=self.max_batch_size)
+        batch = encode_prompts(
+            prompts,
+            self.tokenizer,
+            vocab_size=self.target.vocab_size,
+            max_seq_len=self.max_seq_len,
+            max_batch_size=self.max_batch_size,
+        )
         seeds = row_seeds(seed, len(batch), sampling)
         use_draft = speculative and self.drafter is not None
         if speculative and self.drafter is None:
             warnings.warn("no drafter loaded: speculative=True runs plain decoding", stacklevel=3)
-        requests = RequestRows([len(p) for p in batch], max_new_tokens=max_new_tokens, max_seq_len=self.max_seq_len,
-                               stop_ids=resolve_stop_ids(stop_token_ids, self.tokenizer, self.target.config),
-                               sampling=sampling, tokenizer=self.tokenizer)
+        requests = RequestRows(
+            [len(p) for p in batch],
+            max_new_tokens=max_new_tokens,
+            max_seq_len=self.max_seq_len,
+            stop_ids=resolve_stop_ids(stop_token_ids, self.tokenizer, self.target.config),
+            sampling=sampling,
+            tokenizer=self.tokenizer,
+        )
         return _Run(self._decode(batch, requests, sampling, seeds, use_draft), sampling)
 
-    def _decode(self, batch: list[list[int]], requests: RequestRows, sampling: SamplingParams, seeds: list[int],
-                use_draft: bool) -> Iterator[RequestRows]:
+    def _decode(
+        self, batch: list[list[int]], requests: RequestRows, sampling: SamplingParams, seeds: list[int], use_draft: bool
+    ) -> Iterator[RequestRows]:
         """The decode loop: prefill, then rounds until every row has stopped. Yields the requests
         after the prefill and after each round; returns the output."""
         dec = self.decoder
         stats = SpecStats(accepted_per_position=[0] * self.spec.num_speculative_tokens if use_draft else [])
         t0 = time.perf_counter()
         with torch.inference_mode():  # never across a yield: the caller's code runs between rounds
-            dec.prefill(batch, speculative=use_draft, sampling=sampling, seeds=seeds, rows=self._rows(len(batch)),
-                        timings=stats.time_split_s)
+            dec.prefill(
+                batch,
+                speculative=use_draft,
+                sampling=sampling,
+                seeds=seeds,
+                rows=self._rows(len(batch)),
+                timings=stats.time_split_s,
+            )
             first = dec.first_tokens()
         dec.finish(requests.emit([[r] for r in first]))
         yield requests

@@ -20,10 +20,12 @@ emulator snapshots the state buffers first and restores them after (a CUDA captu
 nothing); the caches are only written at slots past the committed lengths, which the next
 round rewrites.
 """
+
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -76,8 +78,11 @@ class GraphRunner:
         """Run one round through its graph (capturing it on first use). Returns False when this key
         runs eagerly instead (the caller then calls ``fn``'s eager form itself)."""
         if key[0] not in self.sizes:
-            self._warn_once("size", f"a round of {key[0]} rows exceeds the captured CUDA-graph batch sizes "
-                                    f"{self.sizes}; such rounds run eagerly (raise cuda_graph_sizes to capture them)")
+            self._warn_once(
+                "size",
+                f"a round of {key[0]} rows exceeds the captured CUDA-graph batch sizes "
+                f"{self.sizes}; such rounds run eagerly (raise cuda_graph_sizes to capture them)",
+            )
             return False
         if key in self.failed:
             return False
@@ -87,8 +92,11 @@ class GraphRunner:
             self.replays += 1
             return True
         if len(self.graphs) >= MAX_GRAPHS:
-            self._warn_once("many", f"{MAX_GRAPHS} CUDA graphs are captured already (one per batch bucket, tree "
-                                    "shape and sampling setting); further settings run eagerly")
+            self._warn_once(
+                "many",
+                f"{MAX_GRAPHS} CUDA graphs are captured already (one per batch bucket, tree "
+                "shape and sampling setting); further settings run eagerly",
+            )
             return False
         self._warm_up(fn)  # the round itself, eagerly
         try:
@@ -96,8 +104,11 @@ class GraphRunner:
             self.captures += 1
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
             self.failed.add(key)
-            warnings.warn(f"CUDA-graph capture failed for batch bucket {key[0]} ({type(e).__name__}: {e}); "
-                          "running these rounds eagerly", stacklevel=4)
+            warnings.warn(
+                f"CUDA-graph capture failed for batch bucket {key[0]} ({type(e).__name__}: {e}); "
+                "running these rounds eagerly",
+                stacklevel=4,
+            )
         return True
 
     # ------------------------------------------------------------------ backends
@@ -164,8 +175,9 @@ class GraphRunner:
             warnings.warn(msg, stacklevel=4)
 
 
-def graph_runner(cuda_graphs: str | bool, device: torch.device, max_batch_size: int,
-                 sizes: Sequence[int] | None) -> GraphRunner | None:
+def graph_runner(
+    cuda_graphs: str | bool, device: torch.device, max_batch_size: int, sizes: Sequence[int] | None
+) -> GraphRunner | None:
     """The runner for a runtime's ``cuda_graphs`` / ``cuda_graph_sizes`` options (None = eager)."""
     if cuda_graphs not in ("auto", True, False):
         raise ValueError(f"cuda_graphs={cuda_graphs!r}: use 'auto', True or False")
@@ -178,7 +190,8 @@ def graph_runner(cuda_graphs: str | bool, device: torch.device, max_batch_size: 
         return None
     if device.type != "cuda":
         if cuda_graphs is True:
-            warnings.warn(f"cuda_graphs=True needs a CUDA device; the runtime is on {device.type}, running eager",
-                          stacklevel=3)
+            warnings.warn(
+                f"cuda_graphs=True needs a CUDA device; the runtime is on {device.type}, running eager", stacklevel=3
+            )
         return None
     return GraphRunner(sizes or default_sizes(max_batch_size), "cuda", device)

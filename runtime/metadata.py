@@ -9,6 +9,7 @@ is written at cache slot ``slots[b, i]`` (-1: the trash slot, nowhere visible) a
 slots ``[0, prefix_lens[b])`` (the committed prefix) plus the tree-region slots
 ``prefix_lens[b] + j`` with ``tree_mask[b, i, j]``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

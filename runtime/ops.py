@@ -6,6 +6,7 @@
 touching the runtime code above. Both satisfy ``Ops`` structurally: the kernels never import the
 runtime.
 """
+
 from __future__ import annotations
 
 import os
@@ -164,9 +165,11 @@ class TorchOps:
             c = self._vis = (prefix_lens, tree_mask, S, tree_visibility(prefix_lens, tree_mask, S)[:, None])
         k = k_cache[:B, :S].transpose(1, 2).to(q.dtype)  # [B, Hkv, S, D]
         v = v_cache[:B, :S].transpose(1, 2).to(q.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k, v, attn_mask=c[3], scale=scale,
-                                             enable_gqa=q.shape[2] != k.shape[1])
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k, v, attn_mask=c[3], scale=scale, enable_gqa=q.shape[2] != k.shape[1]
+        )
         return out.transpose(1, 2)
+
     prefill_attention = staticmethod(prefill_attention)
     verify_greedy = staticmethod(verify_greedy_reference)
     verify_sampling = staticmethod(verify_sampling_reference)

@@ -18,6 +18,7 @@ the config fields that set the shapes and a few weight slices (rounded to bfloat
 same checkpoint loaded in float32 or bfloat16 hashes alike). On a CPU the device name carries
 the CPU model (``cpu-<model>``): a CPU's cost ratios are its own.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -25,7 +26,7 @@ import json
 import re
 import time
 import warnings
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -46,8 +47,15 @@ def _digest(parts: list[Any], tensors: list[torch.Tensor]) -> str:
 
 def target_fingerprint(target: Any) -> str:
     """Content id of a ``TargetModel`` (shape-setting config fields + weight slices)."""
-    parts = [target.arch, target.num_layers, target.hidden_size, target.vocab_size, target.num_heads,
-             target.num_kv_heads, target.head_dim]
+    parts = [
+        target.arch,
+        target.num_layers,
+        target.hidden_size,
+        target.vocab_size,
+        target.num_heads,
+        target.num_kv_heads,
+        target.head_dim,
+    ]
     last = target.layers[-1]
     return _digest(parts, [target.embed[:4, :32], target.lm_head[-4:, :32], last.down[:4, :32], last.wq[-4:, :32]])
 
@@ -55,12 +63,19 @@ def target_fingerprint(target: Any) -> str:
 def drafter_fingerprint(drafter: Any) -> str:
     """Content id of an ``Eagle3Drafter``."""
     c = drafter.config
-    parts = [c.hidden_size, c.vocab_size, c.draft_vocab_size, c.fc_norm, c.norm_output, c.norm_before_fc,
-             list(c.aux_layer_ids or [])]
+    parts = [
+        c.hidden_size,
+        c.vocab_size,
+        c.draft_vocab_size,
+        c.fc_norm,
+        c.norm_output,
+        c.norm_before_fc,
+        list(c.aux_layer_ids or []),
+    ]
     return _digest(parts, [drafter.fc.weight[:4, :32], drafter.fc.weight[-4:, -32:], drafter.lm_head.weight[-4:, :32]])
 
 
-@lru_cache(maxsize=None)
+@cache
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -84,15 +99,17 @@ def profile_name(target_fp: str, drafter_fp: str, device_key: str, dtype: str, b
     return store.config_filename(KIND, device_key, dtype, shape)[:-5] + f",backend={backend}.json"
 
 
-def profile_filename(target_fp: str, drafter_fp: str, device: torch.device | str, dtype: torch.dtype | str,
-                     backend: str) -> str:
+def profile_filename(
+    target_fp: str, drafter_fp: str, device: torch.device | str, dtype: torch.dtype | str, backend: str
+) -> str:
     return profile_name(target_fp, drafter_fp, device_key(device), store.dtype_name(dtype), backend)
 
 
 def find_profile(target: Any, drafter: Any, backend: str) -> Path | None:
     """The first profile file for this pair/device/dtype/backend in ``store.search_dirs()``."""
-    name = profile_filename(target_fingerprint(target), drafter_fingerprint(drafter), target.device, target.dtype,
-                            backend)
+    name = profile_filename(
+        target_fingerprint(target), drafter_fingerprint(drafter), target.device, target.dtype, backend
+    )
     for d in store.search_dirs():
         if (d / name).is_file():
             return d / name
@@ -101,12 +118,24 @@ def find_profile(target: Any, drafter: Any, backend: str) -> Path | None:
 
 def _spec_fields(spec: SpecConfig) -> dict[str, int]:
     """The ``spec`` entry of a profile (``read_profile`` builds the ``SpecConfig`` back from it)."""
-    return {"num_speculative_tokens": spec.num_speculative_tokens, "top_k": spec.top_k,
-            "num_draft_tokens": spec.num_draft_tokens}
+    return {
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "top_k": spec.top_k,
+        "num_draft_tokens": spec.num_draft_tokens,
+    }
 
 
-def write_profile(out_dir: str | Path | None, key: dict[str, str], spec: SpecConfig, *, predicted: dict,
-                  measured_with: dict, costs: dict, acceptance: dict, checks: list[dict]) -> Path:
+def write_profile(
+    out_dir: str | Path | None,
+    key: dict[str, str],
+    spec: SpecConfig,
+    *,
+    predicted: dict,
+    measured_with: dict,
+    costs: dict,
+    acceptance: dict,
+    checks: list[dict],
+) -> Path:
     """Write the profile that runs ``spec`` for ``key`` into ``out_dir`` (default ``store.user_dir()``).
 
     ``key``: ``target`` and ``drafter`` fingerprints, ``device`` (``device_key``), ``dtype`` and
@@ -116,12 +145,20 @@ def write_profile(out_dir: str | Path | None, key: dict[str, str], spec: SpecCon
     out.mkdir(parents=True, exist_ok=True)
     name = profile_name(key["target"], key["drafter"], key["device"], key["dtype"], key["backend"])
     data = {
-        "kind": KIND, "target": key["target"], "drafter": key["drafter"], "device_name": key["device"],
-        "dtype": key["dtype"], "backend": key["backend"],
-        "versions": store.versions(), "threads": torch.get_num_threads(),
+        "kind": KIND,
+        "target": key["target"],
+        "drafter": key["drafter"],
+        "device_name": key["device"],
+        "dtype": key["dtype"],
+        "backend": key["backend"],
+        "versions": store.versions(),
+        "threads": torch.get_num_threads(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "spec": _spec_fields(spec),
-        "predicted": predicted, "measured_with": measured_with, "costs": costs, "acceptance": acceptance,
+        "predicted": predicted,
+        "measured_with": measured_with,
+        "costs": costs,
+        "acceptance": acceptance,
         "checks": checks,
     }
     path = out / name
@@ -148,14 +185,20 @@ def tuned_spec(target: Any, drafter: Any, backend: str) -> SpecConfig | None:
     try:
         path = find_profile(target, drafter, backend)
     except Exception as e:  # noqa: BLE001 - a lookup must never break model loading
-        warnings.warn(f"tuned tree profile lookup failed ({e}); using the default SpecConfig", store.TunedConfigWarning,
-                      stacklevel=3)
+        warnings.warn(
+            f"tuned tree profile lookup failed ({e}); using the default SpecConfig",
+            store.TunedConfigWarning,
+            stacklevel=3,
+        )
         return None
     if path is None:
         return None
     try:
         return SpecConfig(**read_profile(path)["spec"])
     except (OSError, ValueError, TypeError) as e:
-        warnings.warn(f"ignoring the tuned tree profile {path} ({e}); using the default SpecConfig",
-                      store.TunedConfigWarning, stacklevel=3)
+        warnings.warn(
+            f"ignoring the tuned tree profile {path} ({e}); using the default SpecConfig",
+            store.TunedConfigWarning,
+            stacklevel=3,
+        )
         return None

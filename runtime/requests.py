@@ -5,18 +5,20 @@ Nothing here touches a device tensor. ``encode_prompts`` validates and tokenizes
 ``StopMatcher`` watches one row's text for stop strings incrementally, and ``RequestRows``
 collects each row's emitted tokens and decides when a row is finished.
 """
+
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from .sampling import SamplingParams
 
 
-def encode_prompts(prompts: Any, tokenizer: Any, *, vocab_size: int, max_seq_len: int,
-                   max_batch_size: int) -> list[list[int]]:
+def encode_prompts(
+    prompts: Any, tokenizer: Any, *, vocab_size: int, max_seq_len: int, max_batch_size: int
+) -> list[list[int]]:
     """Token id lists of ``prompts`` (a string, a list of strings, a token id list or a list of
     them), checked against the vocabulary, ``max_seq_len`` and ``max_batch_size``."""
     if isinstance(prompts, str):
@@ -29,8 +31,10 @@ def encode_prompts(prompts: Any, tokenizer: Any, *, vocab_size: int, max_seq_len
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             if tokenizer is None:
-                raise ValueError("string prompts need a tokenizer: load a target directory that has one, "
-                                 "pass tokenizer=..., or pass token ids")
+                raise ValueError(
+                    "string prompts need a tokenizer: load a target directory that has one, "
+                    "pass tokenizer=..., or pass token ids"
+                )
             ids = list(tokenizer(p, add_special_tokens=True)["input_ids"])
         else:
             ids = [int(t) for t in p]
@@ -40,12 +44,15 @@ def encode_prompts(prompts: Any, tokenizer: Any, *, vocab_size: int, max_seq_len
         if bad:
             raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
         if len(ids) >= max_seq_len:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens but max_seq_len={max_seq_len} "
-                             "(prompt + generated tokens); shorten it or raise max_seq_len")
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens but max_seq_len={max_seq_len} "
+                "(prompt + generated tokens); shorten it or raise max_seq_len"
+            )
         batch.append(ids)
     if len(batch) > max_batch_size:
-        raise ValueError(f"{len(batch)} prompts exceed max_batch_size={max_batch_size}; "
-                         "split the batch or raise max_batch_size")
+        raise ValueError(
+            f"{len(batch)} prompts exceed max_batch_size={max_batch_size}; split the batch or raise max_batch_size"
+        )
     return batch
 
 
@@ -104,11 +111,11 @@ class StopMatcher:
 
     def push(self, token: int) -> bool:
         self.tokens.append(int(token))
-        head = decode(self.tokenizer, self.tokens[self.prefix:self.read])
-        tail = decode(self.tokenizer, self.tokens[self.prefix:])
+        head = decode(self.tokenizer, self.tokens[self.prefix : self.read])
+        tail = decode(self.tokenizer, self.tokens[self.prefix :])
         base = len(self.text) - len(head)  # the full text is text[:base] + tail
         lo = max(0, min(self.searched, base) - self.longest + 1)
-        window = (self.text[lo:base] + tail) if lo < base else tail[lo - base:]
+        window = (self.text[lo:base] + tail) if lo < base else tail[lo - base :]
         self.searched = base + len(tail)
         if len(tail) > len(head) and not tail.endswith("\ufffd"):  # complete characters: move on
             self.text = self.text[:base] + tail
@@ -124,8 +131,16 @@ class RequestRows:
     returns the rows that finished in this call.
     """
 
-    def __init__(self, prompt_lens: list[int], *, max_new_tokens: int, max_seq_len: int, stop_ids: set[int],
-                 sampling: SamplingParams, tokenizer: Any):
+    def __init__(
+        self,
+        prompt_lens: list[int],
+        *,
+        max_new_tokens: int,
+        max_seq_len: int,
+        stop_ids: set[int],
+        sampling: SamplingParams,
+        tokenizer: Any,
+    ):
         n = len(prompt_lens)
         self.prompt_lens = prompt_lens
         self.max_new_tokens, self.max_seq_len = max_new_tokens, max_seq_len

@@ -4,6 +4,7 @@
 (``yarn``, ``longrope``, ...) are delegated to transformers' own init functions so that we
 match the oracle. ``dynamic`` scaling depends on the running length and is refused.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,13 +46,17 @@ def rope_inv_freq(config: Any, head_dim: int) -> tuple[torch.Tensor, float]:
         medium = (wavelen >= hi_wavelen) & (wavelen <= lo_wavelen)
         return torch.where(medium, smoothed, out), 1.0
     if kind == "dynamic":
-        raise ValueError("rope_scaling type 'dynamic' changes with the running length and is not supported; "
-                         "use a checkpoint with static rope scaling (default, linear, llama3, yarn)")
+        raise ValueError(
+            "rope_scaling type 'dynamic' changes with the running length and is not supported; "
+            "use a checkpoint with static rope scaling (default, linear, llama3, yarn)"
+        )
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if kind not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(f"unknown rope_scaling type {kind!r}; supported: default, linear, llama3, "
-                         f"{', '.join(k for k in ROPE_INIT_FUNCTIONS if k not in ('linear', 'llama3', 'dynamic'))}")
+        raise ValueError(
+            f"unknown rope_scaling type {kind!r}; supported: default, linear, llama3, "
+            f"{', '.join(k for k in ROPE_INIT_FUNCTIONS if k not in ('linear', 'llama3', 'dynamic'))}"
+        )
     inv, scale = ROPE_INIT_FUNCTIONS[kind](config, torch.device("cpu"))
     return inv.float(), float(scale)
 

@@ -12,6 +12,7 @@ in device tensors. So a request's output depends only on its seed, never on the 
 in, and the draws need no ``torch.Generator``: a captured CUDA graph replays them as it replays
 everything else (the counter advances on the device).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -87,15 +88,21 @@ class RowRandom:
     ``draw`` reads them and advances ``counter`` in place, with no host synchronisation.
     """
 
-    def __init__(self, seeds: list[int], device: torch.device, key: torch.Tensor | None = None,
-                 counter: torch.Tensor | None = None):
+    def __init__(
+        self,
+        seeds: list[int],
+        device: torch.device,
+        key: torch.Tensor | None = None,
+        counter: torch.Tensor | None = None,
+    ):
         self.device = device
         B = len(seeds)
         self.key = torch.empty(B, dtype=torch.int64, device=device) if key is None else key
         self.counter = torch.empty(B, dtype=torch.int64, device=device) if counter is None else counter
         if self.key.shape != (B,) or self.counter.shape != (B,):
-            raise ValueError(f"key/counter buffers must have shape ({B},), got {tuple(self.key.shape)} / "
-                             f"{tuple(self.counter.shape)}")
+            raise ValueError(
+                f"key/counter buffers must have shape ({B},), got {tuple(self.key.shape)} / {tuple(self.counter.shape)}"
+            )
         words = [(v & _M32, v >> 32) for v in (int(x) & (2**64 - 1) for x in seeds)]  # seed -> two 32-bit words
         s = torch.tensor(words, dtype=torch.int64).reshape(B, 2)
         k = mix32(s[:, 0] ^ mix32(s[:, 1] ^ 0x9E3779B9))

@@ -8,6 +8,7 @@ the aux boundaries the drafter needs.
 Boundary convention (one convention everywhere): boundary ``b`` is the residual stream
 *entering* layer ``b``; 0 = embedding output, N = final-layer output before the final norm.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,10 @@ DEFAULT_MAX_POSITIONS = 4096  # a config without max_position_embeddings (transf
 def target_info(config: Any) -> dict:
     """What a drafter keeps of its target's config: ``max_position_embeddings`` and the rope
     settings (checked when the drafter is exported)."""
-    return {"max_position_embeddings": getattr(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS),
-            "rope": rope_parameters(config)}
+    return {
+        "max_position_embeddings": getattr(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS),
+        "rope": rope_parameters(config),
+    }
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -103,7 +106,7 @@ class TargetModel:
         self.head_dim = getattr(config, "head_dim", None) or self.hidden_size // self.num_heads
         self.eps = config.rms_norm_eps
         self.max_position_embeddings = getattr(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS)
-        state = {k[len("model."):] if k.startswith("model.") else k: v for k, v in state.items()}
+        state = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in state.items()}
 
         def get(name: str, required: bool = True) -> torch.Tensor | None:
             t = state.get(name)
@@ -123,17 +126,25 @@ class TargetModel:
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):
             p = f"layers.{i}."
-            self.layers.append(_Layer(
-                ln1=get(p + "input_layernorm.weight"), ln2=get(p + "post_attention_layernorm.weight"),
-                wq=get(p + "self_attn.q_proj.weight"), wk=get(p + "self_attn.k_proj.weight"),
-                wv=get(p + "self_attn.v_proj.weight"), wo=get(p + "self_attn.o_proj.weight"),
-                bq=get(p + "self_attn.q_proj.bias", False), bk=get(p + "self_attn.k_proj.bias", False),
-                bv=get(p + "self_attn.v_proj.bias", False), bo=get(p + "self_attn.o_proj.bias", False),
-                q_norm=get(p + "self_attn.q_norm.weight", self.arch == "qwen3"),
-                k_norm=get(p + "self_attn.k_norm.weight", self.arch == "qwen3"),
-                gate=get(p + "mlp.gate_proj.weight"), up=get(p + "mlp.up_proj.weight"),
-                down=get(p + "mlp.down_proj.weight"),
-            ))
+            self.layers.append(
+                _Layer(
+                    ln1=get(p + "input_layernorm.weight"),
+                    ln2=get(p + "post_attention_layernorm.weight"),
+                    wq=get(p + "self_attn.q_proj.weight"),
+                    wk=get(p + "self_attn.k_proj.weight"),
+                    wv=get(p + "self_attn.v_proj.weight"),
+                    wo=get(p + "self_attn.o_proj.weight"),
+                    bq=get(p + "self_attn.q_proj.bias", False),
+                    bk=get(p + "self_attn.k_proj.bias", False),
+                    bv=get(p + "self_attn.v_proj.bias", False),
+                    bo=get(p + "self_attn.o_proj.bias", False),
+                    q_norm=get(p + "self_attn.q_norm.weight", self.arch == "qwen3"),
+                    k_norm=get(p + "self_attn.k_norm.weight", self.arch == "qwen3"),
+                    gate=get(p + "mlp.gate_proj.weight"),
+                    up=get(p + "mlp.up_proj.weight"),
+                    down=get(p + "mlp.down_proj.weight"),
+                )
+            )
         self.rope = Rope(config, self.head_dim, self.max_position_embeddings, device, dtype)
         self.aux_layer_ids: tuple[int, ...] = ()
         self.k_cache: torch.Tensor | None = None
@@ -143,7 +154,7 @@ class TargetModel:
     @classmethod
     def from_pretrained(
         cls, source: str | Path | Any, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
-    ) -> "TargetModel":
+    ) -> TargetModel:
         """From a Hugging Face model directory or a loaded ``transformers`` ``PreTrainedModel``."""
         device = torch.device(device)
         if isinstance(source, (str, Path)):
@@ -161,7 +172,9 @@ class TargetModel:
         else:
             config = getattr(source, "config", None)
             if config is None or not hasattr(source, "state_dict"):
-                raise TypeError(f"target must be a model directory or a transformers PreTrainedModel, got {type(source)}")
+                raise TypeError(
+                    f"target must be a model directory or a transformers PreTrainedModel, got {type(source)}"
+                )
             _architecture(config)
             state = {k: v.detach() for k, v in source.state_dict().items()}
         if dtype is None:
@@ -175,7 +188,8 @@ class TargetModel:
         if bad:
             raise ValueError(
                 f"aux layer ids {list(ids)} out of range for a target with {self.num_layers} layers: "
-                f"boundary ids must lie in [0, {self.num_layers}] (0 = embeddings, {self.num_layers} = last layer output)"
+                f"boundary ids must lie in [0, {self.num_layers}] "
+                f"(0 = embeddings, {self.num_layers} = last layer output)"
             )
         self.aux_layer_ids = ids
 
@@ -214,7 +228,7 @@ class TargetModel:
         h = F.embedding(tokens, self.embed)  # [B, Q, H]
         aux_ids = self.aux_layer_ids if capture_aux else ()
         captured = {0: h} if 0 in aux_ids else {}
-        scale = self.head_dim ** -0.5
+        scale = self.head_dim**-0.5
         rope = self.rope.tables(meta.positions)
         for i, L in enumerate(self.layers):
             x = ops.rms_norm(h, L.ln1, self.eps)
@@ -229,8 +243,9 @@ class TargetModel:
             if meta.prefill:
                 a = ops.prefill_attention(q, k, v, scale)
             else:
-                a = ops.tree_attention(q, self.k_cache[i], self.v_cache[i], meta.prefix_lens, meta.tree_mask, scale,
-                                       meta.kv_len)
+                a = ops.tree_attention(
+                    q, self.k_cache[i], self.v_cache[i], meta.prefix_lens, meta.tree_mask, scale, meta.kv_len
+                )
             a = F.linear(a.reshape(B, Q, self.num_heads * self.head_dim), L.wo, L.bo)
             x, h = ops.rms_norm(a, L.ln2, self.eps, residual=h)
             h = h + F.linear(F.silu(F.linear(x, L.gate)) * F.linear(x, L.up), L.down)

@@ -2,6 +2,7 @@
 
 Deliberately odd sizes (hidden 72, 3 KV heads, vocab 97) catch shape bugs that powers of two hide.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,9 +17,20 @@ def tiny_config(arch: str = "llama", **overrides: Any) -> Any:
     """A small transformers config of the given family (odd sizes by default)."""
     import transformers
 
-    base = dict(hidden_size=72, intermediate_size=112, num_attention_heads=6, num_key_value_heads=3,
-                num_hidden_layers=6, vocab_size=97, max_position_embeddings=512, rms_norm_eps=1e-6,
-                tie_word_embeddings=False, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    base = dict(
+        hidden_size=72,
+        intermediate_size=112,
+        num_attention_heads=6,
+        num_key_value_heads=3,
+        num_hidden_layers=6,
+        vocab_size=97,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     base.update(overrides)
     if arch == "llama":
         return transformers.LlamaConfig(**base)
@@ -40,8 +52,12 @@ def tiny_target(arch: str = "llama", seed: int = 0, **overrides: Any) -> Any:
     import transformers
 
     cfg = tiny_config(arch, **overrides)
-    cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-           "qwen2": transformers.Qwen2ForCausalLM, "qwen3": transformers.Qwen3ForCausalLM}[arch]
+    cls = {
+        "llama": transformers.LlamaForCausalLM,
+        "mistral": transformers.MistralForCausalLM,
+        "qwen2": transformers.Qwen2ForCausalLM,
+        "qwen3": transformers.Qwen3ForCausalLM,
+    }[arch]
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     g = torch.Generator().manual_seed(seed)
@@ -72,8 +88,9 @@ def byte_tokenizer(directory: str | Path) -> Any:
     return fast
 
 
-def tiny_random_pair(directory: str | Path, arch: str = "llama", seed: int = 0,
-                     fc_norm: bool = True, norm_output: bool = True) -> tuple[Path, Path]:
+def tiny_random_pair(
+    directory: str | Path, arch: str = "llama", seed: int = 0, fc_norm: bool = True, norm_output: bool = True
+) -> tuple[Path, Path]:
     """Write a random tiny target (with a byte tokenizer) and a random drafter; return both dirs.
 
     A random drafter is accepted only by chance: this pair exercises the machinery, not speed.
@@ -83,8 +100,17 @@ def tiny_random_pair(directory: str | Path, arch: str = "llama", seed: int = 0,
     root = Path(directory)
     tdir, ddir = root / "target", root / "drafter"
     if not (tdir / "config.json").exists():
-        model = tiny_target(arch, seed, vocab_size=257, eos_token_id=256, hidden_size=96, num_attention_heads=6,
-                            num_key_value_heads=2, intermediate_size=192, num_hidden_layers=8)
+        model = tiny_target(
+            arch,
+            seed,
+            vocab_size=257,
+            eos_token_id=256,
+            hidden_size=96,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            intermediate_size=192,
+            num_hidden_layers=8,
+        )
         model.save_pretrained(str(tdir))
         byte_tokenizer(tdir)
     if not (ddir / "config.json").exists():

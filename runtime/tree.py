@@ -11,6 +11,7 @@ candidates (``N = num_draft_tokens``, root included), sorted back into candidate
 break towards the lower candidate index (a stable sort), and a child's score never exceeds its
 parent's, so a kept node's parent is always kept and comes first.
 """
+
 from __future__ import annotations
 
 import torch

@@ -1,4 +1,5 @@
 """Reading and writing weight files (safetensors, sharded safetensors, pytorch_model.bin)."""
+
 from __future__ import annotations
 
 import json

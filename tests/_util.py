@@ -1,4 +1,5 @@
 """Shared helpers for the runtime tests (tiny random targets and drafters)."""
+
 from __future__ import annotations
 
 import torch
@@ -9,9 +10,16 @@ from tritonspec.runtime.tiny import tiny_target
 
 def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
     """transformers' own greedy ``generate`` (the oracle), without EOS stopping."""
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
-    return out[0, len(prompt):].tolist()
+    out = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )
+    return out[0, len(prompt) :].tolist()
 
 
 def random_prompts(vocab: int, lengths: list[int], seed: int) -> list[list[int]]:
@@ -28,8 +36,16 @@ def runtime(model, drafter=None, spec=None, **kw) -> ts.SpeculativeRuntime:
 __all__ = ["hf_greedy", "perm_pair", "random_prompts", "runtime", "tiny_target"]
 
 
-def perm_pair(arch: str = "llama", vocab: int = 24, seed: int = 0, alpha: float = 0.3, chain: list[int] | None = None,
-              *, target_overrides: dict | None = None, **flags):
+def perm_pair(
+    arch: str = "llama",
+    vocab: int = 24,
+    seed: int = 0,
+    alpha: float = 0.3,
+    chain: list[int] | None = None,
+    *,
+    target_overrides: dict | None = None,
+    **flags,
+):
     """A target whose greedy next token is mostly ``perm(current token)`` and a drafter built to
     predict exactly ``perm(input token)``: a deliberately good drafter with deep acceptances.
 
@@ -69,11 +85,11 @@ def perm_pair(arch: str = "llama", vocab: int = 24, seed: int = 0, alpha: float 
         eye = torch.eye(hd)
         for h in range(hq):
             j = h // (hq // hkv)
-            a.q_proj.weight[h * hd:(h + 1) * hd, j * hd:(j + 1) * hd] = 20 * eye
+            a.q_proj.weight[h * hd : (h + 1) * hd, j * hd : (j + 1) * hd] = 20 * eye
         for j in range(hkv):
-            a.k_proj.weight[j * hd:(j + 1) * hd, j * hd:(j + 1) * hd] = eye
-            a.v_proj.weight[j * hd:(j + 1) * hd, j * hd:(j + 1) * hd] = eye
-            a.o_proj.weight[j * hd:(j + 1) * hd, (j * (hq // hkv)) * hd:(j * (hq // hkv) + 1) * hd] = eye
+            a.k_proj.weight[j * hd : (j + 1) * hd, j * hd : (j + 1) * hd] = eye
+            a.v_proj.weight[j * hd : (j + 1) * hd, j * hd : (j + 1) * hd] = eye
+            a.o_proj.weight[j * hd : (j + 1) * hd, (j * (hq // hkv)) * hd : (j * (hq // hkv) + 1) * hd] = eye
         m.hidden_norm.weight.fill_(1e-3)
         d.lm_head.weight.zero_()
         d.lm_head.weight[:, :active] = E[inv][:, :active]

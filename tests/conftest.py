@@ -3,6 +3,7 @@
 ``TRITON_INTERPRET`` must be set before triton is first imported, hence here, at conftest
 import time.
 """
+
 import os
 
 import torch

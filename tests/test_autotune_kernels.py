@@ -1,5 +1,6 @@
 """The kernel tuner end to end under the Triton interpreter (two-config lists), OutOfResources and
 wrong-output candidates skipped, and the CLI's refusal to tune timings without a GPU."""
+
 from __future__ import annotations
 
 import json
@@ -9,18 +10,28 @@ import torch
 
 pytest.importorskip("triton")
 
-from tritonspec.kernels import store  # noqa: E402
 from tritonspec.autotune.kernel_tuner import KernelShape, Problem, format_results, tune_kernels, tune_problem  # noqa: E402
+from tritonspec.kernels import store  # noqa: E402
 
 CPU = torch.device("cpu")
-TINY = KernelShape("tiny", hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, num_layers=2, tree_tokens=4,
-                   context=32, max_depth=2)
+TINY = KernelShape(
+    "tiny",
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    num_layers=2,
+    tree_tokens=4,
+    context=32,
+    max_depth=2,
+)
 
 
 def _fake_bench(times):
     def bench(fn, device):
         fn()
         return times[store._FORCED.get("rms_norm", {}).get("num_warps", 0)]
+
     return bench
 
 
@@ -31,9 +42,16 @@ def test_kernel_tuner_end_to_end_under_the_interpreter(tuned_dir):
     from tritonspec.kernels.utils import rms_config
 
     two = [{"num_warps": 1}, {"num_warps": 2}]
-    results, files = tune_kernels([TINY], torch.float32, CPU, ops=["rms_norm", "verify_greedy"],
-                                  candidates={"rms_norm": two, "verify_greedy": two}, out_dir=tuned_dir,
-                                  bench=_fake_bench({0: 5.0, 1: 4.0, 2: 3.0}), show_progress=False)
+    results, files = tune_kernels(
+        [TINY],
+        torch.float32,
+        CPU,
+        ops=["rms_norm", "verify_greedy"],
+        candidates={"rms_norm": two, "verify_greedy": two},
+        out_dir=tuned_dir,
+        bench=_fake_bench({0: 5.0, 1: 4.0, 2: 3.0}),
+        show_progress=False,
+    )
     r = {x.op: x for x in results}
     assert r["rms_norm"].best == {"num_warps": 2} and r["rms_norm"].value == 64 and r["rms_norm"].tried == 2
     assert r["rms_norm"].speedup == pytest.approx(5.0 / 3.0)
@@ -50,9 +68,16 @@ def test_kernel_tuner_end_to_end_under_the_interpreter(tuned_dir):
 
 
 def test_real_timer_runs_and_dry_run_writes_nothing(tuned_dir):
-    results, files = tune_kernels([TINY], torch.float32, CPU, ops=["aux_gather"],
-                                  candidates={"aux_gather": [{"num_warps": 1}, {"num_warps": 2}]}, dry_run=True,
-                                  out_dir=tuned_dir, show_progress=False)
+    results, files = tune_kernels(
+        [TINY],
+        torch.float32,
+        CPU,
+        ops=["aux_gather"],
+        candidates={"aux_gather": [{"num_warps": 1}, {"num_warps": 2}]},
+        dry_run=True,
+        out_dir=tuned_dir,
+        show_progress=False,
+    )
     assert files == [] and not tuned_dir.exists()
     assert results[0].best in ({"num_warps": 1}, {"num_warps": 2}) and results[0].best_us > 0
 
@@ -95,8 +120,23 @@ def test_cli_kernels_under_the_interpreter(tmp_path, capsys):
     if torch.cuda.is_available():
         pytest.skip("has a GPU: the CLI would tune for real")
     t, _ = tiny_random_pair(tmp_path / "pair")
-    assert main(["autotune", "kernels", "--device", "cpu", "--shapes", str(t), "--ops", "rms_norm,verify_greedy",
-                 "--out", str(tmp_path / "o")]) == 0
+    assert (
+        main(
+            [
+                "autotune",
+                "kernels",
+                "--device",
+                "cpu",
+                "--shapes",
+                str(t),
+                "--ops",
+                "rms_norm,verify_greedy",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "hidden_size=96" in out and "num_draft_tokens=48" in out and out.count("wrote ") == 2
     assert (tmp_path / "o" / "rms_norm,device_name=cpu,dtype=float32.json").exists()

@@ -1,5 +1,6 @@
 """The per-device config store: round trip, nearest bucket, mismatch/corrupt handling, the
 environment override, in-memory caching, and the launchers' config functions reading it."""
+
 from __future__ import annotations
 
 import json
@@ -16,8 +17,9 @@ CPU = torch.device("cpu")
 
 
 def _write(d, op="rms_norm", configs=None, dtype="float32", **overrides):
-    table = make_table(op, "hidden_size", configs or {1024: {"num_warps": 2}, 4096: {"num_warps": 8}}, dtype=dtype,
-                       device=CPU)
+    table = make_table(
+        op, "hidden_size", configs or {1024: {"num_warps": 2}, 4096: {"num_warps": 8}}, dtype=dtype, device=CPU
+    )
     table.update(overrides)
     return write_table(table, d)
 
@@ -67,11 +69,14 @@ def test_only_default_keys_and_positive_ints_are_taken(tuned_dir):
         assert tuned("rms_norm", 64, {"num_warps": 1}, dtype="float32", device=CPU) == {"num_warps": 1}
 
 
-@pytest.mark.parametrize("field, value, why", [
-    ("device_name", "NVIDIA_H100_80GB_HBM3", "tuned on"),
-    ("versions", {"tritonspec": "0.0.1", "triton": "3.6.0", "torch": "2.11.0"}, "tritonspec"),
-    ("versions", None, "tritonspec"),
-])
+@pytest.mark.parametrize(
+    "field, value, why",
+    [
+        ("device_name", "NVIDIA_H100_80GB_HBM3", "tuned on"),
+        ("versions", {"tritonspec": "0.0.1", "triton": "3.6.0", "torch": "2.11.0"}, "tritonspec"),
+        ("versions", None, "tritonspec"),
+    ],
+)
 def test_mismatched_file_warns_once_and_falls_back(tuned_dir, field, value, why):
     table = make_table("rms_norm", "hidden_size", {64: {"num_warps": 8}}, dtype="float32", device=CPU)
     table[field] = value
@@ -166,16 +171,30 @@ def test_launcher_config_functions_read_the_store(tuned_dir):
     heuristic = rms_config(4096)
     assert rms_config(4096, torch.float32, CPU) == heuristic  # nothing stored yet
     _write(tuned_dir, configs={4096: {"num_warps": 2}})
-    write_table(make_table("aux_gather", "hidden_size", {4096: {"num_warps": 1}}, dtype="float32", device=CPU), tuned_dir)
-    write_table(make_table("verify_greedy", "num_draft_tokens", {48: {"num_warps": 4}}, dtype="int64", device=CPU),
-                tuned_dir)
-    write_table(make_table("kv_compact", "kv_width", {1024: {"BLOCK_C": 256, "num_warps": 2}}, dtype="float32",
-                           device=CPU), tuned_dir)
+    write_table(
+        make_table("aux_gather", "hidden_size", {4096: {"num_warps": 1}}, dtype="float32", device=CPU), tuned_dir
+    )
+    write_table(
+        make_table("verify_greedy", "num_draft_tokens", {48: {"num_warps": 4}}, dtype="int64", device=CPU), tuned_dir
+    )
+    write_table(
+        make_table("kv_compact", "kv_width", {1024: {"BLOCK_C": 256, "num_warps": 2}}, dtype="float32", device=CPU),
+        tuned_dir,
+    )
     # tree attention: one valid entry (head_dim 128) and one whose split is no multiple of BLOCK_N (head_dim 64)
-    write_table(make_table("tree_attention", "head_dim", {
-        64: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=3, split_kv=1000),
-        128: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=3, split_kv=1024)}, dtype="float32", device=CPU),
-        tuned_dir)
+    write_table(
+        make_table(
+            "tree_attention",
+            "head_dim",
+            {
+                64: dict(BLOCK_M=32, BLOCK_N=64, num_warps=8, num_stages=3, split_kv=1000),
+                128: dict(BLOCK_M=32, BLOCK_N=32, num_warps=8, num_stages=3, split_kv=1024),
+            },
+            dtype="float32",
+            device=CPU,
+        ),
+        tuned_dir,
+    )
     assert rms_config(4096, torch.float32, CPU) == (heuristic[0], 2)
     assert rms_config(4096) == heuristic  # no device: the heuristic (what the PTX compile test compiles)
     assert gather_config(4096, torch.float32, CPU)[1] == 1

@@ -1,6 +1,7 @@
 """The tree-shape tuner: the acceptance model by hand, the known optimum on synthetic cost and
 acceptance models, and an end-to-end run on the CPU with a tiny target + drafter whose profile
 ``SpeculativeRuntime(spec=None)`` then uses."""
+
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def test_tokens_per_round_by_hand():
     # depth 2, top_k 2: level 1 {.5, .3}; level 2 {.30, .10, .18, .06}; rerank keeps the best N-1
     assert acc.tokens_per_round(2, 2) == pytest.approx([1, 1.5, 1.8, 2.1, 2.28, 2.38, 2.44])
     # depth 3: only the best 2 of level 2 (.30, .18) expand, each with children .5/.5 of it
-    assert sorted(acc.candidate_probs(3, 2)[6:]) == pytest.approx(sorted([.15, .15, .09, .09]))
+    assert sorted(acc.candidate_probs(3, 2)[6:]) == pytest.approx(sorted([0.15, 0.15, 0.09, 0.09]))
     assert acc.tokens_per_round(1, 1) == [1, 1.5]
 
 
@@ -60,7 +61,7 @@ def test_picks_the_known_chain_optimum():
     costs = _costs(lambda n: 1.0, head=lambda k: 0.05 * k, step=lambda k: 0.1 + 0.05 * k, commit=(0.05, 0.01))
 
     def rate(D):  # the same model written out for a chain
-        return (1 + sum(0.8 ** i for i in range(1, D + 1))) / (0.05 + (D - 1) * 0.15 + 1.0 + 0.05 + 0.01 * D)
+        return (1 + sum(0.8**i for i in range(1, D + 1))) / (0.05 + (D - 1) * 0.15 + 1.0 + 0.05 + 0.01 * D)
 
     best_d = max(range(1, 11), key=rate)
     best = search(costs, acc, max_depth=10)[0]
@@ -71,7 +72,7 @@ def test_picks_the_known_chain_optimum():
 
 def test_picks_the_verify_knee():
     """A GPU-like verify cost, flat up to 16 tree tokens then steep: the best N is the knee."""
-    acc = AcceptanceProfile([[0.6 * 0.5 ** r for r in range(8)] for _ in range(8)])
+    acc = AcceptanceProfile([[0.6 * 0.5**r for r in range(8)] for _ in range(8)])
     costs = _costs(lambda n: 1.0 if n <= 16 else 1.0 + 0.1 * (n - 16), head=lambda k: 0.01, step=lambda k: 0.01)
     ranked = search(costs, acc)
     assert ranked[0].spec.num_draft_tokens == 16
@@ -80,7 +81,7 @@ def test_picks_the_verify_knee():
 
 
 def test_neighbours_and_monotone_verify():
-    acc = AcceptanceProfile([[0.6 * 0.5 ** r for r in range(8)] for _ in range(8)])
+    acc = AcceptanceProfile([[0.6 * 0.5**r for r in range(8)] for _ in range(8)])
     costs = _costs(lambda n: 1.0 + 0.02 * n, step=lambda k: 0.05 * k)
     ranked = search(costs, acc)
     best = ranked[0].spec
@@ -93,13 +94,25 @@ def test_neighbours_and_monotone_verify():
 def test_end_to_end_on_cpu_then_used_by_the_runtime(tuned_dir):
     model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
     prompts = random_prompts(24, [5, 7, 6], seed=1)
-    res = tune_tree(model, drafter, prompts, max_new_tokens=16, max_depth=3, top_ks=(1, 2), max_draft_tokens=12,
-                    reps=2, out_dir=tuned_dir)
+    res = tune_tree(
+        model,
+        drafter,
+        prompts,
+        max_new_tokens=16,
+        max_depth=3,
+        top_ks=(1, 2),
+        max_draft_tokens=12,
+        reps=2,
+        out_dir=tuned_dir,
+    )
     assert res.profile_path is not None and res.profile_path.parent == tuned_dir
     assert res.profile_path.name.startswith("tree_shape,target=") and ",backend=torch.json" in res.profile_path.name
     data = json.loads(res.profile_path.read_text())
-    assert data["spec"] == {"num_speculative_tokens": res.best.spec.num_speculative_tokens, "top_k": res.best.spec.top_k,
-                            "num_draft_tokens": res.best.spec.num_draft_tokens}
+    assert data["spec"] == {
+        "num_speculative_tokens": res.best.spec.num_speculative_tokens,
+        "top_k": res.best.spec.top_k,
+        "num_draft_tokens": res.best.spec.num_draft_tokens,
+    }
     assert data["versions"]["torch"] and data["device_name"].startswith("cpu-") and data["acceptance"]["p"]
     assert res.n_roots >= 10 and 0 < res.acceptance.p[0][0] <= 1
     roles = [c.role for c in res.checks]
@@ -137,8 +150,24 @@ def test_cli_tree_on_a_tiny_pair(tmp_path, tuned_dir, capsys):
     t, d = tiny_random_pair(tmp_path / "pair")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"id": 1, "prompt": "def f(x):"}\n{"id": 2, "prompt": "import os"}\n')
-    argv = ["autotune", "tree", "--target", str(t), "--drafter", str(d), "--prompts", str(prompts), "--max-new-tokens",
-            "8", "--max-depth", "2", "--top-k", "1,2", "--max-draft-tokens", "6"]
+    argv = [
+        "autotune",
+        "tree",
+        "--target",
+        str(t),
+        "--drafter",
+        str(d),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "8",
+        "--max-depth",
+        "2",
+        "--top-k",
+        "1,2",
+        "--max-draft-tokens",
+        "6",
+    ]
     assert main(argv + ["--dry-run", "--no-validate"]) == 0
     out = capsys.readouterr().out
     assert "chosen: num_speculative_tokens=" in out and "dry run: nothing written" in out and not tuned_dir.exists()
@@ -155,8 +184,18 @@ def test_teacher_forced_profile_predicts_chain_acceptance():
 
     model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3, chain=[3, 7, 11, 5, 9])
     prompts = random_prompts(24, [5, 7, 6, 8], seed=1)
-    res = tune_tree(model, drafter, prompts, max_new_tokens=24, max_depth=3, top_ks=(1,), max_draft_tokens=4,
-                    reps=1, dry_run=True, validate=False)
+    res = tune_tree(
+        model,
+        drafter,
+        prompts,
+        max_new_tokens=24,
+        max_depth=3,
+        top_ks=(1,),
+        max_draft_tokens=4,
+        reps=1,
+        dry_run=True,
+        validate=False,
+    )
     assert res.profile_path is None  # dry run
     rt = runtime(model, drafter, spec=ts.SpecConfig.chain(3), max_batch_size=1)
     for k in (1, 3):
@@ -169,5 +208,6 @@ def test_teacher_forced_profile_predicts_chain_acceptance():
 def test_string_prompts_without_a_tokenizer_are_a_clear_error():
     model, drafter = perm_pair("llama", vocab=24, seed=1)  # a loaded model: no tokenizer to read
     with pytest.raises(ValueError, match="string prompts need the target's tokenizer"):
-        tune_tree(model, drafter, ["def f(x):"], max_new_tokens=4, max_depth=2, top_ks=(1,), max_draft_tokens=3,
-                  dry_run=True)
+        tune_tree(
+            model, drafter, ["def f(x):"], max_new_tokens=4, max_depth=2, top_ks=(1,), max_draft_tokens=3, dry_run=True
+        )

@@ -13,6 +13,7 @@ a token; the seeds and prompts here are far from ties (the tests would say so), 
 kernels (verification, compaction, gathers) are bit-exact. The whole file takes about two
 minutes on two busy CPU cores; nothing is marked slow.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -108,8 +109,16 @@ def test_triton_backend_uses_every_kernel(monkeypatch):
     model, drafter = _pair(fc_norm=True, norm_output=True)
     rt = runtime(model, drafter, SPECS["chain"], backend="triton", **RT)
     called = set()
-    kernels = ("rms_norm", "aux_gather", "kv_write", "tree_attention", "verify_greedy", "verify_sampling",
-               "verify_chain", "kv_compact")
+    kernels = (
+        "rms_norm",
+        "aux_gather",
+        "kv_write",
+        "tree_attention",
+        "verify_greedy",
+        "verify_sampling",
+        "verify_chain",
+        "kv_compact",
+    )
     for name in kernels:
         fn = getattr(TritonOps, name)
         monkeypatch.setattr(rt.ops, name, lambda *a, _fn=fn, _n=name, **k: called.add(_n) or _fn(*a, **k))

@@ -16,6 +16,7 @@ The compilation runs in a subprocess without ``TRITON_INTERPRET`` (under the int
 ``triton.jit`` gives interpreted functions that cannot be compiled); run this file as a script
 (``python tests/test_compile_ptx.py 90``) to see the JSON it reports.
 """
+
 from __future__ import annotations
 
 import json
@@ -56,75 +57,216 @@ def _specs():
             H, HQ, HKV, D = m["H"], m["HQ"], m["HKV"], m["D"]
             block, warps = rms_config(H)
             for res in (False, True):
-                sig = dict(x_ptr=p, r_ptr=p, w_ptr=p, y_ptr=p, s_ptr=p, M1="i32", stride_x0="i32", stride_x1="i32",
-                           stride_r0="i32", stride_r1="i32", eps="fp32")
-                specs.append((f"rms_norm/{dt_name}/{model}/residual={res}", rn._rms_norm_kernel, sig,
-                              dict(H=H, BLOCK_H=block, HAS_RESIDUAL=res),
-                              ["x_ptr", "r_ptr", "w_ptr", "y_ptr", "s_ptr", "stride_x0", "stride_x1", "stride_r0",
-                               "stride_r1"],
-                              dict(base, num_warps=warps)))
+                sig = dict(
+                    x_ptr=p,
+                    r_ptr=p,
+                    w_ptr=p,
+                    y_ptr=p,
+                    s_ptr=p,
+                    M1="i32",
+                    stride_x0="i32",
+                    stride_x1="i32",
+                    stride_r0="i32",
+                    stride_r1="i32",
+                    eps="fp32",
+                )
+                specs.append(
+                    (
+                        f"rms_norm/{dt_name}/{model}/residual={res}",
+                        rn._rms_norm_kernel,
+                        sig,
+                        dict(H=H, BLOCK_H=block, HAS_RESIDUAL=res),
+                        [
+                            "x_ptr",
+                            "r_ptr",
+                            "w_ptr",
+                            "y_ptr",
+                            "s_ptr",
+                            "stride_x0",
+                            "stride_x1",
+                            "stride_r0",
+                            "stride_r1",
+                        ],
+                        dict(base, num_warps=warps),
+                    )
+                )
             for norm in (False, True):
                 n_aux = 3
                 h = H if norm else n_aux * H
                 b2, w2 = rms_config(h)
                 sig = dict(aux_ptr=p, index_ptr="*i64", w_ptr=p, out_ptr=p, stride_aux="i32", eps="fp32")
-                specs.append((f"aux_gather/{dt_name}/{model}/fc_norm={norm}", ag._aux_gather_kernel, sig,
-                              dict(H=h, N_AUX=n_aux if norm else 1, BLOCK_H=b2, HAS_NORM=norm, PAD=-1),
-                              ["aux_ptr", "index_ptr", "w_ptr", "out_ptr", "stride_aux"], dict(base, num_warps=w2)))
+                specs.append(
+                    (
+                        f"aux_gather/{dt_name}/{model}/fc_norm={norm}",
+                        ag._aux_gather_kernel,
+                        sig,
+                        dict(H=h, N_AUX=n_aux if norm else 1, BLOCK_H=b2, HAS_NORM=norm, PAD=-1),
+                        ["aux_ptr", "index_ptr", "w_ptr", "out_ptr", "stride_aux"],
+                        dict(base, num_warps=w2),
+                    )
+                )
             hd = HKV * D
-            sig = dict(k_cache_ptr=p, v_cache_ptr=p, slots_ptr="*i64", k_ptr=p, v_ptr=p, stride_kb="i32",
-                       stride_ks="i32", stride_vb="i32", stride_vs="i32", stride_nb="i32", stride_nq="i32",
-                       Q="i32", S="i32")
-            specs.append((f"kv_write/{dt_name}/{model}", kw._kv_write_kernel, sig,
-                          dict(HD=hd, BLOCK=min(next_pow2(hd), 1024), PAD=-1),
-                          [a for a in sig if a not in ("Q", "S")] if hd % 16 == 0 else list(sig)[:5],
-                          dict(base, num_warps=4)))
+            sig = dict(
+                k_cache_ptr=p,
+                v_cache_ptr=p,
+                slots_ptr="*i64",
+                k_ptr=p,
+                v_ptr=p,
+                stride_kb="i32",
+                stride_ks="i32",
+                stride_vb="i32",
+                stride_vs="i32",
+                stride_nb="i32",
+                stride_nq="i32",
+                Q="i32",
+                S="i32",
+            )
+            specs.append(
+                (
+                    f"kv_write/{dt_name}/{model}",
+                    kw._kv_write_kernel,
+                    sig,
+                    dict(HD=hd, BLOCK=min(next_pow2(hd), 1024), PAD=-1),
+                    [a for a in sig if a not in ("Q", "S")] if hd % 16 == 0 else list(sig)[:5],
+                    dict(base, num_warps=4),
+                )
+            )
             cfg = ta._attention_constexprs(D, torch_dt)
             cfg["DOT_UPCAST"] = False  # the interpreter-only path is never compiled
-            sig = dict(q_ptr=p, k_ptr=p, v_ptr=p, prefix_ptr="*i64", mask_ptr="*i1", acc_ptr="*fp32", ml_ptr="*fp32",
-                       stride_qb="i32", stride_qq="i32", stride_qh="i32", stride_kb="i32", stride_ks="i32",
-                       stride_vb="i32", stride_vs="i32", stride_mb="i32", stride_mq="i32", stride_mt="i32",
-                       Q="i32", T="i32", kv_len="i32", NS="i32", qk_scale="fp32")
-            specs.append((f"tree_attention_partial/{dt_name}/{model}", ta._tree_attn_partial_kernel, sig,
-                          dict(HQ=HQ, HKV=HKV, D=D, SPLIT=ta.SPLIT_KV, NEG=-1.0e30, **cfg),
-                          list(sig)[:7] + ([a for a in sig if a.startswith(("stride_q", "stride_k", "stride_v"))]
-                                           if D % 16 == 0 else []),
-                          dict(base, num_warps=4, num_stages=2)))
+            sig = dict(
+                q_ptr=p,
+                k_ptr=p,
+                v_ptr=p,
+                prefix_ptr="*i64",
+                mask_ptr="*i1",
+                acc_ptr="*fp32",
+                ml_ptr="*fp32",
+                stride_qb="i32",
+                stride_qq="i32",
+                stride_qh="i32",
+                stride_kb="i32",
+                stride_ks="i32",
+                stride_vb="i32",
+                stride_vs="i32",
+                stride_mb="i32",
+                stride_mq="i32",
+                stride_mt="i32",
+                Q="i32",
+                T="i32",
+                kv_len="i32",
+                NS="i32",
+                qk_scale="fp32",
+            )
+            specs.append(
+                (
+                    f"tree_attention_partial/{dt_name}/{model}",
+                    ta._tree_attn_partial_kernel,
+                    sig,
+                    dict(HQ=HQ, HKV=HKV, D=D, SPLIT=ta.SPLIT_KV, NEG=-1.0e30, **cfg),
+                    list(sig)[:7]
+                    + ([a for a in sig if a.startswith(("stride_q", "stride_k", "stride_v"))] if D % 16 == 0 else []),
+                    dict(base, num_warps=4, num_stages=2),
+                )
+            )
             sig = dict(acc_ptr="*fp32", ml_ptr="*fp32", prefix_ptr="*i64", out_ptr=p, QH="i32", kv_len="i32", NS="i32")
-            specs.append((f"tree_attention_merge/{dt_name}/{model}", ta._tree_attn_merge_kernel, sig,
-                          dict(D=D, BLOCK_D=cfg["BLOCK_D"], SPLIT=ta.SPLIT_KV, NEG=-1.0e30),
-                          ["acc_ptr", "ml_ptr", "prefix_ptr", "out_ptr"],
-                          dict(base, num_warps=1 if cfg["BLOCK_D"] <= 128 else 2)))
+            specs.append(
+                (
+                    f"tree_attention_merge/{dt_name}/{model}",
+                    ta._tree_attn_merge_kernel,
+                    sig,
+                    dict(D=D, BLOCK_D=cfg["BLOCK_D"], SPLIT=ta.SPLIT_KV, NEG=-1.0e30),
+                    ["acc_ptr", "ml_ptr", "prefix_ptr", "out_ptr"],
+                    dict(base, num_warps=1 if cfg["BLOCK_D"] <= 128 else 2),
+                )
+            )
             M = 7
             block_m = next_pow2(M)
             sig = dict(k_ptr=p, v_ptr=p, start_ptr="*i64", nodes_ptr="*i64", stride_l="i32", stride_b="i32")
-            specs.append((f"kv_compact/{dt_name}/{model}", kc._kv_compact_kernel, sig,
-                          dict(HD=hd, M=M, BLOCK_M=block_m, BLOCK_C=min(next_pow2(hd), max(8192 // block_m, 128)),
-                               NONE=-1),
-                          ["k_ptr", "v_ptr", "start_ptr", "nodes_ptr", "stride_l", "stride_b"], dict(base, num_warps=4)))
+            specs.append(
+                (
+                    f"kv_compact/{dt_name}/{model}",
+                    kc._kv_compact_kernel,
+                    sig,
+                    dict(HD=hd, M=M, BLOCK_M=block_m, BLOCK_C=min(next_pow2(hd), max(8192 // block_m, 128)), NONE=-1),
+                    ["k_ptr", "v_ptr", "start_ptr", "nodes_ptr", "stride_l", "stride_b"],
+                    dict(base, num_warps=4),
+                )
+            )
     for depth, n in ((6, 48), (4, 5)):
-        sig = dict(tokens_ptr="*i64", parents_ptr="*i64", argmax_ptr="*i64", nodes_ptr="*i64", num_ptr="*i64",
-                   emitted_ptr="*i64", N="i32")
-        specs.append((f"verify_greedy/depth={depth}/N={n}", vf._verify_greedy_kernel, sig,
-                      dict(MAX_DEPTH=depth, BLOCK_N=max(next_pow2(n), 16), BLOCK_W=max(next_pow2(depth + 1), 16),
-                           NONE=-1),
-                      list(sig)[:6], dict(num_warps=1)))
+        sig = dict(
+            tokens_ptr="*i64",
+            parents_ptr="*i64",
+            argmax_ptr="*i64",
+            nodes_ptr="*i64",
+            num_ptr="*i64",
+            emitted_ptr="*i64",
+            N="i32",
+        )
+        specs.append(
+            (
+                f"verify_greedy/depth={depth}/N={n}",
+                vf._verify_greedy_kernel,
+                sig,
+                dict(MAX_DEPTH=depth, BLOCK_N=max(next_pow2(n), 16), BLOCK_W=max(next_pow2(depth + 1), 16), NONE=-1),
+                list(sig)[:6],
+                dict(num_warps=1),
+            )
+        )
     for depth, n, vocab in VERIFY_SAMPLING:
         block_v, warps = sampling_config(vocab)
-        sig = dict(tokens_ptr="*i64", parents_ptr="*i64", probs_ptr="*fp32", u_ptr="*fp32", xi_ptr="*fp32",
-                   mark_ptr="*i8", nodes_ptr="*i64", num_ptr="*i64", emitted_ptr="*i64", N="i32", V="i32")
-        specs.append((f"verify_sampling/depth={depth}/N={n}/V={vocab}", vs._verify_sampling_kernel, sig,
-                      dict(MAX_DEPTH=depth, BLOCK_N=max(next_pow2(n), 16), BLOCK_W=max(next_pow2(depth + 1), 16),
-                           BLOCK_V=block_v, ONE=vs.FIXED_ONE, NONE=-1),
-                      list(sig)[:9] + (["V"] if vocab % 16 == 0 else []), dict(base, num_warps=warps)))
+        sig = dict(
+            tokens_ptr="*i64",
+            parents_ptr="*i64",
+            probs_ptr="*fp32",
+            u_ptr="*fp32",
+            xi_ptr="*fp32",
+            mark_ptr="*i8",
+            nodes_ptr="*i64",
+            num_ptr="*i64",
+            emitted_ptr="*i64",
+            N="i32",
+            V="i32",
+        )
+        specs.append(
+            (
+                f"verify_sampling/depth={depth}/N={n}/V={vocab}",
+                vs._verify_sampling_kernel,
+                sig,
+                dict(
+                    MAX_DEPTH=depth,
+                    BLOCK_N=max(next_pow2(n), 16),
+                    BLOCK_W=max(next_pow2(depth + 1), 16),
+                    BLOCK_V=block_v,
+                    ONE=vs.FIXED_ONE,
+                    NONE=-1,
+                ),
+                list(sig)[:9] + (["V"] if vocab % 16 == 0 else []),
+                dict(base, num_warps=warps),
+            )
+        )
     for n, vocab in VERIFY_CHAIN:
         block_v = min(max(next_pow2(vocab), 16), 2048)
-        sig = dict(tokens_ptr="*i64", probs_ptr="*fp32", q_ptr="*fp32", u_ptr="*fp32", xi_ptr="*fp32",
-                   nodes_ptr="*i64", num_ptr="*i64", emitted_ptr="*i64", V="i32")
-        specs.append((f"verify_chain/n={n}/V={vocab}", vc._verify_chain_kernel, sig,
-                      dict(N_DRAFT=n, BLOCK_W=max(next_pow2(n + 1), 16), BLOCK_V=block_v),
-                      list(sig)[:8] + (["V"] if vocab % 16 == 0 else []),
-                      dict(base, num_warps=1 if block_v <= 256 else 4 if block_v <= 1024 else 8)))
+        sig = dict(
+            tokens_ptr="*i64",
+            probs_ptr="*fp32",
+            q_ptr="*fp32",
+            u_ptr="*fp32",
+            xi_ptr="*fp32",
+            nodes_ptr="*i64",
+            num_ptr="*i64",
+            emitted_ptr="*i64",
+            V="i32",
+        )
+        specs.append(
+            (
+                f"verify_chain/n={n}/V={vocab}",
+                vc._verify_chain_kernel,
+                sig,
+                dict(N_DRAFT=n, BLOCK_W=max(next_pow2(n + 1), 16), BLOCK_V=block_v),
+                list(sig)[:8] + (["V"] if vocab % 16 == 0 else []),
+                dict(base, num_warps=1 if block_v <= 256 else 4 if block_v <= 1024 else 8),
+            )
+        )
     return specs
 
 
@@ -167,29 +309,33 @@ _CACHE: dict[int, dict] = {}
 def _report(arch: int) -> dict:
     if arch not in _CACHE:
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-        proc = subprocess.run([sys.executable, __file__, str(arch)], env=env, capture_output=True, text=True,
-                              timeout=1200)
+        proc = subprocess.run(
+            [sys.executable, __file__, str(arch)], env=env, capture_output=True, text=True, timeout=1200
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         _CACHE[arch] = json.loads(proc.stdout.strip().splitlines()[-1])
     return _CACHE[arch]
 
 
-_SPEC_NAMES = [
-    f"{op}/{dt}/{model}{suffix}"
-    for dt in DTYPES
-    for model in MODELS
-    for op, suffixes in (
-        ("rms_norm", ("/residual=False", "/residual=True")),
-        ("aux_gather", ("/fc_norm=False", "/fc_norm=True")),
-        ("kv_write", ("",)),
-        ("tree_attention_partial", ("",)),
-        ("tree_attention_merge", ("",)),
-        ("kv_compact", ("",)),
-    )
-    for suffix in suffixes
-] + ["verify_greedy/depth=6/N=48", "verify_greedy/depth=4/N=5"] + [
-    f"verify_sampling/depth={d}/N={n}/V={v}" for d, n, v in VERIFY_SAMPLING
-] + [f"verify_chain/n={n}/V={v}" for n, v in VERIFY_CHAIN]
+_SPEC_NAMES = (
+    [
+        f"{op}/{dt}/{model}{suffix}"
+        for dt in DTYPES
+        for model in MODELS
+        for op, suffixes in (
+            ("rms_norm", ("/residual=False", "/residual=True")),
+            ("aux_gather", ("/fc_norm=False", "/fc_norm=True")),
+            ("kv_write", ("",)),
+            ("tree_attention_partial", ("",)),
+            ("tree_attention_merge", ("",)),
+            ("kv_compact", ("",)),
+        )
+        for suffix in suffixes
+    ]
+    + ["verify_greedy/depth=6/N=48", "verify_greedy/depth=4/N=5"]
+    + [f"verify_sampling/depth={d}/N={n}/V={v}" for d, n, v in VERIFY_SAMPLING]
+    + [f"verify_chain/n={n}/V={v}" for n, v in VERIFY_CHAIN]
+)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

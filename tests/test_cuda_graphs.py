@@ -6,6 +6,7 @@ replay only those, Python does not run again) reproduces eager output bit for bi
 batch buckets, padding, shrinking and growth, greedy and sampled. An inverse test shows the
 emulator catches a round that leans on host state. On a GPU: real CUDA-graph replay equals eager.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -21,8 +22,19 @@ from tritonspec.runtime.graphs import MAX_GRAPHS, GraphRunner, default_sizes, gr
 from _util import perm_pair, random_prompts, runtime
 
 CUDA = torch.cuda.is_available()
-SYNC_OPS = {"_local_scalar_dense", "nonzero", "masked_select", "unique", "_unique", "_unique2", "unique_dim",
-            "unique_consecutive", "item", "equal", "is_nonzero"}
+SYNC_OPS = {
+    "_local_scalar_dense",
+    "nonzero",
+    "masked_select",
+    "unique",
+    "_unique",
+    "_unique2",
+    "unique_dim",
+    "unique_consecutive",
+    "item",
+    "equal",
+    "is_nonzero",
+}
 
 
 def _pair(vocab=24, seed=1):
@@ -43,7 +55,8 @@ class _NoSync(TorchDispatchMode):
         tensor_repeats = name == "repeat_interleave" and func._overloadname in ("Tensor", "self_Tensor")
         host_data = name == "lift_fresh" and args[0].dim() > 0  # torch.tensor(host list): a host->device copy
         bool_index = name in ("index", "index_put", "index_put_") and any(  # x[mask]: its size is data-dependent
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ())
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (args[1] if len(args) > 1 else ()) or ()
+        )
         if name in SYNC_OPS or host_data or bool_index or (tensor_repeats and not (kwargs or {}).get("output_size")):
             raise AssertionError(f"host synchronisation in the decode round: aten.{name}")
         return func(*args, **(kwargs or {}))
@@ -62,6 +75,7 @@ def _round_without_sync(rt, temperature, speculative=True, fail_on=None, detect=
         def refuse(m):
             def read(*a, **k):
                 raise AssertionError(f"host synchronisation in the decode round: Tensor.{m}")
+
             return read
 
         if detect:
@@ -117,8 +131,11 @@ def ts_spec(d, k, n):
     return SpecConfig(num_speculative_tokens=d, top_k=k, num_draft_tokens=n)
 
 
-SAMPLING = {"greedy": dict(temperature=0.0), "T0.9": dict(temperature=0.9),
-            "T0.9-top_p-top_k": dict(temperature=0.9, top_p=0.9, top_k=5)}
+SAMPLING = {
+    "greedy": dict(temperature=0.0),
+    "T0.9": dict(temperature=0.9),
+    "T0.9-top_p-top_k": dict(temperature=0.9, top_p=0.9, top_k=5),
+}
 
 
 @pytest.mark.parametrize("spec", [(3, 2, 6), (4, 1, 5)], ids=["tree", "chain"])
@@ -302,9 +319,15 @@ def test_cuda_branch_against_a_fake_torch_cuda(monkeypatch):
         def replay(self):
             log.append(("replay", current[0].name))
 
-    for name, value in dict(Stream=Stream, stream=stream, device=device, CUDAGraph=Graph,
-                            current_stream=lambda device=None: current[0], graph_pool_handle=lambda: "pool",
-                            synchronize=lambda device=None: log.append(("sync",))).items():
+    for name, value in dict(
+        Stream=Stream,
+        stream=stream,
+        device=device,
+        CUDAGraph=Graph,
+        current_stream=lambda device=None: current[0],
+        graph_pool_handle=lambda: "pool",
+        synchronize=lambda device=None: log.append(("sync",)),
+    ).items():
         monkeypatch.setattr(torch.cuda, name, value)
     r = GraphRunner([1, 2], "cuda", torch.device("cuda", 1))
     ran = []

@@ -1,6 +1,7 @@
 """The public decode-step object (runtime/decode.py): its steps, driven by hand, give what
 ``generate`` gives; ``collect`` keeps the host lengths equal to the device lengths; snapshots
 restore a step exactly; drafting another shape leaves the runtime's spec alone."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,8 +24,9 @@ def _rt(spec=(3, 2, 6)):
 def test_steps_by_hand_equal_generate(speculative, temperature):
     rt = _rt()
     prompts = random_prompts(24, [5, 9, 1], seed=7)
-    want = rt.generate(prompts, max_new_tokens=12, temperature=temperature, seed=[3, 4, 5], stop_token_ids=(),
-                       speculative=speculative).token_ids
+    want = rt.generate(
+        prompts, max_new_tokens=12, temperature=temperature, seed=[3, 4, 5], stop_token_ids=(), speculative=speculative
+    ).token_ids
     dec = rt.decoder
     outs = [[] for _ in prompts]
     with torch.inference_mode():

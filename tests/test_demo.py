@@ -1,4 +1,5 @@
 """The bundled demo pair, its prompt sets, and the recipe that builds them."""
+
 from __future__ import annotations
 
 import json

@@ -1,4 +1,5 @@
 """Drafter equations (EAGLE-3 vs 3.1 switches), checkpoint formats and validation."""
+
 from __future__ import annotations
 
 import json
@@ -8,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import tritonspec as ts
+from tritonspec.runtime.metadata import AttentionMetadata, KVCache
 from tritonspec.runtime.ops import TorchOps
 
 from _util import runtime, tiny_target
-from tritonspec.runtime.metadata import AttentionMetadata, KVCache
 
 OPS = TorchOps()
 
@@ -39,8 +40,9 @@ def one_step(d, hidden, tokens):
     k = torch.zeros(B, Q + 1, c.num_key_value_heads, c.head_dim)
     v = torch.zeros_like(k)
     pos = torch.arange(Q).expand(B, Q)
-    meta = AttentionMetadata(pos, pos, torch.zeros(B, dtype=torch.int64),
-                             torch.ones(Q, Q, dtype=torch.bool).tril().expand(B, Q, Q), Q)
+    meta = AttentionMetadata(
+        pos, pos, torch.zeros(B, dtype=torch.int64), torch.ones(Q, Q, dtype=torch.bool).tril().expand(B, Q, Q), Q
+    )
     return d.step(OPS, hidden, tokens, meta, KVCache(k, v))
 
 
@@ -58,7 +60,7 @@ def eagle3_by_hand(d, u, y):
     rope = d.rope()
     pos = torch.arange(Q)
     cos, sin = rope.cos[pos], rope.sin[pos]
-    rot = lambda x: torch.cat([-x[..., c.head_dim // 2:], x[..., :c.head_dim // 2]], -1)  # noqa: E731
+    rot = lambda x: torch.cat([-x[..., c.head_dim // 2 :], x[..., : c.head_dim // 2]], -1)  # noqa: E731
     q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
     rep = c.num_attention_heads // c.num_key_value_heads
     a = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), val.repeat_interleave(rep, 1), is_causal=True)
@@ -87,7 +89,7 @@ def test_fc_norm_normalises_each_chunk_separately():
     H = d.config.target_hidden_size
     aux = torch.randn(6, 3 * H) * torch.tensor([1.0] * H + [10.0] * H + [100.0] * H)  # deep layers are larger
     got = d.combine(OPS, aux, torch.arange(6))
-    chunks = [rms(aux[:, i * H:(i + 1) * H], d.fc_norm[i].weight, d.config.rms_norm_eps) for i in range(3)]
+    chunks = [rms(aux[:, i * H : (i + 1) * H], d.fc_norm[i].weight, d.config.rms_norm_eps) for i in range(3)]
     torch.testing.assert_close(got, torch.cat(chunks, -1) @ d.fc.weight.T, atol=1e-4, rtol=1e-4)
     w_all = torch.cat([d.fc_norm[i].weight for i in range(3)])
     one_norm = rms(aux, w_all, d.config.rms_norm_eps) @ d.fc.weight.T
@@ -134,10 +136,19 @@ def test_save_load_round_trip_bit_for_bit(tmp_path, fmt, flags):
 def _write_official(tmp_path, d, ids=None, prefix=""):
     """An official-format checkpoint: LlamaForCausalLM config, flat midlayer.* tensors, pytorch_model.bin."""
     c = d.config
-    cfg = {"architectures": ["LlamaForCausalLM"], "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
-           "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
-           "num_hidden_layers": 1, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
-           "draft_vocab_size": c.draft_vocab_size, "max_position_embeddings": 512, "rope_theta": 10000.0}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": c.hidden_size,
+        "intermediate_size": c.intermediate_size,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": c.rms_norm_eps,
+        "vocab_size": c.vocab_size,
+        "draft_vocab_size": c.draft_vocab_size,
+        "max_position_embeddings": 512,
+        "rope_theta": 10000.0,
+    }
     if ids is not None:
         cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids}
     (tmp_path / "config.json").write_text(json.dumps(cfg))

@@ -1,4 +1,5 @@
 """Attention-drift diagnostics on constructed drafters with known attention patterns."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,9 @@ import torch
 
 import tritonspec as ts
 from tritonspec.runtime.drift import DriftRecorder, measure_drift, write_report
+from tritonspec.runtime.metadata import AttentionMetadata, KVCache
 
 from _util import perm_pair, random_prompts, runtime, tiny_target
-from tritonspec.runtime.metadata import AttentionMetadata, KVCache
 
 CHAIN = ts.SpecConfig.chain(4)
 
@@ -93,11 +94,14 @@ def test_carry_norm_matches_a_direct_computation():
         for d, curves in ((d3, rep.drafters[0]), (d31, rep.drafters[1])):
             g = d.combine(ops, aux[0], torch.arange(T))[None]
             k = torch.zeros(1, T + 1, d.config.num_key_value_heads, d.config.head_dim)
-            hn, carry = d.step(ops, g, nxt, AttentionMetadata(pos, pos, zero, causal, T), KVCache(k, torch.zeros_like(k)))
+            hn, carry = d.step(
+                ops, g, nxt, AttentionMetadata(pos, pos, zero, causal, T), KVCache(k, torch.zeros_like(k))
+            )
             want = carry[0, -1].pow(2).mean().sqrt().item()
             assert curves.carry_rms[0] == pytest.approx(want, rel=1e-5)
     assert rep.drafters[1].carry_rms[0] == pytest.approx(
-        d31.norm.weight.pow(2).mean().sqrt().item(), rel=1e-3)  # post-norm carry: RMS of the norm weight
+        d31.norm.weight.pow(2).mean().sqrt().item(), rel=1e-3
+    )  # post-norm carry: RMS of the norm weight
 
 
 def test_measuring_does_not_change_tokens_and_writes_report(tmp_path):
@@ -128,8 +132,26 @@ def test_drift_cli(tmp_path, capsys):
 
     t, d = tiny_random_pair(tmp_path / "pair")
     (tmp_path / "p.jsonl").write_text('{"prompt": "def f(x):"}\n{"prompt": "import os"}\n')
-    assert main(["drift", "--target", str(t), "--drafter", str(d), "--prompts", str(tmp_path / "p.jsonl"),
-                 "--out", str(tmp_path / "out"), "--depth", "3", "--max-new-tokens", "8"]) == 0
+    assert (
+        main(
+            [
+                "drift",
+                "--target",
+                str(t),
+                "--drafter",
+                str(d),
+                "--prompts",
+                str(tmp_path / "p.jsonl"),
+                "--out",
+                str(tmp_path / "out"),
+                "--depth",
+                "3",
+                "--max-new-tokens",
+                "8",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "depth  sink" in out and (tmp_path / "out" / "drift.json").exists()
     assert main(["drift", "--target", str(t), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path)]) == 2

@@ -7,6 +7,7 @@ Stated bounds:
     reference (``test_kernels_rms_norm.ULP_BOUND``: 8 ULP fp32, 2 ULP fp16/bf16), and
     bit-identical for a row gathered alone or among 1..64 rows.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,10 +17,11 @@ from hypothesis import strategies as st
 
 pytest.importorskip("triton")
 
+from test_kernels_rms_norm import ULP_BOUND  # noqa: E402  (subnormal-aware ULPs: fp16 below 2^-14)
+from test_kernels_rms_norm import ulps as _ulps
+
 from tritonspec.kernels.aux_gather import aux_gather, aux_gather_reference  # noqa: E402
 from tritonspec.kernels.rms_norm import rms_norm  # noqa: E402
-
-from test_kernels_rms_norm import ULP_BOUND, ulps as _ulps  # noqa: E402  (subnormal-aware ULPs: fp16 below 2^-14)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

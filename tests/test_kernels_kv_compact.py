@@ -4,6 +4,7 @@ Paths are drawn as the verifier produces them (root first, node ids increasing, 
 so sources and destinations overlap: a chain accepted at its full depth is already in place,
 while deep paths in wide trees move every entry onto slots that other entries read from.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """The Triton backend plugs into the op layer with exactly the torch backend's signatures, and both
 provide every method of the ``Ops`` protocol."""
+
 from __future__ import annotations
 
 import inspect
@@ -26,8 +27,9 @@ def test_signatures_match_torch_ops(op):
 
 def _ops(cls) -> set[str]:
     """The op names of a backend class: its static and plain methods, private ones excluded."""
-    return {k for k, v in vars(cls).items() if isinstance(v, staticmethod) or inspect.isfunction(v)
-            if not k.startswith("_")}
+    return {
+        k for k, v in vars(cls).items() if isinstance(v, staticmethod) or inspect.isfunction(v) if not k.startswith("_")
+    }
 
 
 def test_triton_ops_has_every_torch_op():
@@ -51,7 +53,9 @@ def test_backends_satisfy_the_ops_protocol(cls):
     for op in _ops(Ops):
         want = list(inspect.signature(getattr(Ops, op)).parameters.values())[1:]  # drop ``self``
         got = list(inspect.signature(getattr(ops, op)).parameters.values())
-        assert [(p.name, p.kind, p.default) for p in got[: len(want)]] == [(p.name, p.kind, p.default) for p in want], op
+        assert [(p.name, p.kind, p.default) for p in got[: len(want)]] == [(p.name, p.kind, p.default) for p in want], (
+            op
+        )
         for extra in got[len(want) :]:
             assert extra.kind is inspect.Parameter.KEYWORD_ONLY and extra.default is not inspect.Parameter.empty, op
 
@@ -71,7 +75,9 @@ def test_every_op_runs_through_the_backend():
     w = torch.randn(32, device=dev)
     assert torch.allclose(ops.rms_norm(x, w, 1e-6), ref.rms_norm(x, w, 1e-6), atol=1e-5)
     idx = torch.tensor([2, -1], device=dev)
-    assert torch.allclose(ops.aux_gather(x, idx, w.view(2, 16), 1e-6), ref.aux_gather(x, idx, w.view(2, 16), 1e-6), atol=1e-5)
+    assert torch.allclose(
+        ops.aux_gather(x, idx, w.view(2, 16), 1e-6), ref.aux_gather(x, idx, w.view(2, 16), 1e-6), atol=1e-5
+    )
     tokens = torch.tensor([[4, 5, 6]], device=dev)
     parents = torch.tensor([[-1, 0, 1]], device=dev)
     argmax = torch.tensor([[5, 6, 7]], device=dev)

@@ -10,6 +10,7 @@ Stated bounds (checked below on every drawn input):
     ``x + r`` is bit-identical;
   * batch invariance: a row's bits do not depend on how many rows share the launch (1..64).
 """
+
 from __future__ import annotations
 
 import pytest

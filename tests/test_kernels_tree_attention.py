@@ -16,6 +16,7 @@ a request sits in and the queries after a query never change that query's result
 that sees no key at all returns zeros (as the reference's SDPA does). kv_write is bit-identical
 to its reference (slot -1 goes to the trash slot S-1).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -146,13 +147,21 @@ def test_tree_attention_result_independent_of_batch_queries_and_hint(dtype):
     full = tree_attention(q, k_cache, v_cache, prefix_lens, mask, 0.2, split_kv=SPLIT)
     # fewer queries (a prefix of the query list): the remaining queries' bits are unchanged
     for m in (1, 4):
-        part = tree_attention(q[:, :m].contiguous(), k_cache, v_cache, prefix_lens, mask[:, :m].contiguous(), 0.2,
-                              split_kv=SPLIT)
+        part = tree_attention(
+            q[:, :m].contiguous(), k_cache, v_cache, prefix_lens, mask[:, :m].contiguous(), 0.2, split_kv=SPLIT
+        )
         assert torch.equal(part, full[:, :m])
     # each request alone, moved to cache row 0
     for b in range(3):
-        alone = tree_attention(q[b : b + 1].clone(), k_cache[b : b + 1].clone(), v_cache[b : b + 1].clone(),
-                               prefix_lens[b : b + 1].clone(), mask[b : b + 1].clone(), 0.2, split_kv=SPLIT)
+        alone = tree_attention(
+            q[b : b + 1].clone(),
+            k_cache[b : b + 1].clone(),
+            v_cache[b : b + 1].clone(),
+            prefix_lens[b : b + 1].clone(),
+            mask[b : b + 1].clone(),
+            0.2,
+            split_kv=SPLIT,
+        )
         assert torch.equal(alone[0], full[b])
     # the kv_len hint and a larger cache (more, empty, splits) change nothing
     assert torch.equal(full, tree_attention(q, k_cache, v_cache, prefix_lens, mask, 0.2, 140, split_kv=SPLIT))

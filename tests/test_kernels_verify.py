@@ -4,6 +4,7 @@ Trees include the degenerate shapes: root only, one chain at the maximum depth (
 accepted), all nodes siblings of the root, duplicate tokens among siblings (the lowest node id
 must win), padding nodes (parent -1) and padding rows (root only, everything else padding).
 """
+
 from __future__ import annotations
 
 import pytest

@@ -2,6 +2,7 @@
 for bit (hypothesis, degenerate cases); the op is lossless (chi-square on the first two emitted
 tokens and on the bonus after a fully accepted chain, 200k samples); inverse tests show a rule
 without the residual and a wrong all-accepted bonus fail the same test."""
+
 from __future__ import annotations
 
 import math
@@ -20,9 +21,15 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 @st.composite
 def chain_case(draw):
-    return dict(B=draw(st.integers(1, 6)), n=draw(st.integers(1, 6)), V=draw(st.sampled_from([1, 2, 7, 99, 300])),
-                seed=draw(st.integers(0, 2**16)), same=draw(st.booleans()), zero_q=draw(st.booleans()),
-                peaked=draw(st.booleans()))
+    return dict(
+        B=draw(st.integers(1, 6)),
+        n=draw(st.integers(1, 6)),
+        V=draw(st.sampled_from([1, 2, 7, 99, 300])),
+        seed=draw(st.integers(0, 2**16)),
+        same=draw(st.booleans()),
+        zero_q=draw(st.booleans()),
+        peaked=draw(st.booleans()),
+    )
 
 
 def _inputs(c):
@@ -59,8 +66,13 @@ def test_kernel_rejects_bad_input():
     with pytest.raises(ValueError, match="draft_probs"):
         verify_chain(args[0], args[1], args[2][:, :1], *args[3:])
     with pytest.raises(ValueError, match="at least one drafted token"):
-        verify_chain(args[0][:, :1].contiguous(), args[1][:, :1].contiguous(), args[2][:, :0].contiguous(),
-                     args[3][:, :1].contiguous(), args[4])
+        verify_chain(
+            args[0][:, :1].contiguous(),
+            args[1][:, :1].contiguous(),
+            args[2][:, :0].contiguous(),
+            args[3][:, :1].contiguous(),
+            args[4],
+        )
 
 
 V, N_SAMPLES = 5, 200_000

@@ -8,6 +8,7 @@ exactly one-hot, zero or below-fixed-point probability on children (never accept
 with constant noise (ties in the bonus argmax: the first index wins), and coins at 0 and at the
 largest value ``torch.rand`` gives.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -111,8 +112,14 @@ def test_verify_sampling_matches_reference(case):
 
 def _one_row(parents, tokens, probs, u, xi, max_depth):
     t = lambda x, dt: torch.tensor([x], dtype=dt, device=DEVICE)  # noqa: E731
-    return _check(t(tokens, torch.int64), t(parents, torch.int64), t(probs, torch.float32), t(u, torch.float32),
-                  t(xi, torch.float32), max_depth)
+    return _check(
+        t(tokens, torch.int64),
+        t(parents, torch.int64),
+        t(probs, torch.float32),
+        t(u, torch.float32),
+        t(xi, torch.float32),
+        max_depth,
+    )
 
 
 @pytest.mark.parametrize("max_depth", [1, 5, 9])

@@ -1,5 +1,6 @@
 """perf/gpu_check.py, the prepared GPU check: its plan (--dry-run) and the table it prints last,
 checked without a GPU (the GPU run itself happens in a session that has one)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -37,14 +38,30 @@ def test_dry_run_prints_every_step_and_runs_nothing(gpu_check, capsys, tmp_path,
 
 
 def test_table_from_benchmark_json(gpu_check):
-    bench = {"benchmarks": [
-        {"name": "test_rms_norm[triton-60-True]", "extra_info": {
-            "provider": "triton", "rows": 60, "hidden": 4096, "residual": True, "dtype": "torch.bfloat16",
-            "device": "NVIDIA H200", "us_per_call": 4.2, "bytes": 1966080, "gbps": 468.1, "timestamp": "x"}},
-        {"name": "test_verify_sampling[torch-8]", "extra_info": {"provider": "torch", "batch": 8,
-                                                                 "us_per_call": 1234.5, "gbps": 0.5}},
-        {"name": "test_no_info", "extra_info": {}},
-    ]}
+    bench = {
+        "benchmarks": [
+            {
+                "name": "test_rms_norm[triton-60-True]",
+                "extra_info": {
+                    "provider": "triton",
+                    "rows": 60,
+                    "hidden": 4096,
+                    "residual": True,
+                    "dtype": "torch.bfloat16",
+                    "device": "NVIDIA H200",
+                    "us_per_call": 4.2,
+                    "bytes": 1966080,
+                    "gbps": 468.1,
+                    "timestamp": "x",
+                },
+            },
+            {
+                "name": "test_verify_sampling[torch-8]",
+                "extra_info": {"provider": "torch", "batch": 8, "us_per_call": 1234.5, "gbps": 0.5},
+            },
+            {"name": "test_no_info", "extra_info": {}},
+        ]
+    }
     rows = gpu_check.table_rows(bench, copy_gbps=4000.0)
     assert [r["op"] for r in rows] == ["rms_norm[triton-60-True]", "verify_sampling[torch-8]"]
     assert rows[0]["shape"] == "rows=60 hidden=4096 residual=True dtype=torch.bfloat16"
@@ -52,7 +69,10 @@ def test_table_from_benchmark_json(gpu_check):
     table = gpu_check.format_table(rows, dict(gbps=4000.0, mib=1024, device="NVIDIA H200"))
     lines = table.splitlines()
     assert lines[0] == "| op | shape | us/call | GB/s | % of copy GB/s |"
-    assert lines[2] == "| rms_norm[triton-60-True] | rows=60 hidden=4096 residual=True dtype=torch.bfloat16 | 4.2 | 468 | 11.7 |"
+    assert (
+        lines[2]
+        == "| rms_norm[triton-60-True] | rows=60 hidden=4096 residual=True dtype=torch.bfloat16 | 4.2 | 468 | 11.7 |"
+    )
     assert lines[3] == "| verify_sampling[torch-8] | batch=8 | 1234 | 0.5 | 0.0125 |"
     assert "copy baseline: 4000.0 GB/s (1024 MiB" in table
     assert gpu_check.table_rows({}, None) == []
@@ -62,12 +82,23 @@ def test_table_from_benchmark_json(gpu_check):
 def test_copy_baseline_and_a_benchmark_end_to_end(gpu_check, tmp_path, monkeypatch, capsys):
     """The non-dry path on this machine: one small benchmark file, the copy baseline, the table."""
     monkeypatch.setenv("OUT", str(tmp_path))
-    rc = gpu_check.main(["--skip-install", "--skip-tests", "--skip-graphs", "--bench", "perf/bench_kernels_verify.py",
-                         "--budget-s", "300"])
+    rc = gpu_check.main(
+        [
+            "--skip-install",
+            "--skip-tests",
+            "--skip-graphs",
+            "--bench",
+            "perf/bench_kernels_verify.py",
+            "--budget-s",
+            "300",
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0, text[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["copy"]["gbps"] > 0 and summary["steps"] == [dict(step="bench", rc=0, wall_s=summary["steps"][0]["wall_s"])]
+    assert summary["copy"]["gbps"] > 0 and summary["steps"] == [
+        dict(step="bench", rc=0, wall_s=summary["steps"][0]["wall_s"])
+    ]
     assert {r["op"] for r in summary["rows"]} >= {"verify_greedy[torch-1]", "verify_greedy[torch-8]"}
     assert "copy baseline:" in text
     assert text.rstrip().splitlines()[-1].startswith("graphs vs eager: no rows")
@@ -76,16 +107,33 @@ def test_copy_baseline_and_a_benchmark_end_to_end(gpu_check, tmp_path, monkeypat
 
 def test_graph_table_and_projection(gpu_check):
     def row(pair, mode, runner, batch, tok_s, tau, round_ms, launches=None):
-        return {"name": "x", "extra_info": dict(pair=pair, mode=mode, runner=runner, batch=batch, tokens_s=tok_s, tau=tau,
-                                                round_ms=round_ms, draft_ms=1.0, verify_ms=2.0, commit_ms=0.5,
-                                                launches=launches, aten_ops=2080)}
-    graphs = {"benchmarks": [
-        row("demo", "speculative", "eager", 1, 100.0, 3.5, 10.0, 900),
-        row("demo", "speculative", "graphs", 1, 150.0, 3.5, 6.0),
-        row("llama3-8b-random", "plain", "graphs", 1, 140.0, 1.0, 7.0),
-        row("llama3-8b-random", "speculative", "graphs", 1, 60.0, 1.02, 14.0),
-        {"name": "other", "extra_info": {}},
-    ]}
+        return {
+            "name": "x",
+            "extra_info": dict(
+                pair=pair,
+                mode=mode,
+                runner=runner,
+                batch=batch,
+                tokens_s=tok_s,
+                tau=tau,
+                round_ms=round_ms,
+                draft_ms=1.0,
+                verify_ms=2.0,
+                commit_ms=0.5,
+                launches=launches,
+                aten_ops=2080,
+            ),
+        }
+
+    graphs = {
+        "benchmarks": [
+            row("demo", "speculative", "eager", 1, 100.0, 3.5, 10.0, 900),
+            row("demo", "speculative", "graphs", 1, 150.0, 3.5, 6.0),
+            row("llama3-8b-random", "plain", "graphs", 1, 140.0, 1.0, 7.0),
+            row("llama3-8b-random", "speculative", "graphs", 1, 60.0, 1.02, 14.0),
+            {"name": "other", "extra_info": {}},
+        ]
+    }
     rows = gpu_check.graph_rows(graphs)
     assert len(rows) == 4 and rows[0]["launches"] == 900
     table = gpu_check.format_graph_table(rows)

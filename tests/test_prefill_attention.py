@@ -1,6 +1,7 @@
 """Prefill attention (causal SDPA over the new K/V) equals tree attention with an empty prefix and
 a causal mask, for the valid (left-aligned) queries of ragged rows; whole-model prefill with and
 without it agrees; an inverse test shows the comparison sees a wrong mask."""
+
 from __future__ import annotations
 
 import pytest
@@ -9,10 +10,10 @@ import torch
 from tritonspec.kernels.kv_write import kv_write_reference
 from tritonspec.kernels.prefill_attention import prefill_attention
 from tritonspec.kernels.tree_attention import tree_attention_reference
+from tritonspec.runtime.metadata import AttentionMetadata, KVCache
 from tritonspec.runtime.target import TargetModel
 
 from _util import random_prompts, tiny_target
-from tritonspec.runtime.metadata import AttentionMetadata, KVCache
 
 
 def _case(B, P, hq, hkv, D, seed):
@@ -29,14 +30,14 @@ def _tree_path(q, k, v, lens, mask):
     kc, vc = torch.zeros(B, P + 1, hkv, D), torch.zeros(B, P + 1, hkv, D)
     slots = torch.where(torch.arange(P)[None] < lens[:, None], torch.arange(P)[None], -1)
     kv_write_reference(kc, vc, slots, k, v)
-    return tree_attention_reference(q, kc, vc, torch.zeros(B, dtype=torch.int64), mask, D ** -0.5, P)
+    return tree_attention_reference(q, kc, vc, torch.zeros(B, dtype=torch.int64), mask, D**-0.5, P)
 
 
 @pytest.mark.parametrize("B,P,hq,hkv,D", [(1, 1, 2, 2, 8), (3, 7, 4, 2, 16), (2, 99, 6, 3, 8)])
 def test_prefill_attention_equals_causal_tree_attention(B, P, hq, hkv, D):
     q, k, v, lens = _case(B, P, hq, hkv, D, seed=P)
     causal = torch.ones(P, P, dtype=torch.bool).tril().expand(B, P, P)
-    got = prefill_attention(q, k, v, D ** -0.5)
+    got = prefill_attention(q, k, v, D**-0.5)
     want = _tree_path(q, k, v, lens, causal)
     for b in range(B):
         n = int(lens[b])
@@ -47,7 +48,7 @@ def test_comparison_sees_a_wrong_mask():  # inverse: a full (non-causal) mask is
     q, k, v, lens = _case(2, 9, 4, 2, 8, seed=1)
     lens = torch.tensor([9, 9])
     full = torch.ones(2, 9, 9, dtype=torch.bool)
-    assert not torch.allclose(prefill_attention(q, k, v, 8 ** -0.5), _tree_path(q, k, v, lens, full), atol=1e-3)
+    assert not torch.allclose(prefill_attention(q, k, v, 8**-0.5), _tree_path(q, k, v, lens, full), atol=1e-3)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
@@ -109,8 +110,15 @@ def test_drafter_prefill_flag_gives_the_same_step(norm_output):
         for prefill in (False, True):
             kc = torch.zeros(B, P + 1, c.num_key_value_heads, c.head_dim)
             vc = torch.zeros_like(kc)
-            outs.append(d.step(TorchOps(), hidden, tokens, AttentionMetadata(pos, slots, zero, causal, P, prefill=prefill),
-                                KVCache(kc, vc)))
+            outs.append(
+                d.step(
+                    TorchOps(),
+                    hidden,
+                    tokens,
+                    AttentionMetadata(pos, slots, zero, causal, P, prefill=prefill),
+                    KVCache(kc, vc),
+                )
+            )
     (h0, c0), (h1, c1) = outs
     for b in range(B):
         n = int(lens[b])

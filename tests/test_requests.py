@@ -1,5 +1,6 @@
 """Host-side request handling (runtime/requests.py): the incremental stop-string matcher agrees
 with searching the whole decoded output, in linear time; prompt encoding and seeds."""
+
 from __future__ import annotations
 
 import pytest
@@ -43,10 +44,12 @@ def _first_hit(tok, ids, stops):
 
 
 # bytes of multi-byte characters, ASCII, and stray continuation bytes (invalid UTF-8)
-_BYTES = st.lists(st.sampled_from([0x61, 0x62, 0x20, 0x0A, 0xE2, 0x82, 0xAC, 0xC3, 0xA9, 0x80]), min_size=1,
-                  max_size=40)
-_STOPS = st.lists(st.sampled_from(["a", "ab", "b ", "\n\n", "€", "é", "a€", "\ufffd", " \n", "bab"]), min_size=1,
-                  max_size=3)
+_BYTES = st.lists(
+    st.sampled_from([0x61, 0x62, 0x20, 0x0A, 0xE2, 0x82, 0xAC, 0xC3, 0xA9, 0x80]), min_size=1, max_size=40
+)
+_STOPS = st.lists(
+    st.sampled_from(["a", "ab", "b ", "\n\n", "€", "é", "a€", "\ufffd", " \n", "bab"]), min_size=1, max_size=3
+)
 
 
 @settings(max_examples=300, deadline=None)
@@ -69,12 +72,11 @@ def _byte_id(tok, b: int) -> int:
 
 
 @settings(max_examples=150, deadline=None)
-@given(ids=st.lists(st.integers(0, 4095), min_size=1, max_size=30), cut=st.integers(0, 29),
-       width=st.integers(1, 6))
+@given(ids=st.lists(st.integers(0, 4095), min_size=1, max_size=30), cut=st.integers(0, 29), width=st.integers(1, 6))
 def test_matcher_equals_full_decode_on_the_demo_bpe(ids, cut, width):
     tok = _demo_tok()
     text = tok.decode(ids, skip_special_tokens=True)
-    stop = text[cut % max(len(text), 1):][:width] or "x"  # a stop that often occurs
+    stop = text[cut % max(len(text), 1) :][:width] or "x"  # a stop that often occurs
     assert _first_hit(tok, ids, [stop]) == _first_hit_full(tok, ids, [stop])
 
 
@@ -109,8 +111,13 @@ def test_encode_prompts_and_seeds(tmp_path_factory):
     kw = dict(vocab_size=257, max_seq_len=16, max_batch_size=2)
     assert encode_prompts([1, 2, 3], None, **kw) == [[1, 2, 3]]
     assert encode_prompts("ab", tok, **kw) == [tok("ab")["input_ids"]]
-    for bad, msg in (([], "empty"), ([[1], [2], [3]], "max_batch_size"), ([[300]], "outside the vocabulary"),
-                     ([list(range(16))], "max_seq_len"), ("ab", "tokenizer")):
+    for bad, msg in (
+        ([], "empty"),
+        ([[1], [2], [3]], "max_batch_size"),
+        ([[300]], "outside the vocabulary"),
+        ([list(range(16))], "max_seq_len"),
+        ("ab", "tokenizer"),
+    ):
         with pytest.raises(ValueError, match=msg):
             encode_prompts(bad, None if msg == "tokenizer" else tok, **kw)
     assert row_seeds(5, 3, SamplingParams(temperature=1.0)) == [5, 5, 5]

@@ -4,6 +4,7 @@ Exact integer arithmetic (the split multiply never overflows int64), a row's dra
 its seed and round, and the outputs look uniform / exponential and uncorrelated across
 neighbouring seeds, rounds and indices; an inverse test shows the statistics catch a weak hash.
 """
+
 from __future__ import annotations
 
 import math

@@ -1,5 +1,6 @@
 """Lossless sampling: the joint distribution of the first generated tokens with speculation equals
 direct sampling from the target; seeds reproduce; stop strings; streaming."""
+
 from __future__ import annotations
 
 import itertools
@@ -23,7 +24,7 @@ def exact_joint(model, prompt, n_tokens, sp: SamplingParams) -> dict[tuple, floa
     out = {}
     with torch.no_grad():
         for seq in itertools.product(range(V), repeat=n_tokens - 1):
-            logits = model(torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1:].float()
+            logits = model(torch.tensor([prompt + list(seq)])).logits[0, len(prompt) - 1 :].float()
             probs = process_logits(logits, sp).softmax(-1)  # [n, V]
             p_prefix = math.prod(float(probs[i, seq[i]]) for i in range(n_tokens - 1))
             for last in range(V):
@@ -36,8 +37,15 @@ def sample_joint(rt, n_samples, n_tokens, sp: SamplingParams, seed0=0, speculati
     B = rt.max_batch_size
     for call in range(n_samples // B):
         seeds = list(range(seed0 + call * B, seed0 + (call + 1) * B))
-        out = rt.generate([PROMPT] * B, max_new_tokens=n_tokens, temperature=sp.temperature, top_p=sp.top_p,
-                          top_k=sp.top_k, seed=seeds, speculative=speculative)
+        out = rt.generate(
+            [PROMPT] * B,
+            max_new_tokens=n_tokens,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            seed=seeds,
+            speculative=speculative,
+        )
         for row in out.token_ids:
             counts[tuple(row)] = counts.get(tuple(row), 0) + 1
     return counts
@@ -66,7 +74,7 @@ def chi_square(counts: dict[tuple, int], probs: dict[tuple, float], min_expected
 def bias_power(probs: dict[tuple, float], n: int) -> float:
     """Expected chi-square excess if 2% of mass moved between the two likeliest cells."""
     a, b = sorted(probs.values(), reverse=True)[:2]
-    return n * (0.02 ** 2 / a + 0.02 ** 2 / b)
+    return n * (0.02**2 / a + 0.02**2 / b)
 
 
 CASES = {
@@ -132,7 +140,7 @@ def run_op(fn, parents, tokens, probs, n, max_depth, seed=0):
     nodes, num, emitted = fn(tok, par, probs.expand(n, N, V), u, xi, max_depth)
     counts: dict[tuple, int] = {}
     for row, k in zip(emitted.tolist(), num.tolist()):
-        counts[tuple(row[:k + 1])] = counts.get(tuple(row[:k + 1]), 0) + 1
+        counts[tuple(row[: k + 1])] = counts.get(tuple(row[: k + 1]), 0) + 1
     return counts
 
 
@@ -184,8 +192,10 @@ def _no_renorm_fast(tokens, parents, probs, uniforms, exp_noise, max_depth):
     return nodes, num, emitted
 
 
-SHAPES = {"tree": ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6),
-          "sampled-chain": ts.SpecConfig(num_speculative_tokens=3, top_k=1, num_draft_tokens=4)}
+SHAPES = {
+    "tree": ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6),
+    "sampled-chain": ts.SpecConfig(num_speculative_tokens=3, top_k=1, num_draft_tokens=4),
+}
 
 
 @pytest.mark.parametrize("shape", list(SHAPES))
@@ -198,8 +208,12 @@ def test_speculative_sampling_matches_target_distribution(name, shape):
     counts = sample_joint(rt, N_SAMPLES, 3, case["sp"])
     stat, crit = chi_square(counts, probs)
     assert stat < crit, f"speculative samples deviate from the target: chi2={stat:.1f} > {crit:.1f}"
-    assert rt.generate([PROMPT] * 64, max_new_tokens=3, temperature=case["sp"].temperature,
-                       seed=list(range(64))).stats.num_accepted_tokens > 0
+    assert (
+        rt.generate(
+            [PROMPT] * 64, max_new_tokens=3, temperature=case["sp"].temperature, seed=list(range(64))
+        ).stats.num_accepted_tokens
+        > 0
+    )
 
 
 def _no_residual(tokens, probs, draft_probs, uniforms, exp_noise):
@@ -227,8 +241,9 @@ def test_plain_sampling_matches_target_distribution():
     model, _ = make_case("random")
     sp = SamplingParams(temperature=0.8, top_p=0.95)
     rt = runtime(model, None, max_batch_size=1024, max_seq_len=12)
-    stat, crit = chi_square(sample_joint(rt, N_SAMPLES // 2, 2, sp, speculative=False),
-                            exact_joint(model, PROMPT, 2, sp))
+    stat, crit = chi_square(
+        sample_joint(rt, N_SAMPLES // 2, 2, sp, speculative=False), exact_joint(model, PROMPT, 2, sp)
+    )
     assert stat < crit
 
 
@@ -256,11 +271,13 @@ def test_temperature_to_zero_is_greedy():
 def test_bad_sampling_input():
     model, drafter = perm_pair("llama", vocab=24, seed=1)
     rt = runtime(model, drafter)
-    for kw, msg in [(dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
-                    (dict(temperature=1.0, top_p=0.0), r"top_p=0.0 must lie in \(0, 1\]"),
-                    (dict(temperature=1.0, top_p=1.5), r"top_p=1.5 must lie in \(0, 1\]"),
-                    (dict(top_k=-1), "top_k=-1 must be >= 0"),
-                    (dict(seed=[1, 2]), "2 seeds for 1 prompts")]:
+    for kw, msg in [
+        (dict(temperature=-0.5), "temperature=-0.5 must be >= 0"),
+        (dict(temperature=1.0, top_p=0.0), r"top_p=0.0 must lie in \(0, 1\]"),
+        (dict(temperature=1.0, top_p=1.5), r"top_p=1.5 must lie in \(0, 1\]"),
+        (dict(top_k=-1), "top_k=-1 must be >= 0"),
+        (dict(seed=[1, 2]), "2 seeds for 1 prompts"),
+    ]:
         with pytest.raises(ValueError, match=msg):
             rt.generate([[1, 2]], **kw)
     with pytest.raises(ValueError, match="stop strings need a tokenizer"):

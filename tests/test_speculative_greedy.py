@@ -1,4 +1,5 @@
 """Greedy speculative output equals plain greedy output and transformers' greedy generate."""
+
 from __future__ import annotations
 
 import pytest

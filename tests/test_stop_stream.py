@@ -1,4 +1,5 @@
 """Stop strings (exact, in batch, rows stopping at different rounds) and streaming."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,13 @@ from _util import perm_pair, runtime
 def rt(tmp_path_factory):
     tok = byte_tokenizer(tmp_path_factory.mktemp("tok"))
     model, drafter = perm_pair("llama", vocab=257, seed=4, alpha=0.1)
-    return runtime(model, drafter, ts.SpecConfig(num_speculative_tokens=4, top_k=2, num_draft_tokens=8),
-                   tokenizer=tok, max_seq_len=96)
+    return runtime(
+        model,
+        drafter,
+        ts.SpecConfig(num_speculative_tokens=4, top_k=2, num_draft_tokens=8),
+        tokenizer=tok,
+        max_seq_len=96,
+    )
 
 
 PROMPTS = ["def f(x):", "import os\n", "class A:\n    pass"]
@@ -22,7 +28,7 @@ PROMPTS = ["def f(x):", "import os\n", "class A:\n    pass"]
 
 def printable_substring(text: str, start: int) -> str:
     for i in range(start, len(text) - 2):
-        s = text[i:i + 2]
+        s = text[i : i + 2]
         if "\ufffd" not in s and s.isprintable() and s.strip():
             return s
     pytest.skip("no printable 2-character substring in this model's output")

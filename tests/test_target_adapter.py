@@ -1,4 +1,5 @@
 """The target adapter's forward against transformers' forward of the same checkpoint."""
+
 from __future__ import annotations
 
 import json
@@ -6,12 +7,11 @@ import json
 import pytest
 import torch
 
-import tritonspec as ts
+from tritonspec.runtime.metadata import AttentionMetadata
 from tritonspec.runtime.ops import TorchOps
 from tritonspec.runtime.target import TargetModel
 
 from _util import hf_greedy, random_prompts, runtime, tiny_target
-from tritonspec.runtime.metadata import AttentionMetadata
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -38,12 +38,20 @@ def test_logits_match_transformers(arch):
     assert not torch.equal(ours, adapter_logits(TargetModel.from_pretrained(tiny_target(arch, seed=4)), ids))
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 32},
-    {"rope_type": "linear", "factor": 2.0},
-    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        {"rope_type": "linear", "factor": 2.0},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
+    ],
+)
 def test_rope_scaling_matches_transformers(rope):
     model = tiny_target("llama", seed=5, rope_scaling=rope)
     ids = random_prompts(97, [70], seed=2)[0]
@@ -109,10 +117,12 @@ def test_aux_boundaries_are_the_residual_stream():
     T = len(ids)
     tm.allocate_cache(1, T)
     pos = torch.arange(T)[None]
-    meta = AttentionMetadata(pos, pos, torch.zeros(1, dtype=torch.int64), torch.ones(T, T, dtype=torch.bool).tril()[None], T)
+    meta = AttentionMetadata(
+        pos, pos, torch.zeros(1, dtype=torch.int64), torch.ones(T, T, dtype=torch.bool).tril()[None], T
+    )
     _, aux = tm.forward(TorchOps(), torch.tensor([ids]), meta)
     H = tm.hidden_size
     for j, b in enumerate((0, 2, 5)):
-        torch.testing.assert_close(aux[0, :, j * H:(j + 1) * H], hs[b][0], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(aux[0, :, j * H : (j + 1) * H], hs[b][0], atol=1e-4, rtol=1e-4)
     with pytest.raises(ValueError, match=r"out of range for a target with 6 layers"):
         tm.set_aux_layer_ids((2, 3, 7))

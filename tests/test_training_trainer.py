@@ -1,5 +1,6 @@
 """Drafter training end to end on tiny models: loss goes down, checkpoints resume, exports reload and
 run in the runtime, and bad input fails with a clear error."""
+
 from __future__ import annotations
 
 import json
@@ -9,9 +10,9 @@ import torch
 
 import tritonspec as ts
 from tritonspec.cli import main
+from tritonspec.runtime.ops import TorchOps
 from tritonspec.runtime.tiny import byte_tokenizer, tiny_target
 from tritonspec.training import TrainConfig, train_drafter
-from tritonspec.runtime.ops import TorchOps
 from tritonspec.training.data import draft_vocab_from_counts, load_token_sequences, token_windows
 from tritonspec.training.trainer import build_drafter, capture
 from tritonspec.training.ttt import shift_left, ttt_forward
@@ -117,8 +118,9 @@ def test_resume_continues_and_rejects_incompatible_checkpoint(target_dir, greedy
     other = TrainConfig(**{**cfg.__dict__, "ttt_depth": 2})
     with pytest.raises(ValueError, match="incompatible.*ttt_depth"):
         train_drafter(target_dir, greedy_data, out, other, log=lambda m: None)
-    train_drafter(target_dir, greedy_data, out, TrainConfig(**{**other.__dict__, "steps": 1}), resume=False,
-                  log=lambda m: None)
+    train_drafter(
+        target_dir, greedy_data, out, TrainConfig(**{**other.__dict__, "steps": 1}), resume=False, log=lambda m: None
+    )
 
 
 def test_bad_input_is_a_clear_error(target_dir, tmp_path):
@@ -152,12 +154,35 @@ def test_train_cli(target_dir, greedy_data, tmp_path, capsys):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in greedy_data))
     out = tmp_path / "cli"
-    assert main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "2",
-                 "--seq-len", "24", "--batch-size", "2", "--ttt-depth", "2", "--variant", "eagle3"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                "--target",
+                str(target_dir),
+                "--data",
+                str(data),
+                "--out",
+                str(out),
+                "--steps",
+                "2",
+                "--seq-len",
+                "24",
+                "--batch-size",
+                "2",
+                "--ttt-depth",
+                "2",
+                "--variant",
+                "eagle3",
+            ]
+        )
+        == 0
+    )
     assert "accuracy_per_depth" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["fc_norm"] is False
-    assert main(["train", "--target", str(target_dir), "--data", str(tmp_path / "missing.jsonl"),
-                 "--out", str(out)]) == 2
+    assert (
+        main(["train", "--target", str(target_dir), "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
+    )
     assert "does not exist" in capsys.readouterr().err
 
 
@@ -209,4 +234,4 @@ def test_self_distillation_uses_the_loaded_target(target_dir, greedy_data, tmp_p
     for r in rows:  # the continuation is the target's greedy one
         prompt = r["input_ids"][: r["prompt_len"]]
         want = rt.generate([prompt], max_new_tokens=5, speculative=False, stop_token_ids=[]).token_ids[0]
-        assert r["input_ids"][r["prompt_len"]:] == want
+        assert r["input_ids"][r["prompt_len"] :] == want

@@ -1,4 +1,5 @@
 """Train/serve equivalence of the TTT unroll, and the TTT mask."""
+
 from __future__ import annotations
 
 import copy
@@ -7,12 +8,12 @@ import pytest
 import torch
 
 import tritonspec as ts
+from tritonspec.runtime.metadata import AttentionMetadata
 from tritonspec.runtime.ops import TorchOps
 from tritonspec.runtime.target import TargetModel
 from tritonspec.runtime.tiny import tiny_target
 from tritonspec.training.trainer import TrainConfig, build_drafter, capture
 from tritonspec.training.ttt import ttt_forward, ttt_mask
-from tritonspec.runtime.metadata import AttentionMetadata
 
 DEPTH = 4
 T = 14
@@ -23,7 +24,7 @@ def test_ttt_mask_is_causal_plus_diagonal():
     assert m.shape == (3, 9)
     assert m[:, :3].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
     for i in (1, 2):
-        assert torch.equal(m[:, 3 * i: 3 * i + 3], torch.eye(3, dtype=torch.bool))
+        assert torch.equal(m[:, 3 * i : 3 * i + 3], torch.eye(3, dtype=torch.bool))
 
 
 def _setup(flags: bool):
@@ -55,8 +56,9 @@ def _serving_chain(model, drafter, window: torch.Tensor, t: int, depth: int) -> 
     ``_prefill``/``_catch_up``/``_draft`` do for ``top_k=1``, but with teacher-forced tokens
     instead of the drafter's argmax.
     """
-    rt = ts.SpeculativeRuntime.from_pretrained(model, drafter, backend="torch", max_seq_len=64,
-                                               spec=ts.SpecConfig.chain(depth))
+    rt = ts.SpeculativeRuntime.from_pretrained(
+        model, drafter, backend="torch", max_seq_len=64, spec=ts.SpecConfig.chain(depth)
+    )
     d, ops, P = rt.drafter, rt.ops, t + 1
     prompt = window[:, :P]
     with torch.inference_mode():
@@ -76,7 +78,7 @@ def _serving_chain(model, drafter, window: torch.Tensor, t: int, depth: int) -> 
         for s in range(1, depth):
             fmask = fmask.clone()
             fmask[0, 0, s - 1] = True
-            tok = window[:, P + s: P + s + 1]
+            tok = window[:, P + s : P + s + 1]
             slot = L[:, None] + s - 1
             hn, hid = d.step(ops, hid, tok, AttentionMetadata(slot, slot, L, fmask, P + width), rt.decoder.draft_cache)
             hns.append(hn)
@@ -97,8 +99,13 @@ def test_train_serve_equivalence(flags):
     for t in (4, 6, 8):
         chain = _serving_chain(model, copy.deepcopy(d), window, t, DEPTH)
         for j in range(DEPTH):
-            torch.testing.assert_close(out.hn[j][0, t].detach(), chain[j], rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"depth {j}, position {t}: {m}")
+            torch.testing.assert_close(
+                out.hn[j][0, t].detach(),
+                chain[j],
+                rtol=1e-5,
+                atol=1e-5,
+                msg=lambda m, j=j, t=t: f"depth {j}, position {t}: {m}",
+            )
 
 
 def test_carry_differs_between_variants():

@@ -1,4 +1,5 @@
 """Draft-tree construction: rerank keeps parents, masks are ancestor sets, depths add up."""
+
 from __future__ import annotations
 
 import pytest
@@ -34,8 +35,9 @@ def synthetic_candidates(K: int, D: int, seed: int, ties: bool):
 
 
 @settings(max_examples=60, deadline=None)
-@given(K=st.integers(1, 5), D=st.integers(1, 5), frac=st.floats(0.01, 1.0), seed=st.integers(0, 10_000),
-       ties=st.booleans())
+@given(
+    K=st.integers(1, 5), D=st.integers(1, 5), frac=st.floats(0.01, 1.0), seed=st.integers(0, 10_000), ties=st.booleans()
+)
 def test_tree_is_parent_closed_with_ancestor_masks(K, D, frac, seed, ties):
     scores, cparent, cdepth = synthetic_candidates(K, D, seed, ties)
     C = scores.shape[1]
@@ -97,5 +99,9 @@ def test_torch_backend_attention_equals_the_reference():
     other = mask.clone()
     other[0, 0] = ~other[0, 0]  # a new mask object must not reuse the cached visibility
     other[0, 0, 0] = True
-    torch.testing.assert_close(ops.tree_attention(q, k, v, prefix, other, 0.3),
-                               tree_attention_reference(q, k, v, prefix, other, 0.3), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(
+        ops.tree_attention(q, k, v, prefix, other, 0.3),
+        tree_attention_reference(q, k, v, prefix, other, 0.3),
+        atol=1e-6,
+        rtol=1e-5,
+    )

@@ -9,6 +9,7 @@ lives in ``tritonspec.recipes.demo``.
 >>> TrainConfig(steps=5, fc_norm=False, norm_output=False).ttt_depth
 7
 """
+
 from .trainer import TrainConfig, TrainResult, train_drafter
 from .ttt import TTTOutput, ttt_forward, ttt_mask
 

@@ -7,6 +7,7 @@ Accepted data (``load_token_sequences``):
 * a ``.txt`` / ``.py`` file or a folder of ``*.py`` files (each file one document);
 * a Python list of strings or of token-id lists.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,8 +32,10 @@ def load_token_sequences(data: Any, tokenizer: Any, vocab_size: int) -> list[lis
     for i, doc in enumerate(docs):
         if isinstance(doc, str):
             if tokenizer is None:
-                raise ValueError("text data needs a tokenizer: the target directory has none; pass tokenizer=... "
-                                 "or pre-tokenized input_ids")
+                raise ValueError(
+                    "text data needs a tokenizer: the target directory has none; pass tokenizer=... "
+                    "or pre-tokenized input_ids"
+                )
             ids = list(tokenizer(doc, add_special_tokens=False)["input_ids"])
             eos = getattr(tokenizer, "eos_token_id", None)
             if ids and eos is not None:
@@ -41,13 +44,17 @@ def load_token_sequences(data: Any, tokenizer: Any, vocab_size: int) -> list[lis
             ids = [int(t) for t in doc]
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"document {i} of {_describe(data)} has token ids outside the target vocabulary "
-                             f"[0, {vocab_size}): {bad[:5]}; was it tokenized with another tokenizer?")
+            raise ValueError(
+                f"document {i} of {_describe(data)} has token ids outside the target vocabulary "
+                f"[0, {vocab_size}): {bad[:5]}; was it tokenized with another tokenizer?"
+            )
         if ids:
             seqs.append(ids)
     if sum(len(s) for s in seqs) < 2:
-        raise ValueError(f"training data {_describe(data)} tokenizes to fewer than 2 tokens: nothing to learn from "
-                         "(is it untokenisable, or all blank?)")
+        raise ValueError(
+            f"training data {_describe(data)} tokenizes to fewer than 2 tokens: nothing to learn from "
+            "(is it untokenisable, or all blank?)"
+        )
     return seqs
 
 
@@ -113,11 +120,15 @@ def check_tokenizer(tokenizer: Any, target_config: Any, target_tokenizer: Any = 
     tokenizer shipped with the target)."""
     n = len(tokenizer)
     if n > target_config.vocab_size:
-        raise ValueError(f"the tokenizer has {n} tokens but the target's vocab_size is {target_config.vocab_size}: "
-                         "it does not match the target; use the tokenizer saved with the target")
+        raise ValueError(
+            f"the tokenizer has {n} tokens but the target's vocab_size is {target_config.vocab_size}: "
+            "it does not match the target; use the tokenizer saved with the target"
+        )
     if target_tokenizer is not None and tokenizer.get_vocab() != target_tokenizer.get_vocab():
-        raise ValueError("the tokenizer differs from the one saved in the target directory; use the target's "
-                         "tokenizer (or omit tokenizer=...)")
+        raise ValueError(
+            "the tokenizer differs from the one saved in the target directory; use the target's "
+            "tokenizer (or omit tokenizer=...)"
+        )
 
 
 def token_windows(seqs: list[list[int]], seq_len: int) -> torch.Tensor:
@@ -139,8 +150,10 @@ def draft_vocab_from_counts(seqs: list[list[int]], vocab_size: int, draft_vocab_
     [0, 2, 5]
     """
     if draft_vocab_size > vocab_size:
-        raise ValueError(f"draft_vocab_size={draft_vocab_size} is larger than the target vocabulary ({vocab_size}); "
-                         f"use at most {vocab_size}")
+        raise ValueError(
+            f"draft_vocab_size={draft_vocab_size} is larger than the target vocabulary ({vocab_size}); "
+            f"use at most {vocab_size}"
+        )
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for s in seqs:
         counts += torch.bincount(torch.tensor(s, dtype=torch.int64), minlength=vocab_size)
@@ -149,9 +162,16 @@ def draft_vocab_from_counts(seqs: list[list[int]], vocab_size: int, draft_vocab_
     return order[:draft_vocab_size].sort().values
 
 
-def regenerate_continuations(target: Any, prompts: list[list[int]], max_new_tokens: int,
-                             out: Path | str, *, device: Any = "cpu", batch_size: int = 8,
-                             log: Callable[[str], None] = print) -> Path:
+def regenerate_continuations(
+    target: Any,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    out: Path | str,
+    *,
+    device: Any = "cpu",
+    batch_size: int = 8,
+    log: Callable[[str], None] = print,
+) -> Path:
     """Self-distillation data: greedy continuations by the target itself, written as JSONL records
     ``{"input_ids": prompt + continuation, "prompt_len": n}``.
 
@@ -173,11 +193,13 @@ def regenerate_continuations(target: Any, prompts: list[list[int]], max_new_toke
     tmp = out.with_suffix(".partial")
     with tmp.open("w") as fh:
         for i in range(0, len(prompts), batch_size):
-            chunk = prompts[i: i + batch_size]
+            chunk = prompts[i : i + batch_size]
             gen = rt.generate(chunk, max_new_tokens=max_new_tokens, speculative=False, stop_token_ids=[])
             for p, new in zip(chunk, gen.token_ids):
                 fh.write(json.dumps({"input_ids": list(p) + list(new), "prompt_len": len(p)}) + "\n")
-            log(f"regenerate: {min(i + batch_size, len(prompts))}/{len(prompts)} continuations "
-                f"({gen.stats.tokens_per_second:.0f} tokens/s)")
+            log(
+                f"regenerate: {min(i + batch_size, len(prompts))}/{len(prompts)} continuations "
+                f"({gen.stats.tokens_per_second:.0f} tokens/s)"
+            )
     tmp.replace(out)
     return out

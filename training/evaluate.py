@@ -8,6 +8,7 @@ contexts of 128, 512 and 1,500 tokens), the ratio the demo target was sized for 
 
     python -m tritonspec.training.evaluate --n 20 --max-new-tokens 64 --out demo/RESULTS.md
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +45,9 @@ class SetResult:
         return self.spec_tps / self.plain_tps if self.plain_tps else 0.0
 
 
-def evaluate_set(rts: dict[str, SpeculativeRuntime], name: str, prompts: list[str],
-                 max_new_tokens: int) -> list[SetResult]:
+def evaluate_set(
+    rts: dict[str, SpeculativeRuntime], name: str, prompts: list[str], max_new_tokens: int
+) -> list[SetResult]:
     """Run every prompt plain and with each drafter, back to back per prompt.
 
     Interleaving keeps the comparison fair on shared cores, where the load drifts over minutes.
@@ -53,8 +55,17 @@ def evaluate_set(rts: dict[str, SpeculativeRuntime], name: str, prompts: list[st
     """
     first = next(iter(rts.values()))
     plain_tokens, plain_time = 0, 0.0
-    acc = {v: {"drafts": 0, "accepted": 0, "tokens": 0, "time": 0.0, "same": True,
-               "per_pos": [0] * rt.spec.num_speculative_tokens} for v, rt in rts.items()}
+    acc = {
+        v: {
+            "drafts": 0,
+            "accepted": 0,
+            "tokens": 0,
+            "time": 0.0,
+            "same": True,
+            "per_pos": [0] * rt.spec.num_speculative_tokens,
+        }
+        for v, rt in rts.items()
+    }
     for p in prompts:
         base = first.generate(p, max_new_tokens=max_new_tokens, speculative=False)
         plain_tokens += base.stats.num_new_tokens
@@ -68,8 +79,20 @@ def evaluate_set(rts: dict[str, SpeculativeRuntime], name: str, prompts: list[st
             a["tokens"] += s.stats.num_new_tokens
             a["time"] += s.stats.wall_time_s
             a["per_pos"] = [x + y for x, y in zip(a["per_pos"], s.stats.accepted_per_position)]
-    return [SetResult(name, v, len(prompts), 1 + a["accepted"] / max(a["drafts"], 1), a["tokens"] / a["time"],
-                      plain_tokens / plain_time, a["same"], a["per_pos"], a["drafts"]) for v, a in acc.items()]
+    return [
+        SetResult(
+            name,
+            v,
+            len(prompts),
+            1 + a["accepted"] / max(a["drafts"], 1),
+            a["tokens"] / a["time"],
+            plain_tokens / plain_time,
+            a["same"],
+            a["per_pos"],
+            a["drafts"],
+        )
+        for v, a in acc.items()
+    ]
 
 
 @torch.inference_mode()
@@ -115,19 +138,26 @@ def run(n: int, max_new_tokens: int, spec: SpecConfig, out: Path | None, append:
     rts = {}
     for variant in ("eagle3", "eagle3.1"):
         tdir, ddir = demo_pair(variant)
-        rts[variant] = SpeculativeRuntime.from_pretrained(tdir, ddir, spec=spec, max_batch_size=1, max_seq_len=2048,
-                                                          backend="torch")
+        rts[variant] = SpeculativeRuntime.from_pretrained(
+            tdir, ddir, spec=spec, max_batch_size=1, max_seq_len=2048, backend="torch"
+        )
     ratio = {ctx: step_cost_ratio(rts["eagle3"], ctx) for ctx in (128, 512, 1500)}
     for ctx, (ts_, ds_) in ratio.items():
-        print(f"step cost at context {ctx}: target {ts_ * 1e3:.2f} ms, drafter {ds_ * 1e3:.2f} ms "
-              f"(ratio 1/{ts_ / ds_:.1f})", flush=True)
+        print(
+            f"step cost at context {ctx}: target {ts_ * 1e3:.2f} ms, drafter {ds_ * 1e3:.2f} ms "
+            f"(ratio 1/{ts_ / ds_:.1f})",
+            flush=True,
+        )
     for name in PROMPT_SETS:
         prompts = [r["prompt"] for r in prompt_set(name)[:n]]
         for r in evaluate_set(rts, name, prompts, max_new_tokens):
             results.append(r)
-            print(f"{name:9s} {r.variant:8s} tau={r.tau:.2f} spec={r.spec_tps:.1f} tok/s plain={r.plain_tps:.1f} "
-                  f"tok/s speedup={r.speedup:.2f}x identical={r.identical} "
-                  f"accepted_per_position={r.accepted_per_position}", flush=True)
+            print(
+                f"{name:9s} {r.variant:8s} tau={r.tau:.2f} spec={r.spec_tps:.1f} tok/s plain={r.plain_tps:.1f} "
+                f"tok/s speedup={r.speedup:.2f}x identical={r.identical} "
+                f"accepted_per_position={r.accepted_per_position}",
+                flush=True,
+            )
     if out is not None:
         text = render(results, n, max_new_tokens, spec, ratio)
         if append and out.exists():
@@ -154,18 +184,26 @@ def render(results: list[SetResult], n: int, max_new_tokens: int, spec: SpecConf
         "",
     ]
     if ratio is not None:
-        lines += ["Cost of one drafter step (step + draft logits) against one target step (forward + logits), "
-                  "single-token decode, best of 3 x 30 calls:", "",
-                  "| context | target step | drafter step | ratio |", "|---|---|---|---|"]
+        lines += [
+            "Cost of one drafter step (step + draft logits) against one target step (forward + logits), "
+            "single-token decode, best of 3 x 30 calls:",
+            "",
+            "| context | target step | drafter step | ratio |",
+            "|---|---|---|---|",
+        ]
         lines += [f"| {ctx} | {t * 1e3:.2f} ms | {d * 1e3:.2f} ms | 1/{t / d:.1f} |" for ctx, (t, d) in ratio.items()]
         lines += [""]
-    lines += ["| prompt set | τ EAGLE-3 | τ EAGLE-3.1 | plain tok/s | EAGLE-3 tok/s | EAGLE-3.1 tok/s | "
-              "speedup 3 / 3.1 | identical |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += [
+        "| prompt set | τ EAGLE-3 | τ EAGLE-3.1 | plain tok/s | EAGLE-3 tok/s | EAGLE-3.1 tok/s | "
+        "speedup 3 / 3.1 | identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for name in dict.fromkeys(r.name for r in results):
         a, b = by[(name, "eagle3")], by[(name, "eagle3.1")]
-        lines.append(f"| {name} | {a.tau:.2f} | {b.tau:.2f} | {a.plain_tps:.1f} | {a.spec_tps:.1f} | {b.spec_tps:.1f} "
-                     f"| {a.speedup:.2f}x / {b.speedup:.2f}x | {a.identical and b.identical} |")
+        lines.append(
+            f"| {name} | {a.tau:.2f} | {b.tau:.2f} | {a.plain_tps:.1f} | {a.spec_tps:.1f} | {b.spec_tps:.1f} "
+            f"| {a.speedup:.2f}x / {b.speedup:.2f}x | {a.identical and b.identical} |"
+        )
     lines += ["", "Accepted draft tokens per depth (rounds in which depth i was accepted):", ""]
     for r in results:
         lines.append(f"- {r.name} / {r.variant}: {r.accepted_per_position} over {r.rounds} rounds")
@@ -173,8 +211,11 @@ def render(results: list[SetResult], n: int, max_new_tokens: int, spec: SpecConf
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tritonspec.training.evaluate", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m tritonspec.training.evaluate",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--n", type=int, default=20, help="prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--num-speculative-tokens", type=int, default=6)

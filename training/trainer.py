@@ -5,6 +5,7 @@ serves), which yields the aux residual streams and the teacher logits; the draft
 ``ttt_depth`` steps with ``ttt.ttt_forward`` (the serving ``Eagle3Drafter.step``), and the
 result is written by ``Eagle3Drafter.save_pretrained`` (the validated exporter).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -135,9 +136,15 @@ def capture(target: TargetModel, ops: Any, tokens: torch.Tensor) -> tuple[torch.
 
 def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) -> Eagle3Drafter:
     """A fresh drafter for ``target`` with d2t/t2d from the token frequencies of ``seqs``."""
-    d = Eagle3Drafter.for_target(target.config, fc_norm=cfg.fc_norm, norm_output=cfg.norm_output,
-                                 draft_vocab_size=cfg.draft_vocab_size, aux_layer_ids=cfg.aux_layer_ids,
-                                 seed=cfg.seed, intermediate_size=cfg.intermediate_size)
+    d = Eagle3Drafter.for_target(
+        target.config,
+        fc_norm=cfg.fc_norm,
+        norm_output=cfg.norm_output,
+        draft_vocab_size=cfg.draft_vocab_size,
+        aux_layer_ids=cfg.aux_layer_ids,
+        seed=cfg.seed,
+        intermediate_size=cfg.intermediate_size,
+    )
     c = d.config
     if c.draft_vocab_size < c.vocab_size:
         d.set_draft_vocab(draft_vocab_from_counts(seqs, c.vocab_size, c.draft_vocab_size))
@@ -152,12 +159,22 @@ def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) 
 def fingerprint(target: TargetModel, cfg: TrainConfig, windows: torch.Tensor) -> dict:
     """What a resumed run must share with the checkpoint it resumes from."""
     data_hash = hashlib.sha256(windows.numpy().tobytes()).hexdigest()[:16]
-    keep = ("batch_size", "seq_len", "ttt_depth", "fc_norm", "norm_output", "draft_vocab_size", "aux_layer_ids",
-            "intermediate_size", "seed")
-    return {"target": {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size,
-                       "num_layers": target.num_layers},
-            "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k in keep},
-            "data": data_hash}
+    keep = (
+        "batch_size",
+        "seq_len",
+        "ttt_depth",
+        "fc_norm",
+        "norm_output",
+        "draft_vocab_size",
+        "aux_layer_ids",
+        "intermediate_size",
+        "seed",
+    )
+    return {
+        "target": {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size, "num_layers": target.num_layers},
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k in keep},
+        "data": data_hash,
+    }
 
 
 class Progress:
@@ -168,8 +185,9 @@ class Progress:
         self.total, self.start, self.log, self.every = total, start, log, every
         self.t0 = time.time()
         self.tty = sys.stderr.isatty() and log is print
-        self.bar = tqdm(total=total, initial=start, desc="train", file=sys.stderr, dynamic_ncols=True,
-                        disable=not self.tty)
+        self.bar = tqdm(
+            total=total, initial=start, desc="train", file=sys.stderr, dynamic_ncols=True, disable=not self.tty
+        )
 
     def update(self, step: int, loss: float, accs: list[float]) -> None:
         done = step + 1
@@ -178,8 +196,17 @@ class Progress:
             self.bar.set_postfix_str(postfix, refresh=False)
             self.bar.update(1)
         elif done % self.every == 0 or done == self.total or done == self.start + 1:
-            self.log(tqdm.format_meter(done, self.total, time.time() - self.t0, prefix="train", ascii=True,
-                                       postfix=postfix, initial=self.start))
+            self.log(
+                tqdm.format_meter(
+                    done,
+                    self.total,
+                    time.time() - self.t0,
+                    prefix="train",
+                    ascii=True,
+                    postfix=postfix,
+                    initial=self.start,
+                )
+            )
 
     def close(self) -> None:
         self.bar.close()
@@ -223,8 +250,10 @@ def train_drafter(
     tokenizer = _resolve_tokenizer(target, tokenizer, tm)
     seqs = load_token_sequences(data, tokenizer, tm.vocab_size)
     if cfg.draft_vocab_size is not None and cfg.draft_vocab_size > tm.vocab_size:
-        raise ValueError(f"draft_vocab_size={cfg.draft_vocab_size} is larger than the target vocabulary "
-                         f"({tm.vocab_size}); use at most {tm.vocab_size}")
+        raise ValueError(
+            f"draft_vocab_size={cfg.draft_vocab_size} is larger than the target vocabulary "
+            f"({tm.vocab_size}); use at most {tm.vocab_size}"
+        )
     if cfg.regenerate_new_tokens > 0:
         seqs = _self_distill(tm, seqs, cfg, out, log)
     windows = token_windows(seqs, cfg.seq_len)
@@ -237,9 +266,11 @@ def train_drafter(
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     fp = fingerprint(tm, cfg, windows)
     start, history = _maybe_resume(out / CHECKPOINT, fp, drafter, opt, resume, log)
-    log(f"train: {sum(p.numel() for p in params) / 1e6:.2f}M drafter parameters, {windows.shape[0]} windows of "
+    log(
+        f"train: {sum(p.numel() for p in params) / 1e6:.2f}M drafter parameters, {windows.shape[0]} windows of "
         f"{windows.shape[1]} tokens, TTT depth {cfg.ttt_depth}, fc_norm={cfg.fc_norm} norm_output={cfg.norm_output}, "
-        f"draft vocab {drafter.config.draft_vocab_size}, steps {start}->{cfg.steps}")
+        f"draft vocab {drafter.config.draft_vocab_size}, steps {start}->{cfg.steps}"
+    )
     bar = Progress(cfg.steps, start, log)
     drafter.train()
     for step in range(start, cfg.steps):
@@ -259,13 +290,23 @@ def train_drafter(
     bar.close()
     drafter.eval()
     drafter.save_pretrained(out, format=cfg.save_format, dtype=DTYPES[cfg.save_dtype])
-    (out / "training_args.json").write_text(json.dumps(
-        {"train_config": asdict(cfg), "fingerprint": fp, "history": history[-50:],
-         "data": str(data) if isinstance(data, (str, Path)) else f"<{type(data).__name__}>"}, indent=1))
+    (out / "training_args.json").write_text(
+        json.dumps(
+            {
+                "train_config": asdict(cfg),
+                "fingerprint": fp,
+                "history": history[-50:],
+                "data": str(data) if isinstance(data, (str, Path)) else f"<{type(data).__name__}>",
+            },
+            indent=1,
+        )
+    )
     (out / CHECKPOINT).unlink(missing_ok=True)
     accs = _mean_recent_acc(history)
-    log(f"train: saved {out} (loss {_mean_recent(history, 'loss'):.3f}, accuracy per depth "
-        f"{' '.join(f'{a:.2f}' for a in accs)})")
+    log(
+        f"train: saved {out} (loss {_mean_recent(history, 'loss'):.3f}, accuracy per depth "
+        f"{' '.join(f'{a:.2f}' for a in accs)})"
+    )
     return TrainResult(out, cfg.steps, _mean_recent(history, "loss"), accs, history)
 
 
@@ -283,16 +324,23 @@ def _resolve_tokenizer(target: Any, tokenizer: Any, tm: TargetModel) -> Any:
     return tokenizer
 
 
-def _self_distill(tm: TargetModel, seqs: list[list[int]], cfg: TrainConfig, out: Path,
-                  log: Callable[[str], None]) -> list[list[int]]:
+def _self_distill(
+    tm: TargetModel, seqs: list[list[int]], cfg: TrainConfig, out: Path, log: Callable[[str], None]
+) -> list[list[int]]:
     """Replace the data by prompts cut from it plus the target's own greedy continuations (generated
     by the already loaded ``tm``)."""
     n = cfg.regenerate_prompt_tokens
-    prompts = [s[i: i + n] for s in seqs for i in range(0, max(1, len(s) - n + 1), n) if s[i: i + n]]
+    prompts = [s[i : i + n] for s in seqs for i in range(0, max(1, len(s) - n + 1), n) if s[i : i + n]]
     g = torch.Generator().manual_seed(cfg.seed)
     order = torch.randperm(len(prompts), generator=g)[: cfg.regenerate_samples].tolist()
-    path = regenerate_continuations(tm, [prompts[i] for i in order], cfg.regenerate_new_tokens,
-                                    out / "regenerated.jsonl", device=cfg.device, log=log)
+    path = regenerate_continuations(
+        tm,
+        [prompts[i] for i in order],
+        cfg.regenerate_new_tokens,
+        out / "regenerated.jsonl",
+        device=cfg.device,
+        log=log,
+    )
     return load_token_sequences(path, None, tm.vocab_size)
 
 
@@ -321,13 +369,16 @@ def _mean_recent_acc(history: list[dict], n: int = 10) -> list[float]:
 
 def _save_checkpoint(path: Path, fp: dict, drafter: Eagle3Drafter, opt: Any, step: int, history: list) -> None:
     tmp = path.with_suffix(".tmp")
-    torch.save({"fingerprint": fp, "drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step,
-                "history": history}, tmp)
+    torch.save(
+        {"fingerprint": fp, "drafter": drafter.state_dict(), "opt": opt.state_dict(), "step": step, "history": history},
+        tmp,
+    )
     tmp.replace(path)
 
 
-def _maybe_resume(path: Path, fp: dict, drafter: Eagle3Drafter, opt: Any, resume: bool,
-                  log: Callable[[str], None]) -> tuple[int, list]:
+def _maybe_resume(
+    path: Path, fp: dict, drafter: Eagle3Drafter, opt: Any, resume: bool, log: Callable[[str], None]
+) -> tuple[int, list]:
     if not resume or not path.exists():
         return 0, []
     try:
@@ -337,8 +388,10 @@ def _maybe_resume(path: Path, fp: dict, drafter: Eagle3Drafter, opt: Any, resume
     if not isinstance(state, dict) or state.get("fingerprint") != fp:
         old = state.get("fingerprint") if isinstance(state, dict) else None
         diff = _diff(old, fp)
-        raise ValueError(f"checkpoint {path} is incompatible with this run ({diff}); resume with the settings it "
-                         "was written with, or delete it / pass resume=False (--no-resume) to start over")
+        raise ValueError(
+            f"checkpoint {path} is incompatible with this run ({diff}); resume with the settings it "
+            "was written with, or delete it / pass resume=False (--no-resume) to start over"
+        )
     drafter.load_state_dict(state["drafter"])
     opt.load_state_dict(state["opt"])
     log(f"train: resumed from {path} at step {state['step']}")

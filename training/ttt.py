@@ -11,6 +11,7 @@ The "diagonal" mask is expressed with the serving attention op itself: the cache
 0 makes the whole cache the tree region, and the query at step ``j``, position ``t`` sees
 step-0 slots ``s <= t`` and slot ``i*T + t`` for ``i = 1..j``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,8 +47,9 @@ def ttt_mask(T: int, j: int, device: torch.device) -> torch.Tensor:
     return torch.cat([causal] + [eye] * j, dim=1)
 
 
-def grow_cache(prev: torch.Tensor | None, B: int, T: int, kv_heads: int, head_dim: int,
-               like: torch.Tensor) -> torch.Tensor:
+def grow_cache(
+    prev: torch.Tensor | None, B: int, T: int, kv_heads: int, head_dim: int, like: torch.Tensor
+) -> torch.Tensor:
     """A new cache ``[B, (j+1)*T + 1, Hkv, D]``: the previous steps' slots copied out of place, then
     ``T`` fresh slots and the trash slot. Never written in place after attention saved it."""
     fresh = torch.zeros(B, T + 1, kv_heads, head_dim, dtype=like.dtype, device=like.device)
@@ -100,8 +102,9 @@ def ttt_forward(
         k_cache = grow_cache(k_cache, B, T, c.num_key_value_heads, c.head_dim, u)
         v_cache = grow_cache(v_cache, B, T, c.num_key_value_heads, c.head_dim, u)
         mask = ttt_mask(T, j, dev).expand(B, T, (j + 1) * T)
-        hn, u = drafter.step(ops, u, ids, AttentionMetadata(positions, slots, zero, mask, (j + 1) * T),
-                             KVCache(k_cache, v_cache))
+        hn, u = drafter.step(
+            ops, u, ids, AttentionMetadata(positions, slots, zero, mask, (j + 1) * T), KVCache(k_cache, v_cache)
+        )
         hns.append(hn)
         if target_logits is None:
             losses.append(u.new_zeros(()))
@@ -112,7 +115,7 @@ def ttt_forward(
         loss_j, acc_j = distill_loss(drafter.logits(hn), teacher, used, drafter.t2d, in_range)
         losses.append(loss_j)
         accs.append(acc_j)
-        total = total + LOSS_DECAY ** j * loss_j
+        total = total + LOSS_DECAY**j * loss_j
     return TTTOutput(hns, losses, accs, total)
 
 

@@ -8,6 +8,7 @@
     python -m tritonspec.recipes.demo --out <package>/demo --budget quick
     python -m tritonspec.recipes.demo.draft_lm --work <package>/.demo-work --out <package>/demo/draft-lm
 """
+
 from .build import BUDGETS, STAGES, RecipeConfig, main, run
 
 __all__ = ["run", "main", "RecipeConfig", "BUDGETS", "STAGES"]

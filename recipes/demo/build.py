@@ -15,6 +15,7 @@ Examples
     python -m tritonspec.recipes.demo --out demo/                 # full budget (~2 h, 2 CPU cores)
     python -m tritonspec.recipes.demo --out demo/ --budget quick  # the budget run in development
 """
+
 from __future__ import annotations
 
 import argparse
@@ -84,10 +85,24 @@ BUDGETS = {
     # the run made in development on 2 shared CPU cores, one thread per process (about 75 min)
     "quick": RecipeConfig(target_steps=700, regen_samples=1024, drafter_steps=1200),
     # for tests of the recipe plumbing only (minutes; the models learn little)
-    "smoke": RecipeConfig(num_layers=8, hidden_size=64, intermediate_size=128, vocab_size=512, target_steps=4,
-                          target_batch_tokens=1024, target_seq_len=128, target_long_seq_len=256,
-                          regen_samples=4, regen_prompt_tokens=32, regen_new_tokens=16, drafter_steps=2,
-                          drafter_seq_len=64, drafter_batch=2, draft_vocab_size=256, prompts_per_set=50),
+    "smoke": RecipeConfig(
+        num_layers=8,
+        hidden_size=64,
+        intermediate_size=128,
+        vocab_size=512,
+        target_steps=4,
+        target_batch_tokens=1024,
+        target_seq_len=128,
+        target_long_seq_len=256,
+        regen_samples=4,
+        regen_prompt_tokens=32,
+        regen_new_tokens=16,
+        drafter_steps=2,
+        drafter_seq_len=64,
+        drafter_batch=2,
+        draft_vocab_size=256,
+        prompts_per_set=50,
+    ),
 }
 
 
@@ -118,10 +133,19 @@ def stage_corpus(cfg: RecipeConfig, work: Path, root: Path) -> None:
     eos = tok.convert_tokens_to_ids(EOS)
     ids = tok(texts, add_special_tokens=False)["input_ids"]
     stream = np.fromiter((t for seq in ids for t in [*seq, eos]), dtype=np.uint16)
-    (work / "corpus.json").write_text(json.dumps({
-        "root": str(root), "python": platform.python_version(), "heldout_rule":
-        f"sha256(relpath) % 100 < {cfg.heldout_percent}", "excluded_dirs": "site-packages, test, tests, idle_test",
-        "num_train_tokens": int(stream.size), "files": [asdict(f) for f in files]}, indent=1))
+    (work / "corpus.json").write_text(
+        json.dumps(
+            {
+                "root": str(root),
+                "python": platform.python_version(),
+                "heldout_rule": f"sha256(relpath) % 100 < {cfg.heldout_percent}",
+                "excluded_dirs": "site-packages, test, tests, idle_test",
+                "num_train_tokens": int(stream.size),
+                "files": [asdict(f) for f in files],
+            },
+            indent=1,
+        )
+    )
     np.save(work / "train_tokens.npy", stream)
     log(f"corpus: {stream.size} training tokens, vocab {len(tok)}")
 
@@ -131,16 +155,26 @@ def target_config(cfg: RecipeConfig, tok) -> object:
     from transformers import LlamaConfig
 
     return LlamaConfig(
-        vocab_size=len(tok), hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
-        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=False, bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-        architectures=["LlamaForCausalLM"])
+        vocab_size=len(tok),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def sample_windows(stream: np.ndarray, batch: int, seq: int, rng: np.random.Generator) -> torch.Tensor:
     starts = rng.integers(0, stream.size - seq - 1, size=batch)
-    return torch.from_numpy(np.stack([stream[s: s + seq].astype(np.int64) for s in starts]))
+    return torch.from_numpy(np.stack([stream[s : s + seq].astype(np.int64) for s in starts]))
 
 
 def stage_target(cfg: RecipeConfig, work: Path, device: torch.device) -> None:
@@ -181,8 +215,10 @@ def stage_target(cfg: RecipeConfig, work: Path, device: torch.device) -> None:
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if (step + 1) % 20 == 0 or step + 1 == cfg.target_steps:
             rate = (step + 1 - start) / (time.time() - t0)
-            log(f"target: step {step + 1}/{cfg.target_steps} loss {ema:.3f} seq {seq} "
-                f"({rate:.2f} steps/s, eta {(cfg.target_steps - step - 1) / rate / 60:.1f} min)")
+            log(
+                f"target: step {step + 1}/{cfg.target_steps} loss {ema:.3f} seq {seq} "
+                f"({rate:.2f} steps/s, eta {(cfg.target_steps - step - 1) / rate / 60:.1f} min)"
+            )
         if (step + 1) % 100 == 0:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step + 1}, ckpt)
     model.eval()
@@ -232,10 +268,20 @@ def stage_drafters(cfg: RecipeConfig, work: Path, device: torch.device, variants
         out = work / f"drafter-{name}"
         if (out / "config.json").exists():
             continue
-        tc = TrainConfig(steps=cfg.drafter_steps, seq_len=cfg.drafter_seq_len, batch_size=cfg.drafter_batch,
-                         lr=cfg.drafter_lr, ttt_depth=cfg.ttt_depth, draft_vocab_size=cfg.draft_vocab_size,
-                         fc_norm=flags, norm_output=flags, seed=cfg.seed, save_dtype="float16",
-                         checkpoint_every=50, device=str(device))
+        tc = TrainConfig(
+            steps=cfg.drafter_steps,
+            seq_len=cfg.drafter_seq_len,
+            batch_size=cfg.drafter_batch,
+            lr=cfg.drafter_lr,
+            ttt_depth=cfg.ttt_depth,
+            draft_vocab_size=cfg.draft_vocab_size,
+            fc_norm=flags,
+            norm_output=flags,
+            seed=cfg.seed,
+            save_dtype="float16",
+            checkpoint_every=50,
+            device=str(device),
+        )
         train_drafter(work / "target", regen, out, tc, log=log)
 
 
@@ -248,9 +294,15 @@ def stage_bundle(cfg: RecipeConfig, work: Path, out: Path, budget: str, wall: di
         shutil.copytree(work / sub, out / sub, ignore=shutil.ignore_patterns("*.pt", "generation_config.json"))
     corpus = json.loads((work / "corpus.json").read_text())
     sizes = {p.relative_to(out).as_posix(): p.stat().st_size for p in sorted(out.rglob("*.safetensors"))}
-    manifest = {"recipe": "python -m tritonspec.recipes.demo --budget " + budget, "budget": budget,
-                "config": asdict(cfg), "torch": torch.__version__, "wall_time_s": wall, "weights_bytes": sizes,
-                "corpus": corpus}
+    manifest = {
+        "recipe": "python -m tritonspec.recipes.demo --budget " + budget,
+        "budget": budget,
+        "config": asdict(cfg),
+        "torch": torch.__version__,
+        "wall_time_s": wall,
+        "weights_bytes": sizes,
+        "corpus": corpus,
+    }
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     total = sum(sizes.values())
     log(f"bundle: {out} ({total / 1e6:.1f} MB of weights)")
@@ -261,8 +313,15 @@ def stage_bundle(cfg: RecipeConfig, work: Path, out: Path, budget: str, wall: di
 STAGES = ("corpus", "target", "prompts", "drafters", "bundle")
 
 
-def run(out: Path, work: Path, budget: str = "full", root: Path | None = None, until: str = "bundle",
-        overrides: dict | None = None, variants: tuple[str, ...] = VARIANTS) -> Path:
+def run(
+    out: Path,
+    work: Path,
+    budget: str = "full",
+    root: Path | None = None,
+    until: str = "bundle",
+    overrides: dict | None = None,
+    variants: tuple[str, ...] = VARIANTS,
+) -> Path:
     """Run the recipe stages up to ``until``; returns ``out``."""
     cfg = replace(BUDGETS[budget], **(overrides or {}))
     root = Path(root) if root is not None else stdlib_root()
@@ -289,17 +348,28 @@ def run(out: Path, work: Path, budget: str = "full", root: Path | None = None, u
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tritonspec.recipes.demo", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m tritonspec.recipes.demo",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--out", default="demo", help="where the bundle goes (the package's demo/ folder)")
     p.add_argument("--work", default=None, help="scratch folder for checkpoints (default: <out>/../.demo-work)")
     p.add_argument("--budget", default="full", choices=sorted(BUDGETS))
     p.add_argument("--until", default="bundle", choices=STAGES, help="stop after this stage")
     p.add_argument("--stdlib", default=None, help="corpus root (default: this Python's standard library)")
-    p.add_argument("--variant", default=None, choices=VARIANTS,
-                   help="train only this drafter (run the two in parallel once the first has written the data)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch CPU threads (default 1: on shared cores 2 threads ran 20x slower, oversubscribed)")
+    p.add_argument(
+        "--variant",
+        default=None,
+        choices=VARIANTS,
+        help="train only this drafter (run the two in parallel once the first has written the data)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch CPU threads (default 1: on shared cores 2 threads ran 20x slower, oversubscribed)",
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = Path(args.out)

@@ -4,6 +4,7 @@ Files are listed in a fixed order (sorted relative paths), test suites and site-
 left out, and a file is held out for evaluation when ``sha256(relative path) % 100 <
 heldout_percent``: the split never depends on the machine, the file's content or a seed.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -73,8 +74,12 @@ def train_bpe_tokenizer(texts: list[str], vocab_size: int, directory: Path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS)
     fast.save_pretrained(str(directory))

@@ -5,6 +5,7 @@ Same data, tokenizer and optimiser as the demo target (``build``), 2 layers inst
 
     python -m tritonspec.recipes.demo.draft_lm --work /path/to/demo-work --out <package>/demo/draft-lm
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,17 +19,35 @@ from ...training.trainer import warmup_cosine
 from .build import lm_loss, log, sample_windows, save_target, seed_everything
 
 
-def train_draft_lm(work: Path, out: Path, steps: int = 300, layers: int = 2, hidden: int = 128,
-                   seq: int = 256, batch_tokens: int = 4096, lr: float = 2e-3, seed: int = 0) -> Path:
+def train_draft_lm(
+    work: Path,
+    out: Path,
+    steps: int = 300,
+    layers: int = 2,
+    hidden: int = 128,
+    seq: int = 256,
+    batch_tokens: int = 4096,
+    lr: float = 2e-3,
+    seed: int = 0,
+) -> Path:
     """Train a small ``LlamaForCausalLM`` on ``work/train_tokens.npy`` with ``work/tokenizer``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tok = AutoTokenizer.from_pretrained(str(work / "tokenizer"))
     stream = np.load(work / "train_tokens.npy")
     seed_everything(seed)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    cfg = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=hidden,
+        intermediate_size=3 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     model = LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
     rng = np.random.default_rng([seed, 7])
@@ -52,8 +71,11 @@ def train_draft_lm(work: Path, out: Path, steps: int = 300, layers: int = 2, hid
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tritonspec.recipes.demo.draft_lm", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m tritonspec.recipes.demo.draft_lm",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--work", required=True, type=Path, help="the demo recipe's work folder (tokenizer, tokens)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--steps", type=int, default=300)

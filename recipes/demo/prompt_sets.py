@@ -5,6 +5,7 @@
 * ``perturbed`` : the same code in a format unseen in training: a chat-style wrapper, tabs for
                   indentation, and an unusual header comment.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,7 @@ def tabs_for_spaces(code: str) -> str:
 
 
 def chat_wrap(code: str, relpath: str, header: str) -> str:
-    return (f"<|user|>\nHere is the start of `{relpath}`. Please continue it.\n<|assistant|>\n"
-            f"```python\n{header}{code}")
+    return f"<|user|>\nHere is the start of `{relpath}`. Please continue it.\n<|assistant|>\n```python\n{header}{code}"
 
 
 def _cut_lines(text: str, n_lines: int) -> str:
@@ -78,8 +78,9 @@ def make_prompts(root: Path, files: list[SourceFile], tok: Any, per_set: int, se
             sets["standard"].append({"id": pid, "source": f.relpath, "prompt": short})
         if len(sets["perturbed"]) < per_set:
             header = HEADERS[rng.randrange(len(HEADERS))]
-            sets["perturbed"].append({"id": pid, "source": f.relpath,
-                                      "prompt": chat_wrap(tabs_for_spaces(short), f.relpath, header)})
+            sets["perturbed"].append(
+                {"id": pid, "source": f.relpath, "prompt": chat_wrap(tabs_for_spaces(short), f.relpath, header)}
+            )
         if len(sets["long"]) < per_set and _count(tok, text) > LONG_MIN_TOKENS + 100:
             m = _lines_for_tokens(tok, lines, LONG_MIN_TOKENS + rng.randint(0, 300))
             if m < len(lines) - 2:
