@@ -10,8 +10,8 @@ One module per command, each with ``add_parser(subparsers)`` and its ``cmd_*`` f
 * ``train`` (``cli/train.py``): train an EAGLE-3 / EAGLE-3.1 drafter
 * ``autotune kernels|tree`` (``cli/autotune.py``): kernel launch configs, draft-tree shape
 
-``cli/common.py`` holds what they share (demo / tiny-random targets, ``--dtype``, tree-shape
-flags, prompts). Library imports stay inside the command functions, so ``--help`` stays fast.
+``cli/common.py`` holds what they share (the subcommand parser, demo / tiny-random targets,
+``--dtype``, tree-shape flags, prompts). Library imports stay inside the command functions, so ``--help`` stays fast.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from .common import demo_prompts, is_demo, parse_dtype, resolve_pair
+from .common import add_command, demo_prompts, is_demo, parse_dtype, resolve_pair
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):",
@@ -24,11 +24,11 @@ DEFAULT_PROMPTS = [
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``autotune`` subcommand (``kernels`` and ``tree``) to ``subparsers`` and return its parser."""
-    a = subparsers.add_parser(
+    a = add_command(
+        subparsers,
         "autotune",
-        help="tune kernel launch configs and the draft-tree shape for this device",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""examples:
+        "tune kernel launch configs and the draft-tree shape for this device",
+        """examples:
   tritonspec autotune kernels                                    # Llama-3-8B shapes (+ the demo target), bf16
   tritonspec autotune kernels --shapes ./llama --dtype float16 --out ./tuned
   tritonspec autotune tree --target ./llama --drafter ./eagle3 --prompts prompts.jsonl
@@ -38,11 +38,11 @@ launchers and SpeculativeRuntime(spec=None) read them from there.""",
     )
     sub = a.add_subparsers(dest="autotune_command", required=True)
 
-    k = sub.add_parser(
+    k = add_command(
+        sub,
         "kernels",
-        help="search launch configs of the Triton kernels (needs a GPU)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""\
+        "search launch configs of the Triton kernels (needs a GPU)",
+        """\
 Each op is tuned per hidden size / head_dim (the reduction kernels: never per row count, so tuning
 cannot break batch invariance); winners are merged into <op>,device_name=<GPU>,dtype=<dtype>.json.""",
     )
@@ -64,11 +64,11 @@ cannot break batch invariance); winners are merged into <op>,device_name=<GPU>,d
     _common(k)
     k.set_defaults(fn=cmd_kernels)
 
-    t = sub.add_parser(
+    t = add_command(
+        sub,
         "tree",
-        help="pick (num_speculative_tokens, top_k, num_draft_tokens) for a target + drafter",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""\
+        "pick (num_speculative_tokens, top_k, num_draft_tokens) for a target + drafter",
+        """\
 Measures the target's verify cost against tree size and the drafter's step cost on this device
 and backend, and the drafter's acceptance per depth and sibling rank on the prompts (teacher-forced
 along the target's greedy continuation); picks the shape with the best predicted tokens/s and

@@ -6,16 +6,16 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from .common import DEMO, demo_prompts, is_demo
+from .common import DEMO, add_command, demo_prompts, is_demo
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``bench`` subcommand to ``subparsers`` and return its parser."""
-    b = subparsers.add_parser(
+    b = add_command(
+        subparsers,
         "bench",
-        help="quick side-by-side throughput table (ours vs transformers), same prompts",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""examples:
+        "quick side-by-side throughput table (ours vs transformers), same prompts",
+        """examples:
   tritonspec bench                                   # demo pair, standard set, 4 prompts x 32 tokens, greedy
   tritonspec bench --sets standard,long,perturbed --systems ours-plain,ours-eagle3,ours-eagle3.1 --temperature 1
   tritonspec bench --target ./llama --drafter eagle3=./eagle3 --prompts p.jsonl

@@ -1,14 +1,27 @@
-"""Helpers shared by the commands: target names (demo, tiny random pair), dtype flags, tree-shape
-flags and prompt reading. Light at import time: torch and the runtime load inside the functions."""
+"""Helpers shared by the commands: the subcommand parser (``add_command``), flags passed on under
+their own names, target names (demo, tiny random pair), dtype flags, tree-shape flags and prompt
+reading. Light at import time: torch and the runtime load inside the functions."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from pathlib import Path
 
 TINY = "tiny-random"
 DEMO = "demo"  # the bundled demo pair (tritonspec.demo); "demo:eagle3" picks the EAGLE-3 drafter
+
+
+def add_command(subparsers, name: str, help: str, epilog: str) -> argparse.ArgumentParser:
+    """Add the subcommand ``name`` to ``subparsers`` with its one-line ``help`` and an ``epilog``
+    (examples, notes) printed as written; return its parser."""
+    return subparsers.add_parser(name, help=help, epilog=epilog, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def flag_values(args: argparse.Namespace, names: str) -> dict:
+    """``{name: args.<name>}`` for the space-separated ``names``: flags passed on under their own names."""
+    return {name: getattr(args, name) for name in names.split()}
 
 
 def spec_from_flags(depth: int | None, top_k: int | None, n: int | None):

@@ -5,16 +5,16 @@ from __future__ import annotations
 
 import argparse
 
-from .common import is_demo
+from .common import add_command, is_demo
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``drift`` subcommand to ``subparsers`` and return its parser."""
-    dr = subparsers.add_parser(
+    dr = add_command(
+        subparsers,
         "drift",
-        help="measure attention drift per draft depth (EAGLE-3 vs 3.1), JSON + PNG plots",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""examples:
+        "measure attention drift per draft depth (EAGLE-3 vs 3.1), JSON + PNG plots",
+        """examples:
   tritonspec drift --target ./llama --drafter ./eagle3 --drafter ./eagle3.1 --prompts prompts.jsonl --out drift/
   tritonspec drift --target demo --prompts demo/prompts/long.jsonl --num-prompts 20 --out drift-long/""",
     )

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 
-from .common import parse_dtype
+from .common import add_command, parse_dtype
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``export`` subcommand to ``subparsers`` and return its parser."""
-    e = subparsers.add_parser(
+    e = add_command(
+        subparsers,
         "export",
-        help="re-save a drafter as LlamaForCausalLMEagle3 or speculators format",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""examples:
+        "re-save a drafter as LlamaForCausalLMEagle3 or speculators format",
+        """examples:
   tritonspec export --drafter ./yuhuili-eagle3 --out ./eagle3-sglang
   tritonspec export --drafter ./my-drafter --out ./my-drafter-spec --format speculators --dtype bfloat16""",
     )

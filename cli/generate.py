@@ -6,18 +6,28 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import DEMO, TINY, default_target, parse_dtype, read_prompt, resolve_pair, spec_from_flags
+from .common import (
+    DEMO,
+    TINY,
+    add_command,
+    default_target,
+    flag_values,
+    parse_dtype,
+    read_prompt,
+    resolve_pair,
+    spec_from_flags,
+)
 
 GRAPH_MODES = {"auto": "auto", "on": True, "off": False}  # --cuda-graphs -> SpeculativeRuntime(cuda_graphs=...)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``generate`` subcommand to ``subparsers`` and return its parser."""
-    g = subparsers.add_parser(
+    g = add_command(
+        subparsers,
         "generate",
-        help="generate text (speculative by default) and print tokens/s and acceptance",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""examples:
+        "generate text (speculative by default) and print tokens/s and acceptance",
+        """examples:
   tritonspec generate "def fib(n):"                                 # tiny random pair (machinery check)
   tritonspec generate --target ./llama --drafter ./eagle3 "Hello" --compare
   echo "Hello" | tritonspec generate --target ./llama --no-speculative
@@ -82,15 +92,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         cuda_graphs=GRAPH_MODES[args.cuda_graphs],
     )
     speculative = not args.no_speculative and rt.drafter is not None
-    kw = dict(
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        seed=args.seed,
-        stop=args.stop or None,
-        speculative=speculative,
-    )
+    kw = flag_values(args, "max_new_tokens temperature top_p top_k seed")
+    kw.update(stop=args.stop or None, speculative=speculative)
     if args.compare:  # one short warm-up per mode, so neither timing pays first-call costs
         for mode in (speculative, False):
             rt.generate(prompt, **(kw | {"max_new_tokens": 2, "speculative": mode}))

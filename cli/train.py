@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import argparse
 
+from .common import add_command, flag_values
+
 VARIANT_FLAGS = {"eagle3": False, "eagle3.1": True}
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``train`` subcommand to ``subparsers`` and return its parser."""
-    t = subparsers.add_parser(
+    t = add_command(
+        subparsers,
         "train",
-        help="train an EAGLE-3 / EAGLE-3.1 drafter for a target (training-time test)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="""examples:
+        "train an EAGLE-3 / EAGLE-3.1 drafter for a target (training-time test)",
+        """examples:
   tritonspec train --target ./llama --data code.jsonl --out ./my-eagle3.1
   tritonspec train --target ./llama --data ./src/ --variant eagle3 --ttt-depth 4 --steps 500 --out ./d3
   tritonspec train --target ./llama --data prompts.jsonl --regenerate 256 --out ./d   # self-distillation
@@ -60,20 +62,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     flag = VARIANT_FLAGS[args.variant]
     ids = tuple(int(x) for x in args.aux_layer_ids.split(",")) if args.aux_layer_ids else None
     cfg = TrainConfig(
-        steps=args.steps,
-        batch_size=args.batch_size,
-        seq_len=args.seq_len,
-        lr=args.lr,
-        ttt_depth=args.ttt_depth,
+        **flag_values(args, "steps batch_size seq_len lr ttt_depth draft_vocab_size seed device"),
         fc_norm=flag,
         norm_output=flag,
-        draft_vocab_size=args.draft_vocab_size,
         aux_layer_ids=ids,
         regenerate_new_tokens=args.regenerate,
-        seed=args.seed,
         save_format=args.format,
         save_dtype=args.dtype,
-        device=args.device,
     )
     res = train_drafter(args.target, args.data, args.out, cfg, tokenizer=args.tokenizer, resume=not args.no_resume)
     acc = " ".join(f"{a:.2f}" for a in res.accuracies)

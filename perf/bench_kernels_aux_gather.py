@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonspec.kernels.aux_gather import aux_gather_reference
+from tritonspec.kernels.aux_gather import aux_gather, aux_gather_reference
 
-from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, skip_unless_runnable  # noqa: F401
+from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, timed_fn  # noqa: F401
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 HIDDEN = 4096 if CUDA else 256
@@ -19,11 +19,7 @@ N_AUX = 3
 @pytest.mark.parametrize("n", [8, 480] if CUDA else [8, 60])
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_aux_gather(kernel_bench, provider, n, fc_norm):
-    skip_unless_runnable(provider)
-    if provider == "triton":
-        from tritonspec.kernels.aux_gather import aux_gather as fn
-    else:
-        fn = aux_gather_reference
+    fn = timed_fn(provider, aux_gather, aux_gather_reference)
     aux = torch.randn(2 * n, N_AUX * HIDDEN, device=DEVICE, dtype=DTYPE)
     index = torch.randperm(2 * n, device=DEVICE)[:n]
     index[::7] = -1

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonspec.kernels.kv_compact import kv_compact_reference
+from tritonspec.kernels.kv_compact import kv_compact, kv_compact_reference
 
-from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, skip_unless_runnable  # noqa: F401
+from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, timed_fn  # noqa: F401
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 L, HKV, D = (32, 8, 128) if CUDA else (4, 2, 64)
@@ -19,11 +19,7 @@ M = 7
 @pytest.mark.parametrize("batch", [1, 8])
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_kv_compact(kernel_bench, provider, batch):
-    skip_unless_runnable(provider)
-    if provider == "triton":
-        from tritonspec.kernels.kv_compact import kv_compact as fn
-    else:
-        fn = kv_compact_reference
+    fn = timed_fn(provider, kv_compact, kv_compact_reference)
     k = torch.randn(L, batch, S, HKV, D, device=DEVICE, dtype=DTYPE)
     v = torch.randn_like(k)
     start = torch.full((batch,), 1000 if CUDA else 100, dtype=torch.int64, device=DEVICE)

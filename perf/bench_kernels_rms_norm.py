@@ -7,29 +7,20 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonspec.kernels.rms_norm import rms_norm_reference
+from tritonspec.kernels.rms_norm import rms_norm, rms_norm_reference
 
-from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, skip_unless_runnable  # noqa: F401
+from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, timed_fn  # noqa: F401
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 HIDDEN = 4096 if CUDA else 256
 ROWS = [1, 60, 480] if CUDA else [1, 60]
 
 
-def _impl(provider):
-    if provider == "triton":
-        from tritonspec.kernels.rms_norm import rms_norm
-
-        return rms_norm
-    return rms_norm_reference
-
-
 @pytest.mark.parametrize("residual", [False, True])
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_rms_norm(kernel_bench, provider, rows, residual):
-    skip_unless_runnable(provider)
-    fn = _impl(provider)
+    fn = timed_fn(provider, rms_norm, rms_norm_reference)
     x = torch.randn(rows, HIDDEN, device=DEVICE, dtype=DTYPE)
     r = torch.randn_like(x) if residual else None
     w = torch.randn(HIDDEN, device=DEVICE, dtype=DTYPE)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonspec.kernels.kv_write import kv_write_reference
-from tritonspec.kernels.tree_attention import tree_attention_reference
+from tritonspec.kernels.kv_write import kv_write, kv_write_reference
+from tritonspec.kernels.tree_attention import tree_attention, tree_attention_reference
 
-from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, skip_unless_runnable  # noqa: F401
+from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, timed_fn  # noqa: F401
 
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 HQ, HKV, D = (32, 8, 128) if CUDA else (8, 2, 64)
@@ -48,11 +48,7 @@ def _case(batch, prefix):
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_tree_attention(kernel_bench, provider, batch, prefix):
-    skip_unless_runnable(provider)
-    if provider == "triton":
-        from tritonspec.kernels.tree_attention import tree_attention as fn
-    else:
-        fn = tree_attention_reference
+    fn = timed_fn(provider, tree_attention, tree_attention_reference)
     q, k_cache, v_cache, prefix_lens, mask = _case(batch, prefix)
     kv_len = prefix + T
     moved = 2 * batch * kv_len * HKV * D * k_cache.element_size() + 2 * nbytes(q) + nbytes(mask)
@@ -72,11 +68,7 @@ def test_tree_attention(kernel_bench, provider, batch, prefix):
 @pytest.mark.parametrize("batch", BATCHES)
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_kv_write(kernel_bench, provider, batch):
-    skip_unless_runnable(provider)
-    if provider == "triton":
-        from tritonspec.kernels.kv_write import kv_write as fn
-    else:
-        fn = kv_write_reference
+    fn = timed_fn(provider, kv_write, kv_write_reference)
     S = 4096 if CUDA else 512
     k_cache = torch.zeros(batch, S, HKV, D, device=DEVICE, dtype=DTYPE)
     v_cache = torch.zeros_like(k_cache)

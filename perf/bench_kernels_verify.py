@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonspec.kernels.verify import verify_greedy_reference
+from tritonspec.kernels.verify import verify_greedy, verify_greedy_reference
 
-from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, skip_unless_runnable  # noqa: F401
+from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, timed_fn  # noqa: F401
 
 N = 60 if CUDA else 48
 DEPTH = 6
@@ -17,11 +17,7 @@ DEPTH = 6
 @pytest.mark.parametrize("batch", [1, 8, 64] if CUDA else [1, 8])
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_verify_greedy(kernel_bench, provider, batch):
-    skip_unless_runnable(provider)
-    if provider == "triton":
-        from tritonspec.kernels.verify import verify_greedy as fn
-    else:
-        fn = verify_greedy_reference
+    fn = timed_fn(provider, verify_greedy, verify_greedy_reference)
     g = torch.Generator().manual_seed(0)
     parents = torch.tensor(
         [

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tritonspec.kernels.verify_sampling import verify_sampling_reference
+from tritonspec.kernels.verify_sampling import verify_sampling, verify_sampling_reference
 
-from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, skip_unless_runnable  # noqa: F401
+from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, timed_fn  # noqa: F401
 
 N = 60 if CUDA else 48
 VOCAB = 128256 if CUDA else 4096
@@ -48,11 +48,7 @@ def _case(batch: int):
 @pytest.mark.parametrize("batch", [1, 8, 64] if CUDA else [1, 8])
 @pytest.mark.parametrize("provider", PROVIDERS)
 def test_verify_sampling(kernel_bench, provider, batch):
-    skip_unless_runnable(provider)
-    if provider == "triton":
-        from tritonspec.kernels.verify_sampling import verify_sampling as fn
-    else:
-        fn = verify_sampling_reference
+    fn = timed_fn(provider, verify_sampling, verify_sampling_reference)
     tokens, parents, probs, u, xi = _case(batch)
     _, num, _ = verify_sampling_reference(tokens, parents, probs, u, xi, DEPTH)
     rows_read = int(num.sum()) + 2 * batch  # the root's and each accepted node's mass, the bonus row

@@ -21,11 +21,16 @@ NO_GPU = "no GPU: Triton timings need CUDA (the interpreter is a correctness too
 PROVIDERS = ["torch", "triton"]
 
 
-def skip_unless_runnable(provider: str) -> None:
-    if provider == "triton":
-        if not CUDA:
-            pytest.skip(NO_GPU)
-        pytest.importorskip("triton")
+def timed_fn(provider: str, launcher, reference):
+    """What a benchmark times for ``provider``: ``launcher`` (our Triton kernel) for ``"triton"``,
+    skipping the test without CUDA or Triton; else ``reference`` (the ``<op>_reference`` the torch
+    backend runs)."""
+    if provider != "triton":
+        return reference
+    if not CUDA:
+        pytest.skip(NO_GPU)
+    pytest.importorskip("triton")
+    return launcher
 
 
 @pytest.fixture

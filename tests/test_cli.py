@@ -21,28 +21,8 @@ def pair_dirs(tmp_path_factory):
 
 def test_generate_prints_text_and_stats(pair_dirs, capsys):
     t, d = pair_dirs
-    assert (
-        main(
-            [
-                "generate",
-                "--target",
-                str(t),
-                "--drafter",
-                str(d),
-                "--max-new-tokens",
-                "12",
-                "--num-speculative-tokens",
-                "3",
-                "--draft-top-k",
-                "2",
-                "--num-draft-tokens",
-                "6",
-                "--compare",
-                "def f(x):",
-            ]
-        )
-        == 0
-    )
+    flags = "--max-new-tokens 12 --num-speculative-tokens 3 --draft-top-k 2 --num-draft-tokens 6 --compare"
+    assert main(["generate", "--target", str(t), "--drafter", str(d), *flags.split(), "def f(x):"]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     stats = out[-1]
     assert stats.startswith("[tritonspec] new_tokens=12 tokens/s=")
@@ -98,26 +78,8 @@ def test_export_to_speculators(pair_dirs, tmp_path, capsys):
 
 def test_generate_stream_and_sampling_flags(pair_dirs, capsys):
     t, d = pair_dirs
-    args = [
-        "generate",
-        "--target",
-        str(t),
-        "--drafter",
-        str(d),
-        "--max-new-tokens",
-        "10",
-        "--num-speculative-tokens",
-        "2",
-        "--draft-top-k",
-        "2",
-        "--num-draft-tokens",
-        "4",
-        "--temperature",
-        "0.7",
-        "--seed",
-        "5",
-        "x = ",
-    ]
+    flags = "--max-new-tokens 10 --num-speculative-tokens 2 --draft-top-k 2 --num-draft-tokens 4 --temperature 0.7"
+    args = ["generate", "--target", str(t), "--drafter", str(d), *flags.split(), "--seed", "5", "x = "]
     assert main(args) == 0
     plain = capsys.readouterr().out
     assert main(args + ["--stream"]) == 0
@@ -131,28 +93,9 @@ def test_generate_stream_and_sampling_flags(pair_dirs, capsys):
 def test_bench_prints_a_side_by_side_table(pair_dirs, tmp_path, capsys):
     t, d = pair_dirs
     (tmp_path / "p.jsonl").write_text('{"prompt": "def f(x):"}\n')
-    assert (
-        main(
-            [
-                "bench",
-                "--target",
-                str(t),
-                "--drafter",
-                f"eagle3.1={d}",
-                "--prompts",
-                str(tmp_path / "p.jsonl"),
-                "--systems",
-                "ours-plain,hf-greedy,ours-eagle3.1",
-                "--num-prompts",
-                "1",
-                "--max-new-tokens",
-                "6",
-                "--max-seq-len",
-                "256",
-            ]
-        )
-        == 0
-    )
+    prompts = str(tmp_path / "p.jsonl")
+    flags = "--systems ours-plain,hf-greedy,ours-eagle3.1 --num-prompts 1 --max-new-tokens 6 --max-seq-len 256"
+    assert main(["bench", "--target", str(t), "--drafter", f"eagle3.1={d}", "--prompts", prompts, *flags.split()]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[0].split()[:6] == ["set", "T", "B", "system", "tok/s", "speedup"]
     assert [ln.split()[3] for ln in lines[1:]] == ["ours-plain", "hf-greedy", "ours-eagle3.1"]

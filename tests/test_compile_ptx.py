@@ -34,6 +34,11 @@ MODELS = {"tiny": dict(H=72, HQ=6, HKV=3, D=12), "llama3_8b": dict(H=4096, HQ=32
 DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
+def _i32(names: str) -> dict[str, str]:
+    """The ``i32`` entries of a signature for the space-separated argument ``names``, in order."""
+    return dict.fromkeys(names.split(), "i32")
+
+
 def _specs():
     """``[(name, kernel, signature, constexprs, divisible_args, options)]`` mirroring the launchers."""
     import torch
@@ -50,6 +55,10 @@ def _specs():
 
     base = dict(enable_fp_fusion=ENABLE_FP_FUSION)
     specs = []
+
+    def add(name, kernel, sig, constexprs, divisible, **options):
+        specs.append((name, kernel, sig, constexprs, divisible, options))
+
     for dt_name, dt in DTYPES.items():
         torch_dt = getattr(torch, dt)
         p = f"*{dt_name}"
@@ -57,216 +66,68 @@ def _specs():
             H, HQ, HKV, D = m["H"], m["HQ"], m["HKV"], m["D"]
             block, warps = rms_config(H)
             for res in (False, True):
-                sig = dict(
-                    x_ptr=p,
-                    r_ptr=p,
-                    w_ptr=p,
-                    y_ptr=p,
-                    s_ptr=p,
-                    M1="i32",
-                    stride_x0="i32",
-                    stride_x1="i32",
-                    stride_r0="i32",
-                    stride_r1="i32",
-                    eps="fp32",
-                )
-                specs.append(
-                    (
-                        f"rms_norm/{dt_name}/{model}/residual={res}",
-                        rn._rms_norm_kernel,
-                        sig,
-                        dict(H=H, BLOCK_H=block, HAS_RESIDUAL=res),
-                        [
-                            "x_ptr",
-                            "r_ptr",
-                            "w_ptr",
-                            "y_ptr",
-                            "s_ptr",
-                            "stride_x0",
-                            "stride_x1",
-                            "stride_r0",
-                            "stride_r1",
-                        ],
-                        dict(base, num_warps=warps),
-                    )
-                )
+                sig = dict.fromkeys(["x_ptr", "r_ptr", "w_ptr", "y_ptr", "s_ptr"], p)
+                sig |= _i32("M1 stride_x0 stride_x1 stride_r0 stride_r1") | {"eps": "fp32"}
+                consts = dict(H=H, BLOCK_H=block, HAS_RESIDUAL=res)
+                divisible = [a for a in sig if a not in ("M1", "eps")]
+                name = f"rms_norm/{dt_name}/{model}/residual={res}"
+                add(name, rn._rms_norm_kernel, sig, consts, divisible, **base, num_warps=warps)
             for norm in (False, True):
                 n_aux = 3
                 h = H if norm else n_aux * H
                 b2, w2 = rms_config(h)
                 sig = dict(aux_ptr=p, index_ptr="*i64", w_ptr=p, out_ptr=p, stride_aux="i32", eps="fp32")
-                specs.append(
-                    (
-                        f"aux_gather/{dt_name}/{model}/fc_norm={norm}",
-                        ag._aux_gather_kernel,
-                        sig,
-                        dict(H=h, N_AUX=n_aux if norm else 1, BLOCK_H=b2, HAS_NORM=norm, PAD=-1),
-                        ["aux_ptr", "index_ptr", "w_ptr", "out_ptr", "stride_aux"],
-                        dict(base, num_warps=w2),
-                    )
-                )
+                consts = dict(H=h, N_AUX=n_aux if norm else 1, BLOCK_H=b2, HAS_NORM=norm, PAD=-1)
+                name = f"aux_gather/{dt_name}/{model}/fc_norm={norm}"
+                add(name, ag._aux_gather_kernel, sig, consts, list(sig)[:5], **base, num_warps=w2)
             hd = HKV * D
-            sig = dict(
-                k_cache_ptr=p,
-                v_cache_ptr=p,
-                slots_ptr="*i64",
-                k_ptr=p,
-                v_ptr=p,
-                stride_kb="i32",
-                stride_ks="i32",
-                stride_vb="i32",
-                stride_vs="i32",
-                stride_nb="i32",
-                stride_nq="i32",
-                Q="i32",
-                S="i32",
-            )
-            specs.append(
-                (
-                    f"kv_write/{dt_name}/{model}",
-                    kw._kv_write_kernel,
-                    sig,
-                    dict(HD=hd, BLOCK=min(next_pow2(hd), 1024), PAD=-1),
-                    [a for a in sig if a not in ("Q", "S")] if hd % 16 == 0 else list(sig)[:5],
-                    dict(base, num_warps=4),
-                )
-            )
+            sig = dict(k_cache_ptr=p, v_cache_ptr=p, slots_ptr="*i64", k_ptr=p, v_ptr=p)
+            sig |= _i32("stride_kb stride_ks stride_vb stride_vs stride_nb stride_nq Q S")
+            consts = dict(HD=hd, BLOCK=min(next_pow2(hd), 1024), PAD=-1)
+            divisible = [a for a in sig if a not in ("Q", "S")] if hd % 16 == 0 else list(sig)[:5]
+            add(f"kv_write/{dt_name}/{model}", kw._kv_write_kernel, sig, consts, divisible, **base, num_warps=4)
             cfg = ta._attention_constexprs(D, torch_dt)
             cfg["DOT_UPCAST"] = False  # the interpreter-only path is never compiled
-            sig = dict(
-                q_ptr=p,
-                k_ptr=p,
-                v_ptr=p,
-                prefix_ptr="*i64",
-                mask_ptr="*i1",
-                acc_ptr="*fp32",
-                ml_ptr="*fp32",
-                stride_qb="i32",
-                stride_qq="i32",
-                stride_qh="i32",
-                stride_kb="i32",
-                stride_ks="i32",
-                stride_vb="i32",
-                stride_vs="i32",
-                stride_mb="i32",
-                stride_mq="i32",
-                stride_mt="i32",
-                Q="i32",
-                T="i32",
-                kv_len="i32",
-                NS="i32",
-                qk_scale="fp32",
-            )
-            specs.append(
-                (
-                    f"tree_attention_partial/{dt_name}/{model}",
-                    ta._tree_attn_partial_kernel,
-                    sig,
-                    dict(HQ=HQ, HKV=HKV, D=D, SPLIT=ta.SPLIT_KV, NEG=-1.0e30, **cfg),
-                    list(sig)[:7]
-                    + ([a for a in sig if a.startswith(("stride_q", "stride_k", "stride_v"))] if D % 16 == 0 else []),
-                    dict(base, num_warps=4, num_stages=2),
-                )
-            )
-            sig = dict(acc_ptr="*fp32", ml_ptr="*fp32", prefix_ptr="*i64", out_ptr=p, QH="i32", kv_len="i32", NS="i32")
-            specs.append(
-                (
-                    f"tree_attention_merge/{dt_name}/{model}",
-                    ta._tree_attn_merge_kernel,
-                    sig,
-                    dict(D=D, BLOCK_D=cfg["BLOCK_D"], SPLIT=ta.SPLIT_KV, NEG=-1.0e30),
-                    ["acc_ptr", "ml_ptr", "prefix_ptr", "out_ptr"],
-                    dict(base, num_warps=1 if cfg["BLOCK_D"] <= 128 else 2),
-                )
-            )
+            sig = dict(q_ptr=p, k_ptr=p, v_ptr=p, prefix_ptr="*i64", mask_ptr="*i1", acc_ptr="*fp32", ml_ptr="*fp32")
+            sig |= _i32("stride_qb stride_qq stride_qh stride_kb stride_ks stride_vb stride_vs")
+            sig |= _i32("stride_mb stride_mq stride_mt Q T kv_len NS") | {"qk_scale": "fp32"}
+            consts = dict(HQ=HQ, HKV=HKV, D=D, SPLIT=ta.SPLIT_KV, NEG=-1.0e30, **cfg)
+            strides = [a for a in sig if a.startswith(("stride_q", "stride_k", "stride_v"))] if D % 16 == 0 else []
+            divisible = list(sig)[:7] + strides
+            name = f"tree_attention_partial/{dt_name}/{model}"
+            add(name, ta._tree_attn_partial_kernel, sig, consts, divisible, **base, num_warps=4, num_stages=2)
+            sig = dict(acc_ptr="*fp32", ml_ptr="*fp32", prefix_ptr="*i64", out_ptr=p) | _i32("QH kv_len NS")
+            consts = dict(D=D, BLOCK_D=cfg["BLOCK_D"], SPLIT=ta.SPLIT_KV, NEG=-1.0e30)
+            name = f"tree_attention_merge/{dt_name}/{model}"
+            merge_warps = 1 if cfg["BLOCK_D"] <= 128 else 2
+            add(name, ta._tree_attn_merge_kernel, sig, consts, list(sig)[:4], **base, num_warps=merge_warps)
             M = 7
             block_m = next_pow2(M)
-            sig = dict(k_ptr=p, v_ptr=p, start_ptr="*i64", nodes_ptr="*i64", stride_l="i32", stride_b="i32")
-            specs.append(
-                (
-                    f"kv_compact/{dt_name}/{model}",
-                    kc._kv_compact_kernel,
-                    sig,
-                    dict(HD=hd, M=M, BLOCK_M=block_m, BLOCK_C=min(next_pow2(hd), max(8192 // block_m, 128)), NONE=-1),
-                    ["k_ptr", "v_ptr", "start_ptr", "nodes_ptr", "stride_l", "stride_b"],
-                    dict(base, num_warps=4),
-                )
-            )
+            sig = dict(k_ptr=p, v_ptr=p, start_ptr="*i64", nodes_ptr="*i64") | _i32("stride_l stride_b")
+            consts = dict(HD=hd, M=M, BLOCK_M=block_m, BLOCK_C=min(next_pow2(hd), max(8192 // block_m, 128)), NONE=-1)
+            add(f"kv_compact/{dt_name}/{model}", kc._kv_compact_kernel, sig, consts, list(sig), **base, num_warps=4)
     for depth, n in ((6, 48), (4, 5)):
-        sig = dict(
-            tokens_ptr="*i64",
-            parents_ptr="*i64",
-            argmax_ptr="*i64",
-            nodes_ptr="*i64",
-            num_ptr="*i64",
-            emitted_ptr="*i64",
-            N="i32",
-        )
-        specs.append(
-            (
-                f"verify_greedy/depth={depth}/N={n}",
-                vf._verify_greedy_kernel,
-                sig,
-                dict(MAX_DEPTH=depth, BLOCK_N=max(next_pow2(n), 16), BLOCK_W=max(next_pow2(depth + 1), 16), NONE=-1),
-                list(sig)[:6],
-                dict(num_warps=1),
-            )
-        )
+        sig = dict.fromkeys(["tokens_ptr", "parents_ptr", "argmax_ptr", "nodes_ptr", "num_ptr", "emitted_ptr"], "*i64")
+        sig["N"] = "i32"
+        consts = dict(MAX_DEPTH=depth, BLOCK_N=max(next_pow2(n), 16), BLOCK_W=max(next_pow2(depth + 1), 16), NONE=-1)
+        add(f"verify_greedy/depth={depth}/N={n}", vf._verify_greedy_kernel, sig, consts, list(sig)[:6], num_warps=1)
     for depth, n, vocab in VERIFY_SAMPLING:
         block_v, warps = sampling_config(vocab)
-        sig = dict(
-            tokens_ptr="*i64",
-            parents_ptr="*i64",
-            probs_ptr="*fp32",
-            u_ptr="*fp32",
-            xi_ptr="*fp32",
-            mark_ptr="*i8",
-            nodes_ptr="*i64",
-            num_ptr="*i64",
-            emitted_ptr="*i64",
-            N="i32",
-            V="i32",
-        )
-        specs.append(
-            (
-                f"verify_sampling/depth={depth}/N={n}/V={vocab}",
-                vs._verify_sampling_kernel,
-                sig,
-                dict(
-                    MAX_DEPTH=depth,
-                    BLOCK_N=max(next_pow2(n), 16),
-                    BLOCK_W=max(next_pow2(depth + 1), 16),
-                    BLOCK_V=block_v,
-                    ONE=vs.FIXED_ONE,
-                    NONE=-1,
-                ),
-                list(sig)[:9] + (["V"] if vocab % 16 == 0 else []),
-                dict(base, num_warps=warps),
-            )
-        )
+        sig = dict(tokens_ptr="*i64", parents_ptr="*i64", probs_ptr="*fp32", u_ptr="*fp32", xi_ptr="*fp32")
+        sig |= dict(mark_ptr="*i8", nodes_ptr="*i64", num_ptr="*i64", emitted_ptr="*i64") | _i32("N V")
+        consts = dict(MAX_DEPTH=depth, BLOCK_N=max(next_pow2(n), 16), BLOCK_W=max(next_pow2(depth + 1), 16))
+        consts |= dict(BLOCK_V=block_v, ONE=vs.FIXED_ONE, NONE=-1)
+        divisible = list(sig)[:9] + (["V"] if vocab % 16 == 0 else [])
+        name = f"verify_sampling/depth={depth}/N={n}/V={vocab}"
+        add(name, vs._verify_sampling_kernel, sig, consts, divisible, **base, num_warps=warps)
     for n, vocab in VERIFY_CHAIN:
         block_v = min(max(next_pow2(vocab), 16), 2048)
-        sig = dict(
-            tokens_ptr="*i64",
-            probs_ptr="*fp32",
-            q_ptr="*fp32",
-            u_ptr="*fp32",
-            xi_ptr="*fp32",
-            nodes_ptr="*i64",
-            num_ptr="*i64",
-            emitted_ptr="*i64",
-            V="i32",
-        )
-        specs.append(
-            (
-                f"verify_chain/n={n}/V={vocab}",
-                vc._verify_chain_kernel,
-                sig,
-                dict(N_DRAFT=n, BLOCK_W=max(next_pow2(n + 1), 16), BLOCK_V=block_v),
-                list(sig)[:8] + (["V"] if vocab % 16 == 0 else []),
-                dict(base, num_warps=1 if block_v <= 256 else 4 if block_v <= 1024 else 8),
-            )
-        )
+        sig = {"tokens_ptr": "*i64"} | dict.fromkeys(["probs_ptr", "q_ptr", "u_ptr", "xi_ptr"], "*fp32")
+        sig |= dict.fromkeys(["nodes_ptr", "num_ptr", "emitted_ptr"], "*i64") | {"V": "i32"}
+        consts = dict(N_DRAFT=n, BLOCK_W=max(next_pow2(n + 1), 16), BLOCK_V=block_v)
+        divisible = list(sig)[:8] + (["V"] if vocab % 16 == 0 else [])
+        warps = 1 if block_v <= 256 else 4 if block_v <= 1024 else 8
+        add(f"verify_chain/n={n}/V={vocab}", vc._verify_chain_kernel, sig, consts, divisible, **base, num_warps=warps)
     return specs
 
 

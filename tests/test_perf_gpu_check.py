@@ -107,23 +107,9 @@ def test_copy_baseline_and_a_benchmark_end_to_end(gpu_check, tmp_path, monkeypat
 
 def test_graph_table_and_projection(gpu_check):
     def row(pair, mode, runner, batch, tok_s, tau, round_ms, launches=None):
-        return {
-            "name": "x",
-            "extra_info": dict(
-                pair=pair,
-                mode=mode,
-                runner=runner,
-                batch=batch,
-                tokens_s=tok_s,
-                tau=tau,
-                round_ms=round_ms,
-                draft_ms=1.0,
-                verify_ms=2.0,
-                commit_ms=0.5,
-                launches=launches,
-                aten_ops=2080,
-            ),
-        }
+        info = dict(pair=pair, mode=mode, runner=runner, batch=batch, tokens_s=tok_s, tau=tau, round_ms=round_ms)
+        info |= dict(draft_ms=1.0, verify_ms=2.0, commit_ms=0.5, launches=launches, aten_ops=2080)
+        return {"name": "x", "extra_info": info}
 
     graphs = {
         "benchmarks": [

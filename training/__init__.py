@@ -1,6 +1,6 @@
 """Drafter training: the trainer (``trainer``), the unrolled training-time test (``ttt``) and the
-training data (``data``: loading, self-distillation, the draft vocabulary); ``cli`` is the
-``tritonspec train`` parser and ``evaluate`` the demo-pair evaluation.
+training data (``data``: loading, self-distillation, the draft vocabulary) and ``evaluate`` (the
+demo-pair evaluation). The command line is ``tritonspec train`` (``cli/train.py``).
 
 The recipe that rebuilds the bundled demo pair (corpus, prompt sets, draft LM, the build stages)
 lives in ``tritonspec.recipes.demo``.

@@ -205,13 +205,8 @@ def stage_target(cfg: RecipeConfig, work: Path, device: torch.device) -> None:
     for step in range(start, cfg.target_steps):
         seq = cfg.target_long_seq_len if step >= long_from else cfg.target_seq_len
         x = sample_windows(stream, max(1, cfg.target_batch_tokens // seq), seq + 1, rng).to(device)
-        for g in opt.param_groups:
-            g["lr"] = warmup_cosine(step, cfg.target_steps, cfg.target_lr, warmup=min(100, cfg.target_steps // 10 + 1))
-        loss = lm_loss(model, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        lr = warmup_cosine(step, cfg.target_steps, cfg.target_lr, warmup=min(100, cfg.target_steps // 10 + 1))
+        loss = lm_step(model, opt, x, lr)
         ema = loss.item() if ema is None else 0.95 * ema + 0.05 * loss.item()
         if (step + 1) % 20 == 0 or step + 1 == cfg.target_steps:
             rate = (step + 1 - start) / (time.time() - t0)
@@ -229,6 +224,19 @@ def stage_target(cfg: RecipeConfig, work: Path, device: torch.device) -> None:
 def lm_loss(model, x: torch.Tensor) -> torch.Tensor:  # x: [B, T+1]
     logits = model(input_ids=x[:, :-1]).logits
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
+
+
+def lm_step(model, opt: torch.optim.Optimizer, x: torch.Tensor, lr: float) -> torch.Tensor:
+    """One optimizer step at learning rate ``lr`` on the next-token loss over the windows ``x [B, T+1]``
+    (gradients clipped to norm 1); returns the loss."""
+    for g in opt.param_groups:
+        g["lr"] = lr
+    loss = lm_loss(model, x)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
 
 
 def save_target(model, tok, out: Path) -> None:
@@ -347,12 +355,13 @@ def run(
     return out
 
 
+def recipe_parser(prog: str, doc: str) -> argparse.ArgumentParser:
+    """The parser of a recipe command: its module docstring ``doc`` as the description, printed as written."""
+    return argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tritonspec.recipes.demo",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = recipe_parser("python -m tritonspec.recipes.demo", __doc__)
     p.add_argument("--out", default="demo", help="where the bundle goes (the package's demo/ folder)")
     p.add_argument("--work", default=None, help="scratch folder for checkpoints (default: <out>/../.demo-work)")
     p.add_argument("--budget", default="full", choices=sorted(BUDGETS))

@@ -8,7 +8,6 @@ Same data, tokenizer and optimiser as the demo target (``build``), 2 layers inst
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -16,7 +15,7 @@ import numpy as np
 import torch
 
 from ...training.trainer import warmup_cosine
-from .build import lm_loss, log, sample_windows, save_target, seed_everything
+from .build import lm_step, log, recipe_parser, sample_windows, save_target, seed_everything
 
 
 def train_draft_lm(
@@ -55,13 +54,7 @@ def train_draft_lm(
     model.train()
     for step in range(steps):
         x = sample_windows(stream, max(1, batch_tokens // seq), seq + 1, rng)
-        for g in opt.param_groups:
-            g["lr"] = warmup_cosine(step, steps, lr, warmup=min(50, steps // 10 + 1))
-        loss = lm_loss(model, x)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = lm_step(model, opt, x, warmup_cosine(step, steps, lr, warmup=min(50, steps // 10 + 1)))
         if (step + 1) % 50 == 0 or step + 1 == steps:
             log(f"draft-lm: step {step + 1}/{steps} loss {loss.item():.3f} ({time.time() - t0:.0f}s)")
     model.eval()
@@ -71,11 +64,7 @@ def train_draft_lm(
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m tritonspec.recipes.demo.draft_lm",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = recipe_parser("python -m tritonspec.recipes.demo.draft_lm", __doc__)
     p.add_argument("--work", required=True, type=Path, help="the demo recipe's work folder (tokenizer, tokens)")
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--steps", type=int, default=300)
