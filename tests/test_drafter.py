@@ -127,7 +127,8 @@ def test_save_load_round_trip_bit_for_bit(tmp_path, fmt, flags):
     cfg = json.loads((tmp_path / "config.json").read_text())
     if fmt == "eagle3":
         assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
-        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+        assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]  # vLLM: top level, boundary ids
+        assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 3]  # SGLang: post-layer, +1
         assert (cfg["fc_norm"], cfg["norm_output"]) == flags
     else:
         assert cfg["speculators_model_type"] == "eagle3" and cfg["transformer_layer_config"]["hidden_size"] == 72
