@@ -256,29 +256,42 @@ class Measured:
         return (self.wall_s - self.prefill_s) / max(self.rounds, 1)
 
 
-def measure_generation(rt, prompts, max_new_tokens, specs: list[SpecConfig | None]) -> list[Measured]:
-    """Generate every prompt at batch size 1 with each shape (None = plain decoding), shapes
-    interleaved per prompt so that a change of machine load hits them all alike. ``rt.spec`` is
-    left as it was."""
+def measure_generation(
+    rt,
+    prompts,
+    max_new_tokens,
+    specs: list[SpecConfig | None],
+    *,
+    batch_size: int = 1,
+    temperature: float = 0.0,
+) -> list[Measured]:
+    """Generate every prompt with each shape (None = plain decoding), ``batch_size`` prompts per
+    call (the prompt list repeats to fill a batch), shapes interleaved per batch so that a change
+    of machine load hits them all alike; at ``temperature > 0`` sampled with fixed seeds.
+    ``rt.spec`` is left as it was."""
+    n = max(len(prompts), batch_size)
+    pool = [prompts[i % len(prompts)] for i in range(n)]
+    groups = [pool[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
+    kw = dict(temperature=temperature, seed=list(range(batch_size)), stop_token_ids=[])
 
-    def generate(prompt, n, spec):
+    def generate(group, k, spec):
         if spec is None:
-            return rt.generate([prompt], max_new_tokens=n, speculative=False, stop_token_ids=[])
+            return rt.generate(group, max_new_tokens=k, speculative=False, **kw)
         with using_spec(rt, spec):
-            return rt.generate([prompt], max_new_tokens=n, speculative=True, stop_token_ids=[])
+            return rt.generate(group, max_new_tokens=k, speculative=True, **kw)
 
-    ms = [Measured(0, 0.0, 0.0, 0, 0, len(prompts)) for _ in specs]
+    ms = [Measured(0, 0.0, 0.0, 0, 0, batch_size * len(groups)) for _ in specs]
     for spec in specs:  # first calls untimed: JIT and, on a GPU, the CUDA-graph capture of each shape
-        generate(prompts[0], 4, spec)
-    for p in prompts:
+        generate(groups[0], 4, spec)
+    for group in groups:
         for spec, m in zip(specs, ms):
-            out = generate(p, max_new_tokens, spec)
+            out = generate(group, max_new_tokens, spec)
             st = out.stats
-            m.token_ids.append(out.token_ids[0])
+            m.token_ids += out.token_ids
             m.tokens += st.num_new_tokens
             m.wall_s += st.wall_time_s
             m.prefill_s += st.time_split_s.get("prefill", 0.0)
-            m.rounds += st.num_drafts if spec is not None else st.num_new_tokens - 1
+            m.rounds += st.num_drafts if spec is not None else st.num_new_tokens - len(group)
             m.accepted += st.num_accepted_tokens
             for k, v in st.time_split_s.items():
                 m.split_s[k] = m.split_s.get(k, 0.0) + v

@@ -8,13 +8,18 @@
 4. every shape ranked by predicted tokens/s (``tree_model.search``; the model is described there)
 5. optionally, the chosen shape, two neighbours and the default ``SpecConfig()`` generated and
    compared with their predictions (``tree_measure.measure_generation``)
-6. the profile written for the runtime to pick up (``runtime/profiles.write_profile``)
+6. optionally, per batch size and sampling mode (``batch_sizes``, ``sampled``; batch 1 greedy
+   included): the chosen shape, a few candidates around it (the rule of ``runtime/spec_policy.py``
+   at several row budgets, short chains) and plain decoding generated side by side at that batch
+   size; the fastest is that row of the profile's ``shapes`` table (None: plain decoding wins).
+   Without it, a chosen shape that measured slower than plain decoding gets a plain batch-1 row
+7. the profile written for the runtime to pick up (``runtime/profiles.write_profile``)
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +28,7 @@ import torch
 from ..kernels import store
 from ..runtime import profiles as prof
 from ..runtime.config import SpecConfig
+from ..runtime.spec_policy import rule_shape
 from .tree_measure import Check, Measured, measure_acceptance, measure_costs, measure_generation
 from .tree_model import TOP_KS, AcceptanceProfile, CostModel, Prediction, neighbours, predict, search
 
@@ -38,6 +44,7 @@ class TreeTuneResult:
     profile_path: Path | None
     key: dict
     top: list[Prediction]
+    shapes: list[dict] = field(default_factory=list)  # the profile's per-batch-size rows
 
     def table(self) -> str:
         rows = [
@@ -103,6 +110,10 @@ def tune_tree(
     out_dir: str | Path | None = None,
     dry_run: bool = False,
     validate: bool = True,
+    batch_sizes: Sequence[int] = (1,),
+    sampled: bool = False,
+    temperature: float = 1.0,
+    device_kind: bool = False,
     log=None,
 ) -> TreeTuneResult:
     """Measure costs and the acceptance profile, pick the best shape, check it, write the profile.
@@ -110,7 +121,11 @@ def tune_tree(
     ``target``/``drafter``: directories or loaded objects, as ``SpeculativeRuntime.from_pretrained``
     takes them. ``prompts``: strings (needs the target's tokenizer) or token id lists.
     ``validate``: generate with the chosen shape, two neighbours and the default ``SpecConfig()``
-    and report measured against predicted speedups.
+    and report measured against predicted speedups. ``batch_sizes`` / ``sampled``: also measure
+    the best shape per batch size, greedy and (``sampled``) at ``temperature``, for the profile's
+    ``shapes`` table. ``device_kind``: name the profile for this kind of device
+    (``profiles.device_kind``: any CPU of the same architecture and vector ISA) instead of this
+    exact one, as the profiles shipped with the package are.
     """
     from ..runtime.drafter import Eagle3Drafter
     from ..runtime.engine import SpeculativeRuntime
@@ -135,10 +150,11 @@ def tune_tree(
         tok,
         backend=backend,
         spec=big,
-        max_batch_size=1,
+        max_batch_size=max(batch_sizes),
         max_seq_len=min(longest + max_new_tokens + 2 * max_depth + 8, tm.max_position_embeddings),
     )
-    key.update(device=prof.device_key(rt.device), dtype=store.dtype_name(tm.dtype), backend=rt.backend)
+    device = prof.device_kind(rt.device) if device_kind else prof.device_key(rt.device)
+    key.update(device=device, dtype=store.dtype_name(tm.dtype), backend=rt.backend)
     say(
         f"[autotune tree] target={key['target']} drafter={key['drafter']} device={key['device']} "
         f"backend={rt.backend} prompts={len(ids)}"
@@ -198,10 +214,65 @@ def tune_tree(
                 f"[autotune tree] {role} {spec}: predicted {pred.speedup:.2f}x, "
                 f"measured {checks[-1].measured_speedup:.2f}x"
             )
+    shapes = []
+    modes = [("greedy", 0.0)] + ([("sampled", temperature)] if sampled else [])
+    if len(batch_sizes) > 1 or sampled:  # every row measured, batch 1 greedy included (the model's choice competes)
+        for mode, temp in modes:
+            for b in sorted(set(batch_sizes)):
+                shapes.append(_best_at(rt, ids, max_new_tokens, b, mode, temp, best.spec, big, say))
+    else:
+        chosen = next((c for c in checks if c.role == "chosen"), None)
+        if chosen is not None and chosen.measured_speedup < 1:  # measured slower than plain decoding at batch 1
+            shapes.append({"batch_size": 1, "sampling": "greedy", "spec": None, "speedup": chosen.measured_speedup})
     path = None
     if not dry_run:
-        path = _write_profile(out_dir, key, best, costs, acc, checks, plain, n_roots, max_new_tokens)
-    return TreeTuneResult(best, checks, costs, acc, plain, n_roots, path, key, ranked[:10])
+        path = _write_profile(out_dir, key, best, costs, acc, checks, plain, n_roots, max_new_tokens, shapes)
+    return TreeTuneResult(best, checks, costs, acc, plain, n_roots, path, key, ranked[:10], shapes)
+
+
+def candidates_at(
+    batch_size: int, greedy: bool, chosen: SpecConfig, largest: SpecConfig, device_type: str = "cpu"
+) -> list[SpecConfig]:
+    """Shapes worth measuring at ``batch_size``: the rule at row budgets around the batch-1 choice's
+    (its ``num_draft_tokens``, half, double), short chains, and the batch-1 choice itself."""
+    budget = chosen.num_draft_tokens
+    shapes = [rule_shape(batch_size, greedy, r, device_type) for r in (budget, 2 * budget, budget // 2)]
+    shapes += [SpecConfig.chain(k) for k in (1, 2, 4)] + ([chosen] if greedy else [])
+    fits = [
+        s
+        for s in shapes
+        if s is not None
+        and s.num_speculative_tokens <= largest.num_speculative_tokens
+        and s.top_k <= largest.top_k
+        and s.num_draft_tokens <= largest.num_draft_tokens
+    ]
+    return list(dict.fromkeys(fits))  # distinct, in order
+
+
+def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say) -> dict:
+    """The fastest of the candidate shapes and plain decoding at batch size ``b`` (a ``shapes`` row)."""
+    cands = candidates_at(b, mode == "greedy", chosen, largest, rt.device.type)
+    plain, *ms = measure_generation(rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp)
+    rates = [m.decode_tokens_per_s for m in ms]
+    i = max(range(len(cands)), key=rates.__getitem__)
+    win = cands[i] if rates[i] > plain.decode_tokens_per_s else None
+    say(
+        f"[autotune tree] batch {b} {mode}: plain {plain.decode_tokens_per_s:.1f} tok/s, best "
+        f"{cands[i]} {rates[i]:.1f} tok/s -> {win or 'plain decoding'}"
+    )
+    return {
+        "batch_size": b,
+        "sampling": mode,
+        "spec": win,
+        "temperature": temp,
+        "decode_tokens_per_s": {
+            "plain": round(plain.decode_tokens_per_s, 2),
+            **{
+                f"({c.num_speculative_tokens},{c.top_k},{c.num_draft_tokens})": round(r, 2)
+                for c, r in zip(cands, rates)
+            },
+        },
+    }
 
 
 def _write_profile(
@@ -214,6 +285,7 @@ def _write_profile(
     plain: Measured,
     n_roots: int,
     max_new_tokens: int,
+    shapes: list[dict],
 ) -> Path:
     """The profile of ``best`` with the evidence behind it (``runtime/profiles.py`` owns the file)."""
     return prof.write_profile(
@@ -234,4 +306,5 @@ def _write_profile(
             {**asdict(c), "spec": [c.spec.num_speculative_tokens, c.spec.top_k, c.spec.num_draft_tokens]}
             for c in checks
         ],
+        shapes=shapes,
     )

@@ -1,22 +1,31 @@
-"""Tuned draft-tree profiles: which ``SpecConfig`` a target + drafter pair runs on this device.
+"""Tuned draft-tree profiles: which shapes a target + drafter pair runs on this device.
 
 ``tritonspec autotune tree`` writes one JSON file per (target, drafter, device, dtype, backend)
-into the tuned-config folder (``store.search_dirs()``)::
+into the tuned-config folder (``store.user_dir()``, or ``--out``)::
 
     tree_shape,target=3f2a9c01d4e7,drafter=91b0c2aa5e13,device_name=NVIDIA_H200,dtype=bfloat16,backend=triton.json
 
 This module owns the file's schema for both sides: ``write_profile`` (called by the tuner,
 ``autotune/tree_tuner.py``) and ``read_profile``. A profile holds ``kind``, the identity it was
 tuned for (``target``, ``drafter``, ``device_name``, ``dtype``, ``backend``), provenance
-(``versions``, ``threads``, ``created``), ``spec`` (the shape the runtime runs) and the tuner's
+(``versions``, ``threads``, ``created``), ``spec`` (the batch-1 greedy shape), optionally
+``shapes`` (the measured best shape per batch size and sampling mode: rows ``{"batch_size",
+"sampling": "greedy"|"sampled", "spec": {...} or null for plain decoding}``) and the tuner's
 evidence, kept for people, not read back: ``predicted``, ``measured_with``, ``costs``,
 ``acceptance``, ``checks``.
 
-``SpeculativeRuntime(spec=None)`` calls ``tuned_spec`` and runs the profile's shape when one
-matches, else ``SpecConfig()``. Models are identified by content, not by path: a fingerprint of
-the config fields that set the shapes and a few weight slices (rounded to bfloat16, so the
-same checkpoint loaded in float32 or bfloat16 hashes alike). On a CPU the device name carries
-the CPU model (``cpu-<model>``): a CPU's cost ratios are its own.
+Lookup (``shape_policy``, called by ``SpeculativeRuntime(spec=None)``): the profile named for this
+exact device (``device_key``: the GPU name, or ``cpu-<model>``) in the user folders
+(``store.search_dirs()``), then in the profiles shipped with the package (``runtime/tuned/``),
+then one named for this *kind* of device (``device_kind``: ``cpu-<arch>-<vector ISA>``, e.g.
+``cpu-x86_64-avx512``; a GPU's compute capability, ``cuda-sm90``) in the same order. A corrupt or
+invalid profile is skipped with a warning (``store.TunedConfigWarning``), as is a user profile
+tuned by another tritonspec release (shipped ones belong to this release). No profile: the
+rule of ``runtime/spec_policy.py``.
+
+Models are identified by content, not by path: a fingerprint of the config fields that set the
+shapes and a few weight slices (rounded to bfloat16, so the same checkpoint loaded in float32 or
+bfloat16 hashes alike).
 """
 
 from __future__ import annotations
@@ -34,8 +43,11 @@ import torch
 
 from ..kernels import store
 from .config import SpecConfig
+from .spec_policy import ShapePolicy
 
 KIND = "tree_shape"
+SHIPPED_DIR = Path(__file__).resolve().parent / "tuned"  # profiles shipped with the package
+MODES = ("greedy", "sampled")
 
 
 def _digest(parts: list[Any], tensors: list[torch.Tensor]) -> str:
@@ -89,8 +101,22 @@ def _cpu_model() -> str:
 
 
 def device_key(device: torch.device | str) -> str:
+    """The exact device a profile was measured on: the GPU's name, or ``cpu-<model name>``."""
     device = torch.device(device)
     return store.device_name(device) if device.type == "cuda" else f"cpu-{_cpu_model()}"
+
+
+def device_kind(device: torch.device | str) -> str:
+    """The kind of device a profile applies to when no exact one exists: ``cpu-<arch>-<ISA>``
+    (``torch.backends.cpu.get_cpu_capability()``: avx512, avx2, ...) or ``cuda-sm<cc>``."""
+    import platform
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda-sm{major}{minor}"
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    return re.sub(r"[^a-z0-9_-]+", "_", f"cpu-{platform.machine().lower()}-{isa}")
 
 
 def profile_name(target_fp: str, drafter_fp: str, device_key: str, dtype: str, backend: str) -> str:
@@ -106,14 +132,17 @@ def profile_filename(
 
 
 def find_profile(target: Any, drafter: Any, backend: str) -> Path | None:
-    """The first profile file for this pair/device/dtype/backend in ``store.search_dirs()``."""
-    name = profile_filename(
-        target_fingerprint(target), drafter_fingerprint(drafter), target.device, target.dtype, backend
-    )
-    for d in store.search_dirs():
-        if (d / name).is_file():
-            return d / name
-    return None
+    """The profile file for this pair/dtype/backend: this exact device's, else this kind of
+    device's; user folders (``store.search_dirs()``) before the shipped ones (``SHIPPED_DIR``)."""
+    return next(iter(candidate_profiles(target, drafter, backend)), None)
+
+
+def candidate_profiles(target: Any, drafter: Any, backend: str) -> list[Path]:
+    """Every existing profile file for this pair/dtype/backend, in lookup order (``find_profile``)."""
+    t, d, dt = target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
+    names = [profile_name(t, d, key, dt, backend) for key in (device_key(target.device), device_kind(target.device))]
+    dirs = [*store.search_dirs(), SHIPPED_DIR]
+    return [folder / name for name in names for folder in dirs if (folder / name).is_file()]
 
 
 def _spec_fields(spec: SpecConfig) -> dict[str, int]:
@@ -135,12 +164,14 @@ def write_profile(
     costs: dict,
     acceptance: dict,
     checks: list[dict],
+    shapes: list[dict] | None = None,
 ) -> Path:
     """Write the profile that runs ``spec`` for ``key`` into ``out_dir`` (default ``store.user_dir()``).
 
     ``key``: ``target`` and ``drafter`` fingerprints, ``device`` (``device_key``), ``dtype`` and
-    ``backend`` names. The other arguments are the tuner's evidence (JSON-serialisable), stored
-    as given. Returns the file's path."""
+    ``backend`` names. ``shapes``: rows ``{"batch_size", "sampling", "spec": SpecConfig | None,
+    ...evidence}`` (the measured best shape per batch size and mode). The other arguments are the
+    tuner's evidence (JSON-serialisable), stored as given. Returns the file's path."""
     out = Path(out_dir) if out_dir is not None else store.user_dir()
     out.mkdir(parents=True, exist_ok=True)
     name = profile_name(key["target"], key["drafter"], key["device"], key["dtype"], key["backend"])
@@ -155,6 +186,7 @@ def write_profile(
         "threads": torch.get_num_threads(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "spec": _spec_fields(spec),
+        "shapes": [{**row, "spec": _spec_fields(row["spec"]) if row["spec"] else None} for row in shapes or []],
         "predicted": predicted,
         "measured_with": measured_with,
         "costs": costs,
@@ -167,38 +199,81 @@ def write_profile(
 
 
 def read_profile(path: str | Path) -> dict:
-    """A profile's data (``write_profile``); ValueError unless it is a tree-shape profile with a valid ``spec``."""
+    """A profile's data (``write_profile``); ValueError unless it is a tree-shape profile whose
+    ``spec`` and ``shapes`` rows are valid shapes (integers, as ``SpecConfig`` requires)."""
     data = json.loads(Path(path).read_text())
     if not isinstance(data, dict) or data.get("kind") != KIND or not isinstance(data.get("spec"), dict):
         raise ValueError("not a tree-shape profile")
-    SpecConfig(**data["spec"])  # validates
+    _read_spec(data["spec"])
+    for row in data.get("shapes") or []:
+        if not isinstance(row, dict) or row.get("sampling") not in MODES:
+            raise ValueError(f"bad shapes row {row!r}: needs batch_size, sampling (greedy|sampled), spec")
+        b = row.get("batch_size")
+        if type(b) is not int or b < 1:
+            raise ValueError(f"bad shapes row {row!r}: batch_size must be an integer >= 1")
+        if row.get("spec") is not None:
+            _read_spec(row["spec"])
     return data
 
 
-def tuned_spec(target: Any, drafter: Any, backend: str) -> SpecConfig | None:
-    """The tuned ``SpecConfig`` for this target + drafter on this device and backend, or None.
+def _read_spec(fields: Any) -> SpecConfig:
+    names = ("num_speculative_tokens", "top_k", "num_draft_tokens")
+    if not isinstance(fields, dict) or sorted(fields) != sorted(names):
+        raise ValueError(f"a profile shape needs exactly {names}, got {fields!r}")
+    bad = {k: v for k, v in fields.items() if type(v) is not int}
+    if bad:
+        raise ValueError(f"profile shape fields must be integers, got {bad}")
+    return SpecConfig(**fields)
 
-    A corrupt or invalid profile is ignored with a warning; no profile is silent (the default
-    shape is the documented behaviour)."""
+
+def policy_from_profile(data: dict, source: str, device: torch.device | str, path: str | None = None) -> ShapePolicy:
+    """The ``ShapePolicy`` of a profile: its ``shapes`` table, and the rule scaled to its batch-1
+    shape (``num_draft_tokens`` = the device's row budget) for the batches the table lacks."""
+    spec = _read_spec(data["spec"])
+    table = {(1, "greedy"): spec}
+    for row in data.get("shapes") or []:
+        table[row["batch_size"], row["sampling"]] = _read_spec(row["spec"]) if row.get("spec") else None
+    kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    return ShapePolicy(source, spec.num_draft_tokens, kind, table, path=path)
+
+
+def shape_policy(target: Any, drafter: Any, backend: str) -> ShapePolicy:
+    """How ``SpeculativeRuntime(spec=None)`` picks shapes for this pair on this device: the first
+    usable profile (module docstring), else the rule of ``runtime/spec_policy.py``."""
     if drafter is None:
-        return None
+        return ShapePolicy.heuristic(target.device)
     try:
-        path = find_profile(target, drafter, backend)
+        paths = candidate_profiles(target, drafter, backend)
     except Exception as e:  # noqa: BLE001 - a lookup must never break model loading
-        warnings.warn(
-            f"tuned tree profile lookup failed ({e}); using the default SpecConfig",
-            store.TunedConfigWarning,
-            stacklevel=3,
-        )
-        return None
-    if path is None:
-        return None
-    try:
-        return SpecConfig(**read_profile(path)["spec"])
-    except (OSError, ValueError, TypeError) as e:
-        warnings.warn(
-            f"ignoring the tuned tree profile {path} ({e}); using the default SpecConfig",
-            store.TunedConfigWarning,
-            stacklevel=3,
-        )
-        return None
+        _warn(f"tuned tree profile lookup failed ({e}); using the default shapes")
+        return ShapePolicy.heuristic(target.device)
+    for path in paths:
+        shipped = path.parent == SHIPPED_DIR
+        try:
+            data = read_profile(path)
+            made_by = (data.get("versions") or {}).get("tritonspec")
+            if not shipped and _minor(made_by) != _minor(store.package_version()):
+                _warn(
+                    f"ignoring the tuned tree profile {path}: tuned with tritonspec {made_by}, this is "
+                    f"{store.package_version()}; re-run `tritonspec autotune tree`"
+                )
+                continue
+            return policy_from_profile(data, "shipped profile" if shipped else "profile", target.device, str(path))
+        except (OSError, ValueError, TypeError) as e:
+            _warn(f"ignoring the tuned tree profile {path} ({e}); using the default shapes")
+    return ShapePolicy.heuristic(target.device)
+
+
+def tuned_spec(target: Any, drafter: Any, backend: str) -> SpecConfig | None:
+    """The tuned batch-1 greedy ``SpecConfig`` for this pair on this device and backend, or None
+    (no usable profile: the rule decides)."""
+    policy = shape_policy(target, drafter, backend)
+    return None if policy.source == "heuristic" else policy.choose(1, True).spec
+
+
+def _minor(version: str | None) -> tuple[str, ...]:
+    return tuple((version or "").split(".")[:2])
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, store.TunedConfigWarning, stacklevel=4)

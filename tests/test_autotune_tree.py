@@ -15,6 +15,7 @@ from tritonspec.autotune.tree_model import AcceptanceProfile, CostModel, _monoto
 from tritonspec.autotune.tree_tuner import tune_tree
 from tritonspec.kernels import store
 from tritonspec.runtime.profiles import find_profile, tuned_spec
+from tritonspec.runtime.spec_policy import ROW_BUDGET, rule_shape
 
 from _util import perm_pair, random_prompts, runtime
 
@@ -122,16 +123,20 @@ def test_end_to_end_on_cpu_then_used_by_the_runtime(tuned_dir):
     assert "chosen" in res.table() and "plain decoding" in res.table()
 
     rt = runtime(model, drafter, spec=None)  # the tuned profile for this pair and device
-    assert rt.spec == res.best.spec
+    choice = rt.shape_policy.choose(1, True)
+    slower = res.checks[0].measured_speedup < 1  # measured slower than plain: the profile says plain at batch 1
+    assert choice.source == "profile" and choice.spec == (None if slower else res.best.spec)
+    assert data["spec"] and (data["shapes"] == [] if not slower else data["shapes"][0]["spec"] is None)
     out = rt.generate(prompts[:1], max_new_tokens=8)
     assert out.token_ids == rt.generate(prompts[:1], max_new_tokens=8, speculative=False).token_ids
     assert runtime(model, drafter, spec=ts.SpecConfig.chain(2)).spec == ts.SpecConfig.chain(2)  # explicit wins
-    _, other = perm_pair("llama", vocab=24, seed=1, alpha=0.3)  # another drafter: no profile, the defaults
-    assert runtime(model, other, spec=None).spec == ts.SpecConfig()
+    _, other = perm_pair("llama", vocab=24, seed=1, alpha=0.3)  # another drafter: no profile, the rule
+    assert runtime(model, other, spec=None).shape_policy.source == "heuristic"
+    assert runtime(model, other, spec=None).spec == rule_shape(1, True, ROW_BUDGET["cpu"])
 
     res.profile_path.write_text("{broken")
     with pytest.warns(store.TunedConfigWarning, match="ignoring the tuned tree profile"):
-        assert runtime(model, drafter, spec=None).spec == ts.SpecConfig()
+        assert runtime(model, drafter, spec=None).shape_policy.source == "heuristic"
 
 
 def test_no_profile_is_silent_and_plain_runtime_needs_none(tuned_dir):

@@ -1,0 +1,108 @@
+"""Which draft-tree shape a request runs when the caller gave none: per batch size and sampling mode.
+
+``SpeculativeRuntime(spec=None)`` asks a ``ShapePolicy`` at every ``generate``/``stream``:
+``policy.choose(batch_size, greedy)`` returns a ``ShapeChoice`` (the ``SpecConfig``, or None for
+plain decoding, and where it came from), reported in ``SpecStats.spec`` / ``spec_source`` and on
+the CLI's stats line.
+
+Where the shapes come from, first match wins:
+
+1. the caller's ``spec`` (``source="caller"``): every batch and mode runs it;
+2. a tuned profile (``runtime/profiles.py``): the user's for this exact device, then one shipped
+   with the package for this device or for this *kind* of device (a CPU profile applies to every
+   CPU of the same architecture and vector ISA, e.g. ``cpu-x86_64-avx512``). A profile's
+   ``shapes`` table gives the measured best shape per batch size and mode (``tritonspec autotune
+   tree --batch-sizes 1,2,4,8``); batches between its rows take the row of the next smaller batch,
+   and a profile without a table scales its batch-1 shape by the rule below;
+3. the rule (``source="heuristic"``), derived from the tree tuner's cost model: a verify forward
+   costs about one decode step as long as the rows it verifies, summed over the batch, stay within
+   the device's *row budget* R (``verify(N) ~ verify(1)`` up to N ~ R on the measured cost curves:
+   about 8 on a CPU, where a multi-row matmul soon stops being free, and 64 on a GPU). So a batch
+   of B rows verifies ``N = R // B`` tokens per row, shaped as
+
+       greedy    N >= 7: tree (3, 2, min(N, 7)) (CPU) / EAGLE-3's (6, 8, min(N, 48)) family (GPU);
+                 2 <= N < 7: a chain of N - 1 tokens;  N < 2: plain decoding
+       sampled   a sampled chain of min(N, 5) - 1 tokens (sampled chains are accepted with
+                 sum min(p, q), trees of deterministic top-k drafts far less often); N < 2: plain
+
+   A profile's batch-1 shape sets R = its ``num_draft_tokens`` (the budget that device was tuned to).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import SpecConfig
+
+ROW_BUDGET = {"cpu": 8, "cuda": 64}  # rows a verify forward takes at about one decode step's cost
+SAMPLED_CHAIN_MAX = 4  # longest sampled chain the rule drafts
+
+
+@dataclass(frozen=True)
+class ShapeChoice:
+    """The shape one request runs (None: plain decoding) and where it came from."""
+
+    spec: SpecConfig | None
+    source: str  # "caller", "profile", "shipped profile" or "heuristic" (+ " rule" for a row a profile lacks)
+    path: str | None = None  # the profile file, when one decided
+
+
+def rule_shape(batch_size: int, greedy: bool, budget: int, device_type: str = "cpu") -> SpecConfig | None:
+    """The heuristic shape for ``batch_size`` rows under a row ``budget`` (module docstring)."""
+    n = budget // max(batch_size, 1)
+    if n < 2:
+        return None
+    if not greedy:
+        return SpecConfig.chain(min(n - 1, SAMPLED_CHAIN_MAX))
+    if n < 7:
+        return SpecConfig.chain(n - 1)
+    if device_type == "cuda":
+        k = 8 if n >= 32 else 4 if n >= 16 else 2
+        return SpecConfig(6, k, min(n, 48, k + 5 * k * k + 1))
+    return SpecConfig(3, 2, 7)
+
+
+@dataclass
+class ShapePolicy:
+    """Shapes per (batch size, greedy) for one runtime.
+
+    ``table``: ``{(batch_size, "greedy"|"sampled"): SpecConfig | None}`` measured rows (may be
+    empty); ``budget``: the row budget of the rule for what the table lacks; ``fixed``: the
+    caller's shape, which overrides everything."""
+
+    source: str
+    budget: int
+    device_type: str = "cpu"
+    table: dict[tuple[int, str], SpecConfig | None] = field(default_factory=dict)
+    fixed: SpecConfig | None = None
+    path: str | None = None
+
+    @classmethod
+    def caller(cls, spec: SpecConfig) -> ShapePolicy:
+        return cls("caller", spec.num_draft_tokens, fixed=spec)
+
+    @classmethod
+    def heuristic(cls, device: torch.device) -> ShapePolicy:
+        kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
+        return cls("heuristic", ROW_BUDGET[kind], kind)
+
+    def choose(self, batch_size: int, greedy: bool) -> ShapeChoice:
+        if self.fixed is not None:
+            return ShapeChoice(self.fixed, self.source)
+        mode = "greedy" if greedy else "sampled"
+        rows = sorted(b for b, m in self.table if m == mode and b <= batch_size)
+        if rows:
+            return ShapeChoice(self.table[rows[-1], mode], self.source, self.path)
+        source = "heuristic" if self.source == "heuristic" else f"{self.source} rule"
+        return ShapeChoice(rule_shape(batch_size, greedy, self.budget, self.device_type), source, self.path)
+
+    def largest(self, max_batch_size: int) -> SpecConfig:
+        """A shape at least as deep, wide and long as any this policy picks (sizes the caches)."""
+        specs = [self.choose(b, g).spec for b in range(1, max_batch_size + 1) for g in (True, False)]
+        specs = [s for s in specs if s is not None] or [SpecConfig.chain(1)]
+        d = max(s.num_speculative_tokens for s in specs)
+        k = max(s.top_k for s in specs)
+        n = max(s.num_draft_tokens for s in specs)
+        return SpecConfig(d, k, min(n, k + (d - 1) * k * k + 1) if k > 1 else d + 1)

@@ -1,0 +1,188 @@
+"""Out-of-the-box shapes (runtime/spec_policy.py, runtime/profiles.py): the rule by batch size and
+sampling mode, shipped profiles for the bundled pair, user profiles overriding them, broken ones
+skipped with a warning, and the choice reported in the stats and on the CLI's stats line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import tritonspec as ts
+from tritonspec.kernels import store
+from tritonspec.runtime import profiles as prof
+from tritonspec.runtime.spec_policy import ROW_BUDGET, ShapePolicy, rule_shape
+
+from _util import perm_pair, random_prompts, runtime
+
+C = ts.SpecConfig.chain
+
+
+@pytest.mark.parametrize(
+    "batch, greedy, budget, device, want",
+    [
+        (1, True, 8, "cpu", ts.SpecConfig(3, 2, 7)),
+        (2, True, 8, "cpu", C(3)),
+        (3, True, 8, "cpu", C(1)),
+        (4, True, 8, "cpu", C(1)),
+        (5, True, 8, "cpu", None),
+        (8, True, 8, "cpu", None),
+        (1, False, 8, "cpu", C(4)),
+        (2, False, 8, "cpu", C(3)),
+        (4, False, 8, "cpu", C(1)),
+        (8, False, 8, "cpu", None),
+        (1, True, 64, "cuda", ts.SpecConfig(6, 8, 48)),
+        (4, True, 64, "cuda", ts.SpecConfig(6, 4, 16)),
+        (8, True, 64, "cuda", ts.SpecConfig(6, 2, 8)),
+        (32, True, 64, "cuda", C(1)),
+        (64, True, 64, "cuda", None),
+    ],
+)
+def test_rule_shrinks_the_verified_rows_as_the_batch_grows(batch, greedy, budget, device, want):
+    got = rule_shape(batch, greedy, budget, device)
+    assert got == want
+    if got is not None:  # the rows a round verifies, summed over the batch, stay within the budget
+        assert batch * got.num_draft_tokens <= budget
+
+
+def test_policy_table_rows_then_the_rule():
+    p = ShapePolicy("profile", 7, table={(1, "greedy"): C(5), (4, "greedy"): C(2), (2, "sampled"): None}, path="f")
+    assert p.choose(1, True).spec == C(5) and p.choose(3, True).spec == C(5)  # the next smaller row
+    assert p.choose(6, True).spec == C(2) and p.choose(6, True).source == "profile"
+    assert p.choose(2, False).spec is None and p.choose(8, False).spec is None  # plain decoding won there
+    r = p.choose(1, False)  # no sampled row at or below batch 1: the rule at this profile's budget
+    assert r.spec == rule_shape(1, False, 7) and r.source == "profile rule" and r.path == "f"
+    assert ShapePolicy.caller(C(2)).choose(8, False).spec == C(2)
+    assert ShapePolicy.heuristic(torch.device("cpu")).budget == ROW_BUDGET["cpu"]
+    big = p.largest(8)
+    assert big.num_speculative_tokens >= 5 and big.num_draft_tokens >= 6
+
+
+def test_runtime_without_profile_runs_the_rule_per_request(tuned_dir):
+    model, drafter = perm_pair("llama", vocab=24, seed=3, alpha=0.3)
+    rt = runtime(model, drafter, spec=None, max_batch_size=8)
+    assert rt.shape_policy.source == "heuristic"
+    prompts = random_prompts(24, [5, 7, 4, 6, 5, 8, 3, 6], seed=2)
+    for n, greedy, want in (
+        (1, True, ts.SpecConfig(3, 2, 7)),
+        (2, True, C(3)),
+        (4, True, C(1)),
+        (8, True, None),
+        (1, False, C(4)),
+        (8, False, None),
+    ):
+        kw = {} if greedy else dict(temperature=1.0, seed=5)
+        out = rt.generate(prompts[:n], max_new_tokens=6, **kw)
+        assert out.stats.spec == want and out.stats.spec_source == "heuristic", (n, greedy)
+        if want is None:
+            assert out.stats.num_drafts == 0  # plain decoding
+        else:
+            assert out.stats.num_drafts > 0 and len(out.stats.accepted_per_position) == want.num_speculative_tokens
+        if greedy:  # whatever the shape, greedy output is the target's
+            assert out.token_ids == rt.generate(prompts[:n], max_new_tokens=6, speculative=False).token_ids
+    pinned = runtime(model, drafter, spec=C(2), max_batch_size=8).generate(prompts, max_new_tokens=4)
+    assert pinned.stats.spec == C(2) and pinned.stats.spec_source == "caller"
+    plain = rt.generate(prompts[:1], max_new_tokens=4, speculative=False)
+    assert plain.stats.spec is None and plain.stats.spec_source == "speculative=False"
+    rt.spec = C(1)  # setting the spec pins it, as passing spec= does
+    assert rt.generate(prompts[:4], max_new_tokens=4).stats.spec == C(1)
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """No user profiles: TRITONSPEC_TUNED_DIR unset, the user cache an empty folder."""
+    monkeypatch.delenv(store.ENV_DIR, raising=False)
+    monkeypatch.setenv("TRITONSPEC_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache" / "tuned"
+
+
+def _shipped_here(monkeypatch, tmp_path, variant):
+    """The shipped profile of a demo variant, as this machine looks it up. When this CPU is of
+    another kind than the one the shipped profiles were measured on, the test looks at a copy of
+    them under this CPU's kind (it checks the lookup, not the kind)."""
+    t, d = ts.demo_pair(variant)
+    tm = ts.TargetModel.from_pretrained(t)
+    dr = ts.Eagle3Drafter.from_pretrained(d)
+    tfp, dfp = prof.target_fingerprint(tm), prof.drafter_fingerprint(dr)
+    shipped = sorted(prof.SHIPPED_DIR.glob(f"tree_shape,target={tfp},drafter={dfp},*.json"))
+    assert shipped, f"no shipped profile for the demo pair {variant} in {prof.SHIPPED_DIR}"
+    name = prof.profile_name(tfp, dfp, prof.device_kind("cpu"), "float32", "torch")
+    if not (prof.SHIPPED_DIR / name).exists():
+        copy = tmp_path / "shipped"
+        copy.mkdir(exist_ok=True)
+        shutil.copy(shipped[0], copy / name)
+        monkeypatch.setattr(prof, "SHIPPED_DIR", copy)
+    return t, d, prof.SHIPPED_DIR / name, tm
+
+
+def test_fresh_cache_picks_the_shipped_profile_and_a_user_profile_overrides_it(fresh_cache, tmp_path, monkeypatch):
+    t, d, shipped, tm = _shipped_here(monkeypatch, tmp_path, "eagle3.1")
+    data = prof.read_profile(shipped)
+    assert {(r["batch_size"], r["sampling"]) for r in data["shapes"]} >= {(4, "greedy"), (1, "sampled")}
+    rt = ts.SpeculativeRuntime.from_pretrained(t, d, max_batch_size=4, max_seq_len=512)
+    assert rt.shape_policy.source == "shipped profile" and rt.shape_policy.path == str(shipped)
+    rows = {(r["batch_size"], r["sampling"]): r["spec"] for r in data["shapes"]}
+    row1 = rows.get((1, "greedy"), data["spec"])  # a measured batch-1 row wins over the model's choice
+    assert rt.shape_policy.choose(1, True).spec == (prof.SpecConfig(**row1) if row1 else None)
+    want4 = prof.SpecConfig(**rows[4, "greedy"]) if rows[4, "greedy"] else None
+    out = rt.generate(["def f(x):"] * 4, max_new_tokens=4)
+    assert out.stats.spec == want4 and out.stats.spec_source == "shipped profile"
+
+    # a user profile for this exact device overrides the shipped one
+    user = dict(
+        data,
+        device_name=prof.device_key("cpu"),
+        spec={"num_speculative_tokens": 2, "top_k": 1, "num_draft_tokens": 3},
+        shapes=[],
+    )
+    name = prof.profile_name(data["target"], data["drafter"], prof.device_key("cpu"), "float32", "torch")
+    fresh_cache.mkdir(parents=True)
+    (fresh_cache / name).write_text(json.dumps(user))
+    rt = ts.SpeculativeRuntime.from_pretrained(t, d, max_batch_size=4, max_seq_len=512)
+    assert rt.shape_policy.source == "profile" and rt.spec == C(2)
+
+    # a corrupt user profile warns and falls back to the shipped one
+    (fresh_cache / name).write_text("{broken")
+    with pytest.warns(store.TunedConfigWarning, match="ignoring the tuned tree profile"):
+        rt = ts.SpeculativeRuntime.from_pretrained(t, d, max_batch_size=4, max_seq_len=512)
+    assert rt.shape_policy.source == "shipped profile"
+
+    # so does a float where an integer belongs, and a profile tuned by another release
+    for bad, match in (
+        (dict(user, spec={"num_speculative_tokens": 2.5, "top_k": 1, "num_draft_tokens": 3}), "integers"),
+        (dict(user, versions={"tritonspec": "0.0.1"}), "another|tuned with tritonspec 0.0.1"),
+        (dict(user, shapes=[{"batch_size": 2.0, "sampling": "greedy", "spec": None}]), "batch_size"),
+    ):
+        (fresh_cache / name).write_text(json.dumps(bad))
+        with pytest.warns(store.TunedConfigWarning, match=match):
+            assert ts.SpeculativeRuntime.from_pretrained(t, d, max_seq_len=512).shape_policy.source == "shipped profile"
+
+
+def test_cli_stats_line_names_the_shape_and_its_source(fresh_cache, tmp_path, monkeypatch, capsys):
+    from tritonspec.cli import main
+
+    _shipped_here(monkeypatch, tmp_path, "eagle3.1")
+    assert main(["generate", "def f(x):", "--target", "demo", "--max-new-tokens", "4"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "spec_source=shipped-profile" in line and "spec=(" in line
+    assert (
+        main(
+            [
+                "generate",
+                "def f(x):",
+                "--target",
+                "demo",
+                "--max-new-tokens",
+                "4",
+                "--num-speculative-tokens",
+                "2",
+                "--draft-top-k",
+                "1",
+            ]
+        )
+        == 0
+    )
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "spec=(2,1,3)" in line and "spec_source=caller" in line
