@@ -10,6 +10,7 @@ from .kernels.store import package_version
 from .runtime.config import GenerationOutput, SpecConfig, SpecStats
 from .runtime.drafter import DrafterConfig, Eagle3Drafter
 from .runtime.engine import SpeculativeRuntime
+from .runtime.errors import UserError
 from .runtime.target import SUPPORTED_ARCHITECTURES, TargetModel
 
 __version__ = package_version()
@@ -22,6 +23,7 @@ __all__ = [
     "DrafterConfig",
     "TargetModel",
     "SUPPORTED_ARCHITECTURES",
+    "UserError",
     "demo_pair",
     "__version__",
 ]

@@ -19,13 +19,25 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..runtime.errors import UserError
 from . import autotune, bench, drift, export, generate, train
 
 COMMANDS = (generate, export, bench, drift, train, autotune)  # the order ``tritonspec --help`` lists them in
 
-# What a command reports as a one-line error (exit status 2): mistakes in the user's input. Anything
-# else (TypeError, KeyError, ...) is a bug and keeps its traceback.
-USER_ERRORS = (ValueError, FileNotFoundError, NotImplementedError)
+# What a command reports as a one-line error (exit status 2): mistakes in the user's input
+# (``UserError``, the library's family for them, is a ValueError) and file-system refusals (a missing
+# file, a file where a directory belongs, no permission). Anything else (TypeError, KeyError, ...)
+# is a bug and keeps its traceback.
+USER_ERRORS = (
+    UserError,
+    ValueError,
+    NotImplementedError,
+    FileNotFoundError,
+    FileExistsError,
+    NotADirectoryError,
+    IsADirectoryError,
+    PermissionError,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -97,6 +97,18 @@ checks it, two neighbours and the default shape by generating (measured vs predi
         help="torch CPU threads while measuring (default: torch's; 1 is steadiest on a busy machine)",
     )
     t.add_argument("--no-validate", action="store_true", help="skip the measured check of the chosen shape")
+    t.add_argument(
+        "--batch-sizes",
+        default="1",
+        help="also measure the best shape at these batch sizes, e.g. 1,2,4,8 (the profile's shapes table)",
+    )
+    t.add_argument("--sampled", action="store_true", help="also measure the best shapes for sampling (--temperature)")
+    t.add_argument("--temperature", type=float, default=1.0, help="temperature of the sampled rows (default 1)")
+    t.add_argument(
+        "--device-kind",
+        action="store_true",
+        help="name the profile for this kind of device (e.g. cpu-x86_64-avx512) instead of this exact one",
+    )
     _common(t)
     t.set_defaults(fn=cmd_tree)
     return a
@@ -165,6 +177,9 @@ def cmd_tree(args: argparse.Namespace) -> int:
         prompts = [torch.randint(0, vocab, (16,), generator=g).tolist() for _ in prompts]
         print("note: the target has no tokenizer; using random token prompts", file=sys.stderr)
     top_ks = [int(x) for x in args.top_k.split(",")]
+    batch_sizes = sorted({int(x) for x in args.batch_sizes.split(",")} | {1})
+    if batch_sizes[0] < 1:
+        raise ValueError(f"--batch-sizes {args.batch_sizes}: batch sizes must be >= 1")
     if args.threads:
         import torch
 
@@ -183,6 +198,10 @@ def cmd_tree(args: argparse.Namespace) -> int:
         out_dir=args.out,
         dry_run=args.dry_run,
         validate=not args.no_validate,
+        batch_sizes=batch_sizes,
+        sampled=args.sampled,
+        temperature=args.temperature,
+        device_kind=args.device_kind,
         log=lambda m: print(m, file=sys.stderr),
     )
     b = res.best
@@ -199,6 +218,11 @@ def cmd_tree(args: argparse.Namespace) -> int:
         )
     if res.checks:
         print(res.table())
+    for row in res.shapes:
+        s = row["spec"]
+        shape = "plain decoding" if s is None else f"({s.num_speculative_tokens}, {s.top_k}, {s.num_draft_tokens})"
+        why = row.get("decode_tokens_per_s") or f"measured {row.get('speedup', 0):.2f}x at batch 1"
+        print(f"batch {row['batch_size']} {row['sampling']}: {shape}  (decode tok/s: {why})")
     print(
         f"device={res.key['device']} backend={res.key['backend']} dtype={res.key['dtype']} "
         f"acceptance roots={res.n_roots} prompts={len(prompts)}"

@@ -40,7 +40,11 @@ full reports: python -m pytest perf/bench_e2e.py --benchmark-json perf/e2e.json 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..runtime.bench import SYSTEMS, Bench, format_table
+    from ..runtime.errors import UserError
 
+    for flag in ("num_prompts", "max_new_tokens", "batch"):
+        if getattr(args, flag) < 1:
+            raise UserError(f"--{flag.replace('_', '-')} {getattr(args, flag)} must be >= 1")
     systems = args.systems.split(",")
     bad = [s for s in systems if s not in SYSTEMS]
     if bad:

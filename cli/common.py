@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
+
+from ..runtime.errors import UserError
 
 TINY = "tiny-random"
 DEMO = "demo"  # the bundled demo pair (tritonspec.demo); "demo:eagle3" picks the EAGLE-3 drafter
@@ -27,13 +30,16 @@ def flag_values(args: argparse.Namespace, names: str) -> dict:
 def spec_from_flags(depth: int | None, top_k: int | None, n: int | None):
     """None when no shape flag is given (a tuned profile, else the defaults); else the defaults with
     the given flags, a default ``num_draft_tokens`` capped at what the shape can draft (so
-    ``--draft-top-k 1`` alone is a chain)."""
+    ``--draft-top-k 1`` alone is a chain). A given 0 is passed on (and refused), never a default."""
     from ..runtime.config import SpecConfig
 
     if (depth, top_k, n) == (None, None, None):
         return None
     d = SpecConfig()
-    depth, top_k = depth or d.num_speculative_tokens, top_k or d.top_k
+    depth = d.num_speculative_tokens if depth is None else depth
+    top_k = d.top_k if top_k is None else top_k
+    if min(depth, top_k) < 1:
+        SpecConfig(depth, top_k, 2)  # raises the UserError naming the flag's value
     if n is None:
         n = min(d.num_draft_tokens, top_k + (depth - 1) * top_k * top_k + 1)
     return SpecConfig(depth, top_k, n)
@@ -93,7 +99,7 @@ def parse_dtype(name: str | None):
         "fp16": torch.float16,
     }
     if name not in table:
-        raise SystemExit(f"--dtype {name!r}: use one of {', '.join(table)}")
+        raise UserError(f"--dtype {name!r}: use one of {', '.join(table)}")
     return table[name]
 
 
@@ -103,8 +109,24 @@ def read_prompt(arg: str | None) -> str:
     if prompt is None or prompt == "-":
         prompt = sys.stdin.read()
     if not prompt:
-        raise SystemExit("empty prompt: pass it as an argument or on stdin")
+        raise UserError("empty prompt: pass it as an argument or on stdin")
     return prompt
+
+
+_ESCAPE = re.compile(r"\\(?:([\\nrt0'\"])|x([0-9a-fA-F]{2})|u([0-9a-fA-F]{4}))")
+_SIMPLE = {"n": "\n", "r": "\r", "t": "\t", "0": "\0", "\\": "\\", "'": "'", '"': '"'}
+
+
+def unescape(text: str) -> str:
+    """Decode the backslash escapes a shell passes through literally (``--stop "\\n\\n"`` is
+    backslash, n, backslash, n): ``\\n \\r \\t \\0 \\\\ \\' \\" \\xHH \\uXXXX``; other text,
+    non-ASCII included, is kept as is."""
+
+    def one(m: re.Match) -> str:
+        simple, hex2, hex4 = m.groups()
+        return _SIMPLE[simple] if simple else chr(int(hex2 or hex4, 16))
+
+    return _ESCAPE.sub(one, text)
 
 
 def demo_prompts(name: str) -> list[str]:

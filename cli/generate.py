@@ -16,6 +16,7 @@ from .common import (
     read_prompt,
     resolve_pair,
     spec_from_flags,
+    unescape,
 )
 
 GRAPH_MODES = {"auto": "auto", "on": True, "off": False}  # --cuda-graphs -> SpeculativeRuntime(cuda_graphs=...)
@@ -55,7 +56,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off); the tree uses --draft-top-k")
     g.add_argument("--seed", type=int, default=None, help="sampling seed; the same seed gives the same output")
-    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable); the text ends before it")
+    g.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        help="stop string (repeatable); the text ends before it. Backslash escapes are decoded: "
+        "--stop '\\n\\n' stops at a blank line (\\n \\t \\r \\\\ \\xHH \\uXXXX)",
+    )
     g.add_argument("--stream", action="store_true", help="print text pieces as they are decided")
     g.add_argument("--no-speculative", action="store_true", help="plain target decoding through the same runtime")
     g.add_argument("--compare", action="store_true", help="also run plain decoding and print the speedup")
@@ -93,7 +100,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     speculative = not args.no_speculative and rt.drafter is not None
     kw = flag_values(args, "max_new_tokens temperature top_p top_k seed")
-    kw.update(stop=args.stop or None, speculative=speculative)
+    kw.update(stop=[unescape(s) for s in args.stop] or None, speculative=speculative)
     if args.compare:  # one short warm-up per mode, so neither timing pays first-call costs
         for mode in (speculative, False):
             rt.generate(prompt, **(kw | {"max_new_tokens": 2, "speculative": mode}))
@@ -110,8 +117,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     line = (
         f"[tritonspec] new_tokens={s.num_new_tokens} tokens/s={s.tokens_per_second:.1f} "
         f"mean_acceptance_length={s.mean_acceptance_length:.2f} "
-        f"mode={'speculative' if speculative else 'plain'} backend={rt.backend} "
-        f"cuda_graphs={'on' if rt.graphs_enabled else 'off'}"
+        f"mode={'speculative' if s.spec is not None else 'plain'} backend={rt.backend} "
+        f"cuda_graphs={'on' if rt.graphs_enabled else 'off'} spec={shape_label(s.spec)} "
+        f"spec_source={s.spec_source.replace(' ', '-')}"
     )
     if args.compare and speculative:
         base = rt.generate(prompt, **(kw | {"speculative": False}))
@@ -123,3 +131,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
             line += f" identical={base.token_ids == out_ids}"
     print(line, file=sys.stderr if args.quiet_stats else sys.stdout)
     return 0
+
+
+def shape_label(spec) -> str:
+    """``(D,K,N)`` of a shape, ``plain`` for none."""
+    return "plain" if spec is None else f"({spec.num_speculative_tokens},{spec.top_k},{spec.num_draft_tokens})"

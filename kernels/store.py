@@ -263,6 +263,22 @@ def load_table(
     return table
 
 
+def config_problem(stored: Any, default: dict) -> str | None:
+    """Why a stored config cannot be launched with ``default``'s integer keys, or None: each must be
+    a positive int, and a power of two for tiles (``BLOCK_*``) and ``num_warps``."""
+    if not isinstance(stored, dict):
+        return "not a mapping"
+    for k, v in default.items():
+        if not isinstance(v, int):
+            continue
+        s = stored.get(k, v)
+        if not isinstance(s, int) or isinstance(s, bool) or s <= 0:
+            return f"{k}={s!r} is not a positive integer"
+        if (k.startswith("BLOCK") or k == "num_warps") and s & (s - 1):
+            return f"{k}={s} is not a power of two"
+    return None
+
+
 def nearest_bucket(keys: list[str] | dict, value: int) -> str | None:
     """The numeric key nearest to ``value`` (ties to the smaller key); None if there are none."""
     best = None
@@ -287,8 +303,9 @@ def tuned(
 ) -> dict:
     """``default`` updated with the stored config of the bucket nearest ``value``.
 
-    Only the keys of ``default`` are taken from the file, and only integer values; a stored
-    config with anything else is ignored (warned once). ``dtype=None`` or ``device=None``:
+    Only the keys of ``default`` are taken from the file, and only positive integer values, powers
+    of two for tiles (``BLOCK_*``) and ``num_warps`` as Triton requires; a stored config with
+    anything else is ignored (warned once). ``dtype=None`` or ``device=None``:
     the default (no lookup) — callers without a tensor at hand keep the heuristic.
     """
     if _FORCED and op in _FORCED:  # inside ``forced(...)``: the tuner timing a candidate
@@ -307,13 +324,10 @@ def tuned(
         b = nearest_bucket(table["configs"], int(value))
         if b is not None:
             stored = table["configs"][b]
-            if isinstance(stored, dict) and all(
-                isinstance(stored.get(k, v), int) and not isinstance(stored.get(k, v), bool) and stored.get(k, v) > 0
-                for k, v in default.items()
-                if isinstance(v, int)
-            ):
+            why = config_problem(stored, default)
+            if why is None:
                 cfg = {**default, **{k: stored[k] for k in default if k in stored}}
             else:
-                _warn_once(f"ignoring the malformed tuned {op} config {stored!r} (bucket {b}) for {name}")
+                _warn_once(f"ignoring the malformed tuned {op} config {stored!r} (bucket {b}) for {name}: {why}")
     _RESOLVED[key] = cfg
     return cfg

@@ -84,6 +84,7 @@ def pytest_addoption(parser):
         default=None,
         help="new tokens per prompt for perf/bench_e2e.py (default 64; 8 with --benchmark-disable)",
     )
+    parser.addoption("--soak-calls", type=int, default=2000, help="calls made by perf/bench_soak.py (default 2000)")
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ Models and their files
     ``drafter.py``       the EAGLE-3 / EAGLE-3.1 drafter module (``drafter_config.py``: its config)
     ``checkpoint.py``    drafter checkpoint formats, read and written (beside ``weights.py``:
                          safetensors/bin loading, ``load_tokenizer``)
+    ``serving.py``       what vLLM and SGLang loaders read (rules, with sources) and the export report
     ``rope.py``          rotary tables; ``tiny.py``: tiny random models for tests and demos
 One round
     ``metadata.py``      ``AttentionMetadata`` (positions, slots, prefix, mask) and ``KVCache``

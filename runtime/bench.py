@@ -29,6 +29,7 @@ import torch
 
 from ..kernels.store import package_version
 from .config import SpecConfig
+from .errors import UserError
 
 SYSTEMS = ("ours-plain", "hf-greedy", "hf-prompt-lookup", "hf-assisted", "ours-eagle3", "ours-eagle3.1")
 BATCH1_ONLY = {"hf-prompt-lookup", "hf-assisted"}
@@ -140,6 +141,11 @@ class Bench:
         max_new_tokens: int = 64,
         seed: int = 0,
     ) -> BenchResult:
+        if not prompts:
+            raise UserError("no prompts to run: pass at least one prompt")
+        for name, v in (("batch", batch), ("max_new_tokens", max_new_tokens)):
+            if v < 1:
+                raise UserError(f"{name}={v} must be >= 1")
         why = self.available(system, batch)
         if why:
             raise ValueError(f"{system} at batch {batch}: {why}")
@@ -153,7 +159,7 @@ class Bench:
         rt = self.runtimes[system]
         spec = system != "ours-plain"
         tokens = drafts = accepted = 0
-        per_pos = torch.zeros(rt.spec.num_speculative_tokens)
+        per_pos = torch.zeros(0)  # grows to the deepest shape the requests ran (it may differ per batch)
         t0 = time.perf_counter()
         for i, c in enumerate(chunks):
             out = rt.generate(
@@ -169,7 +175,9 @@ class Bench:
             drafts += s.num_drafts
             accepted += s.num_accepted_tokens
             if spec:
-                per_pos += torch.tensor(s.accepted_per_position, dtype=torch.float32)
+                a = torch.tensor(s.accepted_per_position, dtype=torch.float32)
+                per_pos = torch.nn.functional.pad(per_pos, (0, max(len(a) - len(per_pos), 0)))
+                per_pos[: len(a)] += a
         wall = time.perf_counter() - t0
         return BenchResult(
             system,

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
+
+from .errors import UserError
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,9 @@ class SpecConfig:
         distilled on the target's distributions the sampled draft is accepted far more often.
         Greedy decoding and trees (``top_k > 1``) are unaffected.
 
+    The sizes are integers (numpy and torch integers are converted to ``int``); a float, a bool or
+    a string raises ``UserError`` naming it, as does a value out of range.
+
     Examples
     --------
     >>> SpecConfig(num_speculative_tokens=4, top_k=1, num_draft_tokens=5).max_candidates
@@ -34,15 +40,23 @@ class SpecConfig:
     sample_chain_drafts: bool = True
 
     def __post_init__(self) -> None:
+        for name in ("num_speculative_tokens", "top_k", "num_draft_tokens"):
+            v = getattr(self, name)
+            try:  # Python, numpy and torch integers; not floats (2.5), bools or strings
+                if isinstance(v, bool):
+                    raise TypeError
+                object.__setattr__(self, name, operator.index(v))
+            except TypeError:
+                raise UserError(f"SpecConfig {name}={v!r} must be an integer") from None
+        if not isinstance(self.sample_chain_drafts, bool):
+            raise UserError(f"SpecConfig sample_chain_drafts={self.sample_chain_drafts!r} must be True or False")
         for name in ("num_speculative_tokens", "top_k"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+                raise UserError(f"{name}={getattr(self, name)} must be >= 1")
         if self.num_draft_tokens < 2:
-            raise ValueError(
-                f"num_draft_tokens={self.num_draft_tokens} must be >= 2 (the root plus at least one draft)"
-            )
+            raise UserError(f"num_draft_tokens={self.num_draft_tokens} must be >= 2 (the root plus at least one draft)")
         if self.num_draft_tokens - 1 > self.max_candidates:
-            raise ValueError(
+            raise UserError(
                 f"num_draft_tokens={self.num_draft_tokens} asks for {self.num_draft_tokens - 1} draft nodes but depth "
                 f"{self.num_speculative_tokens} with top_k={self.top_k} drafts only {self.max_candidates} candidates; "
                 f"lower num_draft_tokens to <= {self.max_candidates + 1} or raise top_k / num_speculative_tokens"
@@ -79,6 +93,8 @@ class SpecStats:
     num_new_tokens: int = 0
     wall_time_s: float = 0.0
     time_split_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # + "graph":
+    spec: SpecConfig | None = None  # the shape the request ran (None: plain decoding)
+    spec_source: str = ""  # why: "caller", "profile", "shipped profile", "heuristic", "speculative=False", ...
     #                                                     rounds replayed as CUDA graphs (eager rounds split by phase)
 
     def count_round(self, accepted: list[int], draft_tokens: int) -> None:

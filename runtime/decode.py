@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import SpecConfig
+from .errors import UserError
 from .metadata import AttentionMetadata, KVCache
 from .sampling import RowRandom, SamplingParams, process_logits
 from .tree import build_tree, rerank, topk_stable
@@ -71,6 +72,7 @@ class Verification:
     num: torch.Tensor  # [B] accepted draft tokens (the root excluded)
     emitted: torch.Tensor  # [B, D+1] the accepted draft tokens, then the bonus token, -1 padded
     aux: torch.Tensor | None  # [B, N, n_aux*H_t] the target's aux states of every tree node (drafting only)
+    finite: torch.Tensor | None = None  # [B] bool: the target's hidden states were finite (no NaN/inf)
 
 
 class DraftObserver(Protocol):
@@ -142,25 +144,18 @@ class Decoder:
         *,
         max_batch_size: int,
         max_seq_len: int,
+        capacity: SpecConfig | None = None,
     ):
         self.target, self.drafter, self.ops, self.spec = target, drafter, ops, spec
         self.device = target.device
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.observer: DraftObserver | None = None
         self._chains: dict[tuple[int, int], tuple] = {}  # (rows, nodes) -> chain parents, depths, mask
-        K, D, N = spec.top_k, spec.num_speculative_tokens, spec.num_draft_tokens
-        target.allocate_cache(max_batch_size, max_seq_len + N)
         self.draft_cache: KVCache | None = None
+        self.drafter_capacity = self._max_depth = 0
         if drafter is not None:
-            self.drafter_capacity = max_seq_len + max((D - 1) * K, D + 1)
-            c = drafter.config
-            shape = (max_batch_size, self.drafter_capacity + 1, c.num_key_value_heads, c.head_dim)
-            self.draft_cache = KVCache(
-                torch.zeros(shape, device=self.device, dtype=target.dtype),
-                torch.zeros(shape, device=self.device, dtype=target.dtype),
-            )
-            drafter.rope(self.drafter_capacity + 1)
             self.d2t = drafter.target_ids()  # [Vd] target ids, for the sampled chain
+        self._fit(capacity or spec)
         self.bufs = self._new_buffers()
         self.rows = self.num_prompts = 0
         self.lengths: list[int] = []
@@ -169,11 +164,26 @@ class Decoder:
         self.rng: RowRandom | None = None
         self.speculative = False
 
+    def _fit(self, spec: SpecConfig) -> None:
+        """Grow the caches (never shrink) so that ``spec`` fits: the target's ``max_seq_len + N``
+        slots, the drafter's ``max_seq_len`` plus the widest tree level's slots."""
+        K, D, N = spec.top_k, spec.num_speculative_tokens, spec.num_draft_tokens
+        self._max_depth = max(self._max_depth, D)
+        self.target.allocate_cache(self.max_batch_size, self.max_seq_len + N)
+        need = self.max_seq_len + max((D - 1) * K, D + 1)
+        if self.drafter is not None and need > self.drafter_capacity:
+            self.drafter_capacity = need
+            c = self.drafter.config
+            shape = (self.max_batch_size, need + 1, c.num_key_value_heads, c.head_dim)
+            dt = self.target.dtype
+            self.draft_cache = KVCache(
+                torch.zeros(shape, device=self.device, dtype=dt), torch.zeros(shape, device=self.device, dtype=dt)
+            )
+            self.drafter.rope(need + 1)
+
     def _new_buffers(self) -> DecodeBuffers:
         hidden = self.drafter.config.hidden_size if self.drafter is not None else None
-        return DecodeBuffers(
-            self.max_batch_size, hidden, self.spec.num_speculative_tokens + 2, self.device, self.target.dtype
-        )
+        return DecodeBuffers(self.max_batch_size, hidden, self._max_depth + 2, self.device, self.target.dtype)
 
     # ================================================================== state
     def narrow(self, rows: int) -> None:
@@ -188,9 +198,13 @@ class Decoder:
 
     def collect(self) -> list[list[int]]:
         """The round's one host sync: each running row's emitted tokens (``[]`` for the others);
-        advances the host lengths by as many tokens."""
+        advances the host lengths by as many tokens. A row whose target hidden states were not
+        finite (``commit`` wrote count -1) raises a ``UserError``."""
         width = self.emitted_width
         em = self.out[:, :width].tolist()
+        bad = [b for b, (row, run) in enumerate(zip(em, self.running)) if run and row[width - 1] < 0]
+        if bad:
+            raise not_finite(bad, "decoding", self.target.dtype)
         new = [row[: row[width - 1] + 1] if run else [] for row, run in zip(em, self.running)]
         for b, toks in enumerate(new):
             self.lengths[b] += len(toks)
@@ -253,8 +267,8 @@ class Decoder:
             self.target.set_aux_layer_ids(self.drafter.config.aux_layer_ids)
         if self.bufs.out.shape[1] < self.emitted_width:  # the tree depth grew since construction (autotune)
             self.bufs = self._new_buffers()
-        # runtimes may share the target, whose cache only grows: make sure it fits this one
-        self.target.allocate_cache(self.max_batch_size, self.max_seq_len + self.spec.num_draft_tokens)
+        # runtimes may share the target, whose cache only grows, and the spec may have grown: fit both
+        self._fit(self.spec)
         B, P = len(batch), max(len(p) for p in batch)
         rows = B if rows is None else rows
         dev = self.device
@@ -285,6 +299,9 @@ class Decoder:
         self.running = [True] * B + [False] * pad
         self.narrow(rows)
         logits = self.target.logits(h_last)
+        finite = torch.isfinite(logits).all(-1).tolist()  # NaN weights would emit token 0 forever
+        if not all(finite):
+            raise not_finite([b for b, ok in enumerate(finite) if not ok], "prefill", self.target.dtype)
         if sampling.greedy:
             root = logits.argmax(-1)
         else:  # the first token: an exponential-race sample of the processed distribution
@@ -490,6 +507,7 @@ class Decoder:
         slots = torch.where(self.active[:, None], self.L[:, None] + torch.arange(N, device=self.device), -1)
         meta = AttentionMetadata(positions, slots, self.L, tree.mask, self._kv_len(whole_cache, N))
         hidden, aux = self.target.forward(self.ops, tree.tokens, meta, capture_aux=tree.max_depth > 0)
+        finite = torch.isfinite(hidden).flatten(1).all(-1)  # [B], read on the host by collect (no sync here)
         if self.sampling.greedy:
             nodes, num, emitted = self.ops.verify_greedy(
                 tree.tokens, tree.parents, self.target.greedy(hidden), tree.max_depth
@@ -505,7 +523,7 @@ class Decoder:
                     tree.tokens, tree.parents, probs, uniforms, xi, tree.max_depth
                 )
         _add_time(timings, "verify", t0)
-        return Verification(nodes, num, emitted, aux)
+        return Verification(nodes, num, emitted, aux, finite)
 
     # ================================================================== commit
     def commit(
@@ -533,7 +551,7 @@ class Decoder:
         self.root.copy_(v.emitted.gather(1, v.num[:, None])[:, 0])
         w = v.emitted.shape[1]
         self.out[:, :w].copy_(v.emitted)
-        self.out[:, w].copy_(v.num)
+        self.out[:, w].copy_(v.num if v.finite is None else torch.where(v.finite, v.num, -1))  # -1: not finite
         _add_time(timings, "commit", t0)
 
     # ================================================================== round
@@ -547,6 +565,15 @@ class Decoder:
         tree = self.draft(whole_cache=whole_cache, timings=timings) if self.speculative else self.root_tree()
         v = self.verify(tree, whole_cache=whole_cache, timings=timings)
         self.commit(tree, v, whole_cache=whole_cache, timings=timings)
+
+
+def not_finite(rows: list[int], phase: str, dtype: torch.dtype) -> UserError:
+    """The error for NaN/inf target logits or hidden states (rows of the batch, the phase)."""
+    return UserError(
+        f"the target's logits are not finite (NaN or inf) for batch rows {rows} during {phase}: the weights "
+        f"hold NaN/inf values or the activations overflow in {str(dtype).removeprefix('torch.')}; check the "
+        "checkpoint, or run in float32 / bfloat16"
+    )
 
 
 def _add_time(timings: dict[str, float] | None, phase: str, t0: float) -> None:

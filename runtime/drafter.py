@@ -19,6 +19,7 @@ Both flags off is EAGLE-3 exactly. ``state_dict()`` keys are the flat checkpoint
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from pathlib import Path
@@ -177,6 +178,15 @@ class Eagle3Drafter(nn.Module):
         self.t2d.zero_()
         self.t2d[used] = True
 
+    def converted(self, device: torch.device, dtype: torch.dtype) -> Eagle3Drafter:
+        """A copy of this drafter on ``device`` in ``dtype``, leaving this one as it is (what a
+        runtime runs when the caller's drafter sits elsewhere: modules shared between runtimes are
+        never moved under another runtime). A borrowed target embedding is not copied: attach one."""
+        memo: dict[int, Any] = {id(self._rope): None}  # deepcopy returns memo[id(x)] for x
+        if self.embed_tokens is not None and not self.has_own_embedding:
+            memo[id(self.embed_tokens)] = None
+        return copy.deepcopy(self, memo).to(device=device, dtype=dtype)
+
     def attach_target_embedding(self, embed: torch.Tensor, target_info: dict | None = None) -> None:
         """Use the target's embedding table when the checkpoint has none (shared, not copied)."""
         if target_info is not None:
@@ -290,11 +300,30 @@ class Eagle3Drafter(nn.Module):
             d.has_own_embedding = True
         return d
 
-    def save_pretrained(self, path: str | Path, format: str = "eagle3", dtype: torch.dtype | None = None) -> Path:
-        """Write a checkpoint vLLM/SGLang load as is, after validating it.
+    def save_pretrained(
+        self,
+        path: str | Path,
+        format: str = "eagle3",
+        dtype: torch.dtype | None = None,
+        *,
+        target: Any = None,
+        serving: str | tuple[str, ...] | None = None,
+        force: bool = False,
+        overwrite: bool | None = None,
+    ) -> Path:
+        """Write a checkpoint vLLM/SGLang load as is, after validating it (``runtime/checkpoint.py``).
 
         ``format="eagle3"``: ``LlamaForCausalLMEagle3`` config + flat ``midlayer.*`` tensors.
         ``format="speculators"``: ``Eagle3Speculator`` config + ``layers.0.*`` tensors.
+        ``target`` (a model directory, HF id, transformers config or model): fills
+        ``verifier.name_or_path``, the rope settings, ``max_position_embeddings`` and, for a
+        checkpoint that records none (official EAGLE-3), the aux layer ids (2, N//2, N-3).
+        ``serving`` (``"vllm"``, ``"sglang"``, ``"all"``): judge the export against those systems'
+        loaders (``runtime/serving.py``), write ``serving_compatibility.md`` next to it, and refuse
+        it when a system would load it but ignore a trained feature, unless ``force``.
+        ``overwrite``: None replaces a previous drafter's files but refuses a directory holding
+        another model; False refuses any non-empty directory; True replaces anything. The files go
+        to a temporary directory first and are renamed into place.
         """
         return write_checkpoint(
             path,
@@ -304,4 +333,8 @@ class Eagle3Drafter(nn.Module):
             dtype=dtype,
             default_dtype=self.fc.weight.dtype,
             target_info=self.target_info,
+            target=target,
+            serving=serving,
+            force=force,
+            overwrite=overwrite,
         )

@@ -11,13 +11,21 @@ The round reads and writes only the decoder's static buffers and the caches, so 
 it is captured once per bucket and replayed; eager execution calls the very same function. Rows
 beyond the live batch (bucket padding, finished rows) are idle: their writes go to the trash slot
 and their output is ignored. The only host synchronisation of a round is ``Decoder.collect``.
+
+One request at a time per target: the decode state and the target's KV cache are shared by every
+request of a runtime (and by runtimes sharing a ``TargetModel``), so a ``DecodeLock`` serialises
+them. A ``generate`` or ``stream`` from another thread waits until the running request ends (a
+stream ends when it is exhausted or closed); a ``generate`` or ``stream`` started in the thread
+that holds an open stream would wait forever, and raises a ``UserError`` instead. Never wrong tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import warnings
+import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,11 +35,13 @@ import torch
 from .config import GenerationOutput, SpecConfig, SpecStats, StreamPiece
 from .decode import Decoder, DraftObserver
 from .drafter import Eagle3Drafter
+from .errors import UserError
 from .graphs import graph_runner
 from .ops import get_ops, resolve_backend
-from .profiles import tuned_spec
-from .requests import RequestRows, encode_prompts, resolve_stop_ids, row_seeds
+from .profiles import shape_policy
+from .requests import RequestRows, as_float, as_int, encode_prompts, one_prompt, resolve_stop_ids, row_seeds
 from .sampling import SamplingParams
+from .spec_policy import ShapeChoice, ShapePolicy
 from .target import TargetModel, default_aux_layer_ids
 from .weights import load_tokenizer
 
@@ -61,15 +71,17 @@ class SpeculativeRuntime:
         cuda_graph_sizes: Sequence[int] | None = None,
     ):
         self.target = target
-        self.tokenizer = tokenizer
+        self.tokenizer = resolve_tokenizer(tokenizer)
         self.device = target.device
+        self._lock = decode_lock(target)
         self.backend = resolve_backend(backend, self.device)
         self.ops = get_ops(self.backend)
-        spec = spec or tuned_spec(target, drafter, self.backend) or SpecConfig()  # runtime/profiles.py
-        if not isinstance(spec, SpecConfig):
+        if spec is not None and not isinstance(spec, SpecConfig):
             raise TypeError(f"spec must be a tritonspec.SpecConfig, got {type(spec).__name__}")
+        # the shape per request: the caller's, a tuned profile's per batch size and mode, or the rule
+        self._policy = ShapePolicy.caller(spec) if spec is not None else shape_policy(target, drafter, self.backend)
         if max_batch_size < 1:
-            raise ValueError(f"max_batch_size={max_batch_size} must be >= 1")
+            raise UserError(f"max_batch_size={max_batch_size} must be >= 1")
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
         self._graphs = graph_runner(cuda_graphs, self.device, max_batch_size, cuda_graph_sizes)  # None = eager
@@ -77,33 +89,47 @@ class SpeculativeRuntime:
         limit = target.max_position_embeddings
         self.max_seq_len = max_seq_len if max_seq_len is not None else min(limit, 4096)
         if self.max_seq_len > limit:
-            raise ValueError(f"max_seq_len={self.max_seq_len} exceeds the target's max_position_embeddings={limit}")
+            raise UserError(f"max_seq_len={self.max_seq_len} exceeds the target's max_position_embeddings={limit}")
         if self.max_seq_len < 2:
-            raise ValueError(f"max_seq_len={self.max_seq_len} must be >= 2")
+            raise UserError(f"max_seq_len={self.max_seq_len} must be >= 2")
         window = getattr(target.config, "sliding_window", None)
         uses_window = getattr(target.config, "use_sliding_window", target.arch == "mistral")
         if window is not None and uses_window and window < self.max_seq_len:
-            raise ValueError(
+            raise UserError(
                 f"the target uses sliding-window attention (window {window}), which is not supported; "
                 f"pass max_seq_len <= {window}"
             )
-        self.drafter = drafter
         if drafter is not None:
-            self._attach_drafter(drafter, spec)
+            drafter = self._attach_drafter(drafter, self._policy.largest(max_batch_size))
+        self.drafter = drafter  # the caller's module, or this runtime's converted copy of it
         self.decoder = Decoder(
-            target, drafter, self.ops, spec, max_batch_size=max_batch_size, max_seq_len=self.max_seq_len
+            target,
+            drafter,
+            self.ops,
+            self._policy.choose(1, True).spec or SpecConfig.chain(1),
+            max_batch_size=max_batch_size,
+            max_seq_len=self.max_seq_len,
+            capacity=self._policy.largest(max_batch_size),
         )
 
     @property
     def spec(self) -> SpecConfig:
-        """The draft-tree shape rounds run with (settable; the decoder reads it at every draft)."""
+        """The draft-tree shape of the last request (before any: the batch-1 greedy choice).
+        Setting it pins every request to that shape (as passing ``spec=`` does)."""
         return self.decoder.spec
 
     @spec.setter
     def spec(self, spec: SpecConfig) -> None:
         if not isinstance(spec, SpecConfig):
             raise TypeError(f"spec must be a tritonspec.SpecConfig, got {type(spec).__name__}")
+        self._policy = ShapePolicy.caller(spec)
         self.decoder.spec = spec
+
+    @property
+    def shape_policy(self) -> ShapePolicy:
+        """How requests get their shape (``runtime/spec_policy.py``): ``rt.shape_policy.choose(batch_size,
+        greedy)`` tells which shape a request would run and why."""
+        return self._policy
 
     @property
     def graphs_enabled(self) -> bool:
@@ -135,7 +161,7 @@ class SpeculativeRuntime:
         sizes = self._graphs.sizes if batch_sizes is None else sorted({int(b) for b in batch_sizes})
         for b in sizes:
             if not 1 <= b <= self.max_batch_size:
-                raise ValueError(f"warmup batch size {b} must lie in [1, max_batch_size={self.max_batch_size}]")
+                raise UserError(f"warmup batch size {b} must lie in [1, max_batch_size={self.max_batch_size}]")
             self.generate(
                 [[0]] * b,
                 max_new_tokens=2,
@@ -149,12 +175,21 @@ class SpeculativeRuntime:
         captured = {k[0] for k in self._graphs.graphs}
         return sorted({self._graphs.bucket(b) for b in sizes} & captured)
 
-    def _attach_drafter(self, d: Eagle3Drafter, spec: SpecConfig) -> None:
+    def _attach_drafter(self, d: Eagle3Drafter, spec: SpecConfig) -> Eagle3Drafter:
+        """Check the drafter against the target and return the module this runtime runs: the
+        caller's when it is already on this device and dtype (and borrows no other target's
+        embedding), else a converted copy, so a drafter shared between runtimes is never moved
+        or re-attached under another runtime."""
         t, c = self.target, d.config
+        w, emb = d.fc.weight, d.embed_tokens
+        borrowed = emb is not None and not d.has_own_embedding and emb.weight.data_ptr() != t.embed.data_ptr()
+        if w.dtype != t.dtype or not _same_device(w.device, self.device) or borrowed:
+            d = d.converted(self.device, t.dtype)
+            c = d.config
         if c.vocab_size != t.vocab_size:
-            raise ValueError(f"drafter vocab_size={c.vocab_size} does not match the target's vocab_size={t.vocab_size}")
+            raise UserError(f"drafter vocab_size={c.vocab_size} does not match the target's vocab_size={t.vocab_size}")
         if c.target_hidden_size != t.hidden_size:
-            raise ValueError(
+            raise UserError(
                 f"drafter target_hidden_size={c.target_hidden_size} does not match the target's "
                 f"hidden_size={t.hidden_size}"
             )
@@ -166,15 +201,13 @@ class SpeculativeRuntime:
             )
             c.aux_layer_ids = ids
         if len(ids) != c.num_aux_hidden_states:
-            raise ValueError(
-                f"drafter expects {c.num_aux_hidden_states} aux states but lists aux layer ids {list(ids)}"
-            )
+            raise UserError(f"drafter expects {c.num_aux_hidden_states} aux states but lists aux layer ids {list(ids)}")
         t.set_aux_layer_ids(ids)
         if spec.top_k > c.draft_vocab_size:
-            raise ValueError(f"top_k={spec.top_k} exceeds the drafter's draft_vocab_size={c.draft_vocab_size}")
-        d.to(device=self.device, dtype=t.dtype)
+            raise UserError(f"top_k={spec.top_k} exceeds the drafter's draft_vocab_size={c.draft_vocab_size}")
         d.eval()
         d.attach_target_embedding(t.embed, t.drafter_info())
+        return d
 
     @classmethod
     def from_pretrained(
@@ -208,14 +241,20 @@ class SpeculativeRuntime:
             ``enforce_eager``). Capture failures warn and fall back to eager.
         cuda_graph_sizes : batch-size buckets to capture (default 1, 2, 4, ... up to
             ``max_batch_size``); a batch is padded up to the next bucket, larger ones run eager.
-        tokenizer : optional; by default read from the target directory when it has one.
+        tokenizer : a transformers tokenizer or a local directory holding one; by default read
+            from the target directory when it has one.
+
+        A drafter object already on ``device`` in the target's dtype is used as is; otherwise the
+        runtime runs a converted copy and the caller's module is left untouched. Bad arguments,
+        a device this machine lacks, and weights that disagree with their config raise
+        ``tritonspec.UserError``.
         """
         tm = TargetModel.from_pretrained(target, device=device, dtype=dtype)
         d = drafter
         if isinstance(drafter, (str, Path)):
             d = Eagle3Drafter.from_pretrained(drafter)
         elif drafter is not None and not isinstance(drafter, Eagle3Drafter):
-            raise TypeError(f"drafter must be a directory or an Eagle3Drafter, got {type(drafter).__name__}")
+            raise UserError(f"drafter must be a directory or an Eagle3Drafter, got {type(drafter).__name__}")
         if tokenizer is None and isinstance(target, (str, Path)):
             tokenizer = load_tokenizer(Path(target))
         return cls(
@@ -251,6 +290,11 @@ class SpeculativeRuntime:
         ``stop``: stop strings (the text is cut before them, the tokens end with the one that
         completed them). ``token_ids`` include a stop token that ended the row.
         ``speculative=False`` runs plain target decoding through the same runtime (the baseline).
+
+        ``prompts``: a string, a list of strings, a token id list, a list of them, or a 1-D / 2-D
+        integer tensor or numpy array; ids, seeds and sizes may be numpy or torch integers. Bad
+        input raises ``tritonspec.UserError`` naming the value. Requests are serialised (the module
+        docstring): a call from another thread waits for the running one.
         """
         run = self._start(prompts, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, speculative, stop)
         for _ in run:
@@ -274,15 +318,17 @@ class SpeculativeRuntime:
         Pieces never split a multi-byte character and never show text that a stop string may
         still remove, so ``"".join(p.text for p in rt.stream(...))`` equals ``generate``'s text.
 
+        An open stream holds the runtime (see the module docstring): iterate it to the end or call
+        its ``close()``; a ``generate`` in the same thread meanwhile raises a ``UserError``, one in
+        another thread waits.
+
         Examples
         --------
         >>> for piece in rt.stream("def f(x):", max_new_tokens=32):   # doctest: +SKIP
         ...     print(piece.text, end="", flush=True)
         """
-        if not isinstance(prompt, str) and prompt and not isinstance(prompt[0], int):
-            raise ValueError("stream() takes one prompt (a string or a token id list); use generate() for batches")
         run = self._start(
-            [prompt] if isinstance(prompt, str) else [list(prompt)],
+            one_prompt(prompt),
             max_new_tokens,
             temperature,
             top_p,
@@ -294,27 +340,43 @@ class SpeculativeRuntime:
         )
         sent, n_tok = 0, 0
         hold = max((len(x) for x in run.sampling.stop), default=1) - 1
-        for rows in run:
-            toks = rows.outs[0]
-            done = rows.done[0]
-            text = rows.text(0) if self.tokenizer is not None else ""
-            if not done:
-                text = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its bytes
-                text = text[: max(sent, len(text) - hold)]
-            if len(text) > sent or len(toks) > n_tok:
-                yield StreamPiece(text=text[sent:], token_ids=toks[n_tok:])
-                sent, n_tok = max(sent, len(text)), len(toks)
+        try:
+            for rows in run:
+                toks = rows.outs[0]
+                done = rows.done[0]
+                text = rows.text(0) if self.tokenizer is not None else ""
+                if not done:
+                    text = text.rstrip("\ufffd")  # an incomplete multi-byte character waits for its bytes
+                    text = text[: max(sent, len(text) - hold)]
+                if len(text) > sent or len(toks) > n_tok:
+                    yield StreamPiece(text=text[sent:], token_ids=toks[n_tok:])
+                    sent, n_tok = max(sent, len(text)), len(toks)
+        finally:
+            run.close()  # a stream broken off releases the runtime now
         out = run.result
         final = out.texts[0] if out.texts is not None else ""
         yield StreamPiece(text=final[sent:], token_ids=[], finish_reason=out.finish_reasons[0], stats=out.stats)
 
     def _start(self, prompts, max_new_tokens, temperature, top_p, top_k, seed, stop_token_ids, speculative, stop):
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
-        sampling = SamplingParams(temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), stop=stops)
+        sampling = SamplingParams(
+            temperature=as_float(temperature, "temperature"),
+            top_p=as_float(top_p, "top_p"),
+            top_k=as_int(top_k, "top_k"),
+            stop=stops,
+        )
+        max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
+        if speculative and self.drafter is not None:
+            w = self.drafter.fc.weight
+            if w.dtype != self.target.dtype or not _same_device(w.device, self.device):
+                raise UserError(
+                    f"the drafter was moved to {w.device} / {w.dtype} after this runtime was built for "
+                    f"{self.device} / {self.target.dtype}; move it back, or build a new runtime"
+                )
         if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1")
+            raise UserError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if stops and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer: load a target directory that has one or pass tokenizer=")
+            raise UserError("stop strings need a tokenizer: load a target directory that has one or pass tokenizer=")
         batch = encode_prompts(
             prompts,
             self.tokenizer,
@@ -323,26 +385,43 @@ class SpeculativeRuntime:
             max_batch_size=self.max_batch_size,
         )
         seeds = row_seeds(seed, len(batch), sampling)
-        use_draft = speculative and self.drafter is not None
         if speculative and self.drafter is None:
             warnings.warn("no drafter loaded: speculative=True runs plain decoding", stacklevel=3)
+        choice = self._choose_shape(len(batch), sampling, speculative)
         requests = RequestRows(
             [len(p) for p in batch],
             max_new_tokens=max_new_tokens,
             max_seq_len=self.max_seq_len,
-            stop_ids=resolve_stop_ids(stop_token_ids, self.tokenizer, self.target.config),
+            stop_ids=resolve_stop_ids(stop_token_ids, self.tokenizer, self.target.config, self.target.vocab_size),
             sampling=sampling,
             tokenizer=self.tokenizer,
         )
-        return _Run(self._decode(batch, requests, sampling, seeds, use_draft), sampling)
+        return _Run(self._decode(batch, requests, sampling, seeds, choice), sampling, self._lock)
+
+    def _choose_shape(self, batch_size: int, sampling: SamplingParams, speculative: bool) -> ShapeChoice:
+        """The shape this request runs (None: plain decoding) and why (``runtime/spec_policy.py``)."""
+        if not speculative:
+            return ShapeChoice(None, "speculative=False")
+        if self.drafter is None:
+            return ShapeChoice(None, "no drafter")
+        return self._policy.choose(batch_size, sampling.greedy)
 
     def _decode(
-        self, batch: list[list[int]], requests: RequestRows, sampling: SamplingParams, seeds: list[int], use_draft: bool
+        self,
+        batch: list[list[int]],
+        requests: RequestRows,
+        sampling: SamplingParams,
+        seeds: list[int],
+        choice: ShapeChoice,
     ) -> Iterator[RequestRows]:
         """The decode loop: prefill, then rounds until every row has stopped. Yields the requests
         after the prefill and after each round; returns the output."""
         dec = self.decoder
+        use_draft = choice.spec is not None
+        if use_draft:
+            dec.spec = choice.spec
         stats = SpecStats(accepted_per_position=[0] * self.spec.num_speculative_tokens if use_draft else [])
+        stats.spec, stats.spec_source = choice.spec, choice.source
         t0 = time.perf_counter()
         with torch.inference_mode():  # never across a yield: the caller's code runs between rounds
             dec.prefill(
@@ -376,14 +455,14 @@ class SpeculativeRuntime:
 
     def _graph_addresses(self) -> tuple[int, ...]:
         """Addresses of the tensors a captured round reads that can be replaced under it: the
-        decoder's buffers (re-made when the tree grows), the target's cache and rope tables (the
+        decoder's buffers and drafter cache (re-made when the tree grows), the target's cache and rope tables (the
         cache grows for a runtime sharing the target), the drafter's rope tables and weights
         (another runtime may grow or move them)."""
         t = self.target
         ts_ = [*self.decoder.bufs.tensors(), t.k_cache, t.v_cache, t.rope.cos, t.rope.sin]
         if self.drafter is not None:
-            r = self.drafter.rope()
-            ts_ += [r.cos, r.sin, *self.drafter.parameters()]
+            r, cache = self.drafter.rope(), self.decoder.draft_cache
+            ts_ += [r.cos, r.sin, cache.k, cache.v, *self.drafter.parameters()]
         return tuple(x.data_ptr() for x in ts_)
 
     def _rows(self, live: int) -> int:
@@ -422,10 +501,72 @@ class SpeculativeRuntime:
 
 
 class _Run:
-    """Iterates a decode loop (yielding the requests after each round) and keeps its return value."""
+    """Iterates a decode loop (yielding the requests after each round) while holding the target's
+    ``DecodeLock``, and keeps its return value. ``close()`` ends it early and releases the lock."""
 
-    def __init__(self, gen: Iterator[RequestRows], sampling: SamplingParams):
-        self.gen, self.sampling, self.result = gen, sampling, None
+    def __init__(self, gen: Iterator[RequestRows], sampling: SamplingParams, lock: DecodeLock):
+        self.sampling, self.result = sampling, None
+        self._it = self._run(gen, lock)
+
+    def _run(self, gen: Iterator[RequestRows], lock: DecodeLock) -> Iterator[RequestRows]:
+        with lock.hold():  # taken at the first step (the prefill), not when the request is built
+            self.result = yield from gen
 
     def __iter__(self) -> Iterator[RequestRows]:
-        self.result = yield from self.gen
+        return self._it
+
+    def close(self) -> None:
+        self._it.close()
+
+
+class DecodeLock:
+    """One request at a time on a target's decode state and KV cache (see the module docstring):
+    another thread waits; the thread that holds it (an open stream) gets a ``UserError``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread that took it
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._owner == me:  # waiting would deadlock: this thread's own open stream holds it
+            raise UserError(
+                "a stream of this runtime (or of a runtime sharing its target) is still open in this thread: "
+                "iterate it to the end or call its close() before starting another generate() or stream()"
+            )
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
+
+
+_LOCKS: weakref.WeakKeyDictionary[TargetModel, DecodeLock] = weakref.WeakKeyDictionary()
+
+
+def decode_lock(target: TargetModel) -> DecodeLock:
+    """The ``DecodeLock`` of ``target``, shared by every runtime built on it (its KV cache is shared)."""
+    return _LOCKS.setdefault(target, DecodeLock())
+
+
+def resolve_tokenizer(tokenizer: Any) -> Any:
+    """A tokenizer object as is, None, or the tokenizer of a local directory (str or Path); anything
+    else is a ``UserError`` saying what is accepted."""
+    accepted = "pass a transformers tokenizer (AutoTokenizer.from_pretrained(...)) or a local directory holding one"
+    if tokenizer is None:
+        return None
+    if isinstance(tokenizer, (str, Path)):
+        tok = load_tokenizer(Path(tokenizer)) if Path(tokenizer).is_dir() else None
+        if tok is None:
+            raise UserError(f"tokenizer={str(tokenizer)!r} is not a directory with tokenizer files: {accepted}")
+        return tok
+    if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+        raise UserError(f"tokenizer of type {type(tokenizer).__name__} is not a tokenizer: {accepted}")
+    return tokenizer
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Same device type, and the same index where both name one (``cuda`` is the current ``cuda:N``)."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)

@@ -24,6 +24,7 @@ from ..kernels.tree_attention import tree_visibility
 from ..kernels.verify import verify_greedy_reference
 from ..kernels.verify_chain import verify_chain_reference
 from ..kernels.verify_sampling import verify_sampling_reference
+from .errors import UserError
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -180,7 +181,7 @@ class TorchOps:
 def resolve_backend(backend: str, device: torch.device) -> str:
     """``auto`` is ``triton`` on a CUDA device when Triton imports, else ``torch``."""
     if backend not in BACKENDS:
-        raise ValueError(f"backend={backend!r} is not one of {BACKENDS}")
+        raise UserError(f"backend={backend!r} is not one of {BACKENDS}")
     if backend != "auto":
         return backend
     if device.type == "cuda":
@@ -203,12 +204,12 @@ def get_ops(backend: str) -> Ops:
         try:
             from ..kernels.triton_ops import TritonOps
         except ImportError as e:  # triton missing or kernels not built
-            raise ImportError(
+            raise UserError(
                 f"backend='triton' needs the triton package and tritonspec.kernels.triton_ops ({e}); "
                 "install with `pip install 'tritonspec[triton]'` or use backend='torch'"
             ) from e
         if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError(
+            raise UserError(
                 "backend='triton' on a machine without CUDA needs TRITON_INTERPRET=1 set before triton is "
                 "imported (slow; for tests), or use backend='torch'"
             )

@@ -8,70 +8,198 @@ collects each row's emitted tokens and decides when a row is finished.
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
 
+from .errors import UserError
 from .sampling import SamplingParams
 
 
 def encode_prompts(
     prompts: Any, tokenizer: Any, *, vocab_size: int, max_seq_len: int, max_batch_size: int
 ) -> list[list[int]]:
-    """Token id lists of ``prompts`` (a string, a list of strings, a token id list or a list of
-    them), checked against the vocabulary, ``max_seq_len`` and ``max_batch_size``."""
-    if isinstance(prompts, str):
+    """Token id lists of ``prompts``, checked against the vocabulary, ``max_seq_len`` and
+    ``max_batch_size``.
+
+    Accepted, as transformers users pass them: a string, a list of strings, a token id list, a
+    list of token id lists, a 1-D (one prompt) or 2-D (a batch) integer tensor or numpy array, or a
+    list of 1-D ones. Token ids are Python, numpy or torch integers; floats, bools and bytes are
+    refused (``UserError`` naming the value) rather than converted."""
+    if _is_array(prompts):
+        prompts = _array_prompts(prompts)
+    elif isinstance(prompts, (bytes, bytearray)):
+        raise UserError(f"prompts={prompts!r} is bytes: decode it to a string (prompts.decode()) or pass token ids")
+    elif isinstance(prompts, str):
         prompts = [prompts]
-    elif isinstance(prompts, Sequence) and prompts and all(isinstance(x, int) for x in prompts):
-        prompts = [list(prompts)]
-    if not isinstance(prompts, Sequence) or len(prompts) == 0:
-        raise ValueError("prompts is empty: pass a string, a list of strings, or token id lists")
+    elif isinstance(prompts, Sequence) and prompts and all(_is_scalar(x) for x in prompts):
+        prompts = [list(prompts)]  # one token id list (floats in it are refused below)
+    if not isinstance(prompts, Sequence):
+        raise UserError(f"prompts of type {type(prompts).__name__} are not accepted: {PROMPT_TYPES}")
+    if len(prompts) == 0:
+        raise UserError(f"prompts is empty: {PROMPT_TYPES}")
     batch: list[list[int]] = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
             if tokenizer is None:
-                raise ValueError(
+                raise UserError(
                     "string prompts need a tokenizer: load a target directory that has one, "
                     "pass tokenizer=..., or pass token ids"
                 )
             ids = list(tokenizer(p, add_special_tokens=True)["input_ids"])
         else:
-            ids = [int(t) for t in p]
+            ids = _token_ids(p, f"prompt {i}")
         if not ids:
-            raise ValueError(f"prompt {i} is empty")
+            raise UserError(f"prompt {i} is empty")
         bad = [t for t in ids if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+            raise UserError(f"prompt {i} has token ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
         if len(ids) >= max_seq_len:
-            raise ValueError(
+            raise UserError(
                 f"prompt {i} has {len(ids)} tokens but max_seq_len={max_seq_len} "
                 "(prompt + generated tokens); shorten it or raise max_seq_len"
             )
         batch.append(ids)
     if len(batch) > max_batch_size:
-        raise ValueError(
+        raise UserError(
             f"{len(batch)} prompts exceed max_batch_size={max_batch_size}; split the batch or raise max_batch_size"
         )
     return batch
 
 
-def row_seeds(seed: int | Sequence[int] | None, batch: int, sampling: SamplingParams) -> list[int]:
-    """One seed per row: ``seed`` for every row, one per row, or random ones (greedy: zeros)."""
+PROMPT_TYPES = (
+    "pass a string, a list of strings, a token id list, a list of token id lists, "
+    "or a 1-D / 2-D integer tensor or numpy array"
+)
+
+
+def _is_array(x: Any) -> bool:
+    """A torch tensor or a numpy array (anything with ``ndim``, ``dtype`` and ``tolist``)."""
+    return all(hasattr(x, a) for a in ("ndim", "dtype", "tolist")) and not isinstance(x, (str, bytes))
+
+
+def _is_token(x: Any) -> bool:
+    """A Python, numpy or torch (0-d) integer, not a bool."""
+    if type(x) is int:  # the common case, fast
+        return True
+    if isinstance(x, bool) or (_is_array(x) and (x.ndim != 0 or _array_kind(x) != "int")):
+        return False
+    try:
+        operator.index(x)
+    except TypeError:
+        return False
+    return True
+
+
+def _is_scalar(x: Any) -> bool:
+    """A number (a token id, or a float that is not one): not a string, sequence or tensor row."""
+    return isinstance(x, numbers.Number) or (_is_array(x) and x.ndim == 0)
+
+
+def _array_kind(a: Any) -> str:
+    """``"int"``, ``"bool"`` or ``"other"`` for a tensor's or an array's dtype."""
+    d = a.dtype
+    if isinstance(d, torch.dtype):
+        if d == torch.bool:
+            return "bool"
+        return "other" if d.is_floating_point or d.is_complex else "int"
+    kind = getattr(d, "kind", "")  # numpy: i / u integers, b bool
+    return "int" if kind in ("i", "u") else "bool" if kind == "b" else "other"
+
+
+def _array_prompts(a: Any) -> list:
+    if _array_kind(a) != "int" or a.ndim not in (1, 2):
+        raise UserError(
+            f"a prompt tensor must be a 1-D (one prompt) or 2-D (a batch) integer tensor, "
+            f"got {a.ndim}-D with dtype {a.dtype}"
+        )
+    return [a.tolist()] if a.ndim == 1 else a.tolist()
+
+
+def _token_ids(p: Any, what: str) -> list[int]:
+    """``p`` (a sequence of integers, or a 1-D integer tensor/array) as a list of ints."""
+    if _is_array(p):
+        if _array_kind(p) != "int" or p.ndim != 1:
+            raise UserError(f"{what} must be a 1-D integer tensor, got {p.ndim}-D with dtype {p.dtype}")
+        return p.tolist()
+    if isinstance(p, (bytes, bytearray)) or not isinstance(p, Sequence):
+        raise UserError(f"{what} is {p!r}: {PROMPT_TYPES}")
+    bad = [t for t in p if not _is_token(t)]
+    if bad:
+        raise UserError(f"{what} has token ids that are not integers: {bad[:5]!r}")
+    return [operator.index(t) for t in p]
+
+
+def as_int(value: Any, name: str) -> int:
+    """``value`` as an int when it is a Python, numpy or torch integer (not a bool), else a
+    ``UserError`` naming it."""
+    if not _is_token(value):
+        raise UserError(f"{name}={value!r} must be an integer")
+    return operator.index(value)
+
+
+def as_float(value: Any, name: str) -> float:
+    """``value`` as a float when it is a real number (Python, numpy or a 0-d tensor; not a bool or
+    a string), else a ``UserError`` naming it."""
+    if isinstance(value, (bool, str, bytes)) or (_is_array(value) and value.ndim != 0):
+        raise UserError(f"{name}={value!r} must be a number")
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"{name}={value!r} must be a number") from None
+
+
+def one_prompt(prompt: Any) -> list:
+    """``prompt`` (one string, token id list or 1-D tensor/array) as a batch of one for
+    ``encode_prompts``; a batch is a ``UserError`` (``stream`` decodes one prompt)."""
+    one = isinstance(prompt, (str, bytes, bytearray)) or (_is_array(prompt) and prompt.ndim == 1)
+    if one or (isinstance(prompt, Sequence) and all(_is_token(t) for t in prompt)):
+        return [prompt]
+    raise UserError(
+        "stream() takes one prompt (a string, a token id list or a 1-D integer tensor); use generate() for batches"
+    )
+
+
+def row_seeds(seed: Any, batch: int, sampling: SamplingParams) -> list[int]:
+    """One seed per row: ``seed`` for every row, one per row, or random ones (greedy: zeros).
+    A seed is a Python, numpy or torch integer; a sequence (or 1-D tensor) gives one per row."""
     if seed is None:
         return torch.randint(0, 2**62, (batch,)).tolist() if not sampling.greedy else [0] * batch
-    if isinstance(seed, int):
-        return [seed] * batch
-    seeds = [int(s) for s in seed]
+    if _is_token(seed):
+        return [operator.index(seed)] * batch
+    if _is_array(seed) and seed.ndim == 1 and _array_kind(seed) == "int":
+        seed = seed.tolist()
+    if isinstance(seed, (str, bytes, bytearray)) or not isinstance(seed, Sequence):
+        raise UserError(f"seed={seed!r}: pass one integer, or one integer per prompt")
+    seeds = [as_int(s, "seed") for s in seed]
     if len(seeds) != batch:
-        raise ValueError(f"{len(seeds)} seeds for {batch} prompts: pass one int or one seed per prompt")
+        raise UserError(f"{len(seeds)} seeds for {batch} prompts: pass one int or one seed per prompt")
     return seeds
 
 
-def resolve_stop_ids(stop_ids: Iterable[int] | None, tokenizer: Any, config: Any) -> set[int]:
-    """The caller's stop ids, else the tokenizer's EOS, else the model config's (none: empty)."""
+def resolve_stop_ids(stop_ids: Any, tokenizer: Any, config: Any, vocab_size: int | None = None) -> set[int]:
+    """The caller's stop ids (integers in ``[0, vocab_size)``), else the tokenizer's EOS, else the
+    model config's (none: empty)."""
     if stop_ids is not None:
-        return {int(t) for t in stop_ids}
+        if _is_token(stop_ids):
+            raise UserError(f"stop_token_ids={stop_ids!r}: pass a list of token ids, e.g. [{stop_ids!r}]")
+        if _is_array(stop_ids):
+            stop_ids = stop_ids.tolist() if stop_ids.ndim == 1 and _array_kind(stop_ids) == "int" else [stop_ids]
+        if isinstance(stop_ids, (str, bytes, bytearray)) or not isinstance(stop_ids, Iterable):
+            raise UserError(f"stop_token_ids={stop_ids!r} must be a list of integer token ids")
+        ids = list(stop_ids)
+        bad = [t for t in ids if not _is_token(t)]
+        if bad:
+            raise UserError(f"stop_token_ids has values that are not integer token ids: {bad[:5]!r}")
+        ids = [operator.index(t) for t in ids]
+        if vocab_size is not None:
+            out = [t for t in ids if not 0 <= t < vocab_size]
+            if out:
+                raise UserError(f"stop_token_ids {out[:5]} lie outside the vocabulary [0, {vocab_size})")
+        return set(ids)
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     if eos is None:
         eos = getattr(config, "eos_token_id", None)

@@ -19,10 +19,18 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import UserError
+
+# Temperatures below this are greedy (vLLM's _SAMPLING_EPS): ``logits / temperature`` overflows
+# float32 for tiny temperatures (1e-38 gives inf - inf = NaN in the softmax), and the limit
+# temperature -> 0 of sampling is greedy decoding anyway.
+GREEDY_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Validated sampling settings (vLLM names). ``temperature=0`` is greedy."""
+    """Validated sampling settings (vLLM names). ``temperature=0`` is greedy, and so is any
+    temperature below ``GREEDY_TEMPERATURE`` (1e-5): temperature -> 0 approaches greedy output."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -31,17 +39,18 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+            raise UserError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must lie in (0, 1] (1 = off)")
+            raise UserError(f"top_p={self.top_p} must lie in (0, 1] (1 = off)")
         if self.top_k < 0:
-            raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = off)")
+            raise UserError(f"top_k={self.top_k} must be >= 0 (0 = off)")
         if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
+            raise UserError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Greedy decoding: ``temperature`` below ``GREEDY_TEMPERATURE`` (0 included)."""
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def process_logits(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from .errors import UserError
 from .metadata import AttentionMetadata
 from .rope import Rope, rope_parameters
 from .weights import load_state_dict
@@ -43,6 +44,100 @@ def target_info(config: Any) -> dict:
         "max_position_embeddings": getattr(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS),
         "rope": rope_parameters(config),
     }
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``device`` as a ``torch.device`` that this machine has (a ``UserError`` otherwise, rather than
+    torch's ``AssertionError: Torch not compiled with CUDA enabled`` at the first tensor)."""
+    try:
+        d = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise UserError(f"device={device!r} is not a device name: use 'cpu', 'cuda' or 'cuda:N'") from e
+    if d.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise UserError(f"device={str(device)!r}: no CUDA device is available here; use device='cpu'")
+        if d.index is not None and d.index >= n:
+            raise UserError(f"device={str(device)!r}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    return d
+
+
+def expected_shapes(config: Any, arch: str) -> tuple[dict[str, tuple[int, ...]], set[str]]:
+    """``({name: shape}, optional names)`` of a Llama-family checkpoint's tensors (``model.`` stripped)
+    as the config describes them; optional: biases, tied ``lm_head``, Qwen3's q/k norms elsewhere."""
+    H, V, I = config.hidden_size, config.vocab_size, config.intermediate_size
+    nh = config.num_attention_heads
+    nkv = getattr(config, "num_key_value_heads", None) or nh
+    hd = getattr(config, "head_dim", None) or H // nh
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (V, H), "norm.weight": (H,), "lm_head.weight": (V, H)}
+    optional = set() if not getattr(config, "tie_word_embeddings", False) else {"lm_head.weight"}
+    for i in range(config.num_hidden_layers):
+        p = f"layers.{i}."
+        a, m = p + "self_attn.", p + "mlp."
+        shapes.update(
+            {
+                p + "input_layernorm.weight": (H,),
+                p + "post_attention_layernorm.weight": (H,),
+                a + "q_proj.weight": (nh * hd, H),
+                a + "k_proj.weight": (nkv * hd, H),
+                a + "v_proj.weight": (nkv * hd, H),
+                a + "o_proj.weight": (H, nh * hd),
+                a + "q_proj.bias": (nh * hd,),
+                a + "k_proj.bias": (nkv * hd,),
+                a + "v_proj.bias": (nkv * hd,),
+                a + "o_proj.bias": (H,),
+                a + "q_norm.weight": (hd,),
+                a + "k_norm.weight": (hd,),
+                m + "gate_proj.weight": (I, H),
+                m + "up_proj.weight": (I, H),
+                m + "down_proj.weight": (H, I),
+            }
+        )
+        optional |= {a + f"{x}_proj.bias" for x in "qkvo"}
+        if arch != "qwen3":
+            optional |= {a + "q_norm.weight", a + "k_norm.weight"}
+    return shapes, optional
+
+
+def check_weights(config: Any, state: dict[str, torch.Tensor], arch: str) -> None:
+    """Fail with a ``UserError`` naming the tensor when the weights disagree with the config: a layer
+    count other than ``num_hidden_layers``, a missing or unexpected tensor, or a shape other than
+    the config's (expected and found shapes in the message)."""
+    layers = {int(k.split(".")[1]) for k in state if k.startswith("layers.") and k.split(".")[1].isdigit()}
+    n = config.num_hidden_layers
+    if layers and layers != set(range(n)):
+        raise UserError(
+            f"config.json says num_hidden_layers={n} but the weights hold layers "
+            f"{_ranges(sorted(layers))}; fix num_hidden_layers or use the matching weights"
+        )
+    shapes, optional = expected_shapes(config, arch)
+    missing = [k for k in shapes if k not in state and k not in optional]
+    if missing:
+        raise UserError(f"target weights lack {missing[:4]} (is this a {arch} checkpoint?)")
+    unexpected = [k for k in state if k not in shapes and not k.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise UserError(
+            f"target weights hold tensors a {arch} forward does not use: {unexpected[:4]} "
+            "(a different architecture or extra modules this runtime would silently ignore)"
+        )
+    wrong = [
+        f"{k}: expected {shapes[k]}, found {tuple(t.shape)}"
+        for k, t in state.items()
+        if k in shapes and tuple(t.shape) != shapes[k]
+    ]
+    if wrong:
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise UserError(f"target weights disagree with config.json: {'; '.join(wrong[:3])}{more}")
+
+
+def _ranges(ids: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``."""
+    out, start = [], ids[0]
+    for a, b in zip(ids, ids[1:] + [None]):
+        if b != a + 1:
+            out.append(f"{start}" if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(out)
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -77,7 +172,7 @@ def _architecture(config: Any) -> str:
     family = {v: v for v in SUPPORTED_ARCHITECTURES.values()}
     if not archs and getattr(config, "model_type", None) in family:
         return config.model_type
-    raise ValueError(
+    raise UserError(
         f"unsupported target architecture {archs or getattr(config, 'model_type', None)!r}; "
         f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
@@ -96,7 +191,7 @@ class TargetModel:
         self.config = config
         self.arch = _architecture(config)
         if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"target hidden_act={config.hidden_act!r} is not supported (only 'silu')")
+            raise UserError(f"target hidden_act={config.hidden_act!r} is not supported (only 'silu')")
         self.device, self.dtype = device, dtype
         self.num_layers = config.num_hidden_layers
         self.hidden_size = config.hidden_size
@@ -107,12 +202,13 @@ class TargetModel:
         self.eps = config.rms_norm_eps
         self.max_position_embeddings = getattr(config, "max_position_embeddings", DEFAULT_MAX_POSITIONS)
         state = {k[len("model.") :] if k.startswith("model.") else k: v for k, v in state.items()}
+        check_weights(config, state, self.arch)
 
         def get(name: str, required: bool = True) -> torch.Tensor | None:
             t = state.get(name)
             if t is None:
                 if required:
-                    raise ValueError(f"target weights lack {name!r} (is this a {self.arch} checkpoint?)")
+                    raise UserError(f"target weights lack {name!r} (is this a {self.arch} checkpoint?)")
                 return None
             return t.to(device=device, dtype=dtype)
 
@@ -122,7 +218,7 @@ class TargetModel:
         tied = getattr(config, "tie_word_embeddings", False)
         self.lm_head = self.embed if (lm is None or tied) else lm.to(device=device, dtype=dtype)
         if lm is None and not tied:
-            raise ValueError("target weights lack 'lm_head.weight' and tie_word_embeddings is false")
+            raise UserError("target weights lack 'lm_head.weight' and tie_word_embeddings is false")
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):
             p = f"layers.{i}."
@@ -155,8 +251,12 @@ class TargetModel:
     def from_pretrained(
         cls, source: str | Path | Any, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
     ) -> TargetModel:
-        """From a Hugging Face model directory or a loaded ``transformers`` ``PreTrainedModel``."""
-        device = torch.device(device)
+        """From a Hugging Face model directory or a loaded ``transformers`` ``PreTrainedModel``.
+
+        Every tensor's shape is checked against the config (``check_weights``): a missing,
+        unexpected or wrongly shaped tensor, or a layer count that disagrees with the weights, is a
+        ``UserError`` naming the tensor."""
+        device = resolve_device(device)
         if isinstance(source, (str, Path)):
             from transformers import AutoConfig
 
@@ -166,19 +266,21 @@ class TargetModel:
             try:
                 config = AutoConfig.from_pretrained(str(path))
             except Exception as e:  # noqa: BLE001
-                raise ValueError(f"cannot read target config {path / 'config.json'}: {e}") from e
+                raise UserError(f"cannot read target config {path / 'config.json'}: {e}") from e
             _architecture(config)  # fail before reading weights
             state = load_state_dict(path)
         else:
             config = getattr(source, "config", None)
             if config is None or not hasattr(source, "state_dict"):
-                raise TypeError(
-                    f"target must be a model directory or a transformers PreTrainedModel, got {type(source)}"
+                raise UserError(
+                    f"target must be a model directory or a transformers PreTrainedModel, got {type(source).__name__}"
                 )
             _architecture(config)
             state = {k: v.detach() for k, v in source.state_dict().items()}
         if dtype is None:
             dtype = _config_dtype(config, device)
+        elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise UserError(f"dtype={dtype!r} must be a floating torch dtype, e.g. torch.float32 or torch.bfloat16")
         return cls(config, state, device, dtype)
 
     def set_aux_layer_ids(self, ids: tuple[int, ...] | list[int]) -> None:
@@ -186,7 +288,7 @@ class TargetModel:
         ids = tuple(int(i) for i in ids)
         bad = [i for i in ids if not 0 <= i <= self.num_layers]
         if bad:
-            raise ValueError(
+            raise UserError(
                 f"aux layer ids {list(ids)} out of range for a target with {self.num_layers} layers: "
                 f"boundary ids must lie in [0, {self.num_layers}] "
                 f"(0 = embeddings, {self.num_layers} = last layer output)"

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from .errors import UserError
+
 
 def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face model directory, with errors that name the file."""
@@ -24,7 +26,7 @@ def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
         try:
             shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError) as e:
-            raise ValueError(f"corrupt weight index {index}: {e}") from e
+            raise UserError(f"corrupt weight index {index}: {e}") from e
         out: dict[str, torch.Tensor] = {}
         for shard in shards:
             path = d / shard
@@ -36,7 +38,7 @@ def load_state_dict(directory: str | Path) -> dict[str, torch.Tensor]:
         try:
             return torch.load(binary, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - any unpickling failure means a bad file
-            raise ValueError(f"corrupt weight file {binary}: {e}") from e
+            raise UserError(f"corrupt weight file {binary}: {e}") from e
     raise FileNotFoundError(
         f"no weights in {d}: expected model.safetensors, model.safetensors.index.json or pytorch_model.bin"
     )
@@ -48,7 +50,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as e:  # noqa: BLE001 - safetensors raises several error types
-        raise ValueError(f"corrupt weight file {path}: {e}") from e
+        raise UserError(f"corrupt weight file {path}: {e}") from e
 
 
 def read_config(directory: str | Path) -> dict:
@@ -58,7 +60,7 @@ def read_config(directory: str | Path) -> dict:
     try:
         return json.loads(path.read_text())
     except ValueError as e:
-        raise ValueError(f"corrupt config file {path}: {e}") from e
+        raise UserError(f"corrupt config file {path}: {e}") from e
 
 
 def load_tokenizer(path: str | Path) -> Any:

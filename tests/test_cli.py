@@ -68,10 +68,12 @@ def test_generate_bad_input_is_a_clear_error(pair_dirs, capsys, tmp_path):
 
 
 def test_export_to_speculators(pair_dirs, tmp_path, capsys):
-    _, d = pair_dirs
-    assert main(["export", "--drafter", str(d), "--out", str(tmp_path / "s"), "--format", "speculators"]) == 0
+    t, d = pair_dirs
+    argv = ["export", "--drafter", str(d), "--out", str(tmp_path / "s"), "--format", "speculators", "--target", str(t)]
+    assert main([*argv, "--for", "vllm"]) == 0  # the speculators format records the target (verifier)
     cfg = json.loads((tmp_path / "s" / "config.json").read_text())
     assert cfg["speculators_model_type"] == "eagle3" and cfg["fc_norm"] is True
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(t.resolve())
     e = ts.Eagle3Drafter.from_pretrained(tmp_path / "s")
     assert e.config == ts.Eagle3Drafter.from_pretrained(d).config
 
