@@ -99,8 +99,9 @@ class SpeculativeRuntime:
                 f"the target uses sliding-window attention (window {window}), which is not supported; "
                 f"pass max_seq_len <= {window}"
             )
+        largest = self._policy.largest(max_batch_size)  # sizes the caches for every shape the policy may pick
         if drafter is not None:
-            drafter = self._attach_drafter(drafter, self._policy.largest(max_batch_size))
+            drafter = self._attach_drafter(drafter, largest)
         self.drafter = drafter  # the caller's module, or this runtime's converted copy of it
         self.decoder = Decoder(
             target,
@@ -109,7 +110,7 @@ class SpeculativeRuntime:
             self._policy.choose(1, True).spec or SpecConfig.chain(1),
             max_batch_size=max_batch_size,
             max_seq_len=self.max_seq_len,
-            capacity=self._policy.largest(max_batch_size),
+            capacity=largest,
         )
 
     @property

@@ -125,20 +125,9 @@ def profile_name(target_fp: str, drafter_fp: str, device_key: str, dtype: str, b
     return store.config_filename(KIND, device_key, dtype, shape)[:-5] + f",backend={backend}.json"
 
 
-def profile_filename(
-    target_fp: str, drafter_fp: str, device: torch.device | str, dtype: torch.dtype | str, backend: str
-) -> str:
-    return profile_name(target_fp, drafter_fp, device_key(device), store.dtype_name(dtype), backend)
-
-
-def find_profile(target: Any, drafter: Any, backend: str) -> Path | None:
-    """The profile file for this pair/dtype/backend: this exact device's, else this kind of
-    device's; user folders (``store.search_dirs()``) before the shipped ones (``SHIPPED_DIR``)."""
-    return next(iter(candidate_profiles(target, drafter, backend)), None)
-
-
 def candidate_profiles(target: Any, drafter: Any, backend: str) -> list[Path]:
-    """Every existing profile file for this pair/dtype/backend, in lookup order (``find_profile``)."""
+    """Every existing profile file for this pair/dtype/backend, in lookup order: this exact device's,
+    then this kind of device's; user folders (``store.search_dirs()``) before ``SHIPPED_DIR``."""
     t, d, dt = target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
     names = [profile_name(t, d, key, dt, backend) for key in (device_key(target.device), device_kind(target.device))]
     dirs = [*store.search_dirs(), SHIPPED_DIR]
@@ -262,13 +251,6 @@ def shape_policy(target: Any, drafter: Any, backend: str) -> ShapePolicy:
         except (OSError, ValueError, TypeError) as e:
             _warn(f"ignoring the tuned tree profile {path} ({e}); using the default shapes")
     return ShapePolicy.heuristic(target.device)
-
-
-def tuned_spec(target: Any, drafter: Any, backend: str) -> SpecConfig | None:
-    """The tuned batch-1 greedy ``SpecConfig`` for this pair on this device and backend, or None
-    (no usable profile: the rule decides)."""
-    policy = shape_policy(target, drafter, backend)
-    return None if policy.source == "heuristic" else policy.choose(1, True).spec
 
 
 def _minor(version: str | None) -> tuple[str, ...]:

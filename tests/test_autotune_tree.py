@@ -14,7 +14,7 @@ import tritonspec as ts
 from tritonspec.autotune.tree_model import AcceptanceProfile, CostModel, _monotone, neighbours, predict, search
 from tritonspec.autotune.tree_tuner import tune_tree
 from tritonspec.kernels import store
-from tritonspec.runtime.profiles import find_profile, tuned_spec
+from tritonspec.runtime.profiles import candidate_profiles, shape_policy
 from tritonspec.runtime.spec_policy import ROW_BUDGET, rule_shape
 
 from _util import perm_pair, random_prompts, runtime
@@ -144,8 +144,9 @@ def test_no_profile_is_silent_and_plain_runtime_needs_none(tuned_dir):
     tm = ts.TargetModel.from_pretrained(model)
     with warnings.catch_warnings():
         warnings.simplefilter("error", store.TunedConfigWarning)
-        assert find_profile(tm, drafter, "torch") is None and tuned_spec(tm, drafter, "torch") is None
-        assert tuned_spec(tm, None, "torch") is None
+        assert candidate_profiles(tm, drafter, "torch") == []
+        assert shape_policy(tm, drafter, "torch").source == "heuristic"
+        assert shape_policy(tm, None, "torch").source == "heuristic"
 
 
 def test_cli_tree_on_a_tiny_pair(tmp_path, tuned_dir, capsys):
