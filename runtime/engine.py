@@ -13,19 +13,18 @@ beyond the live batch (bucket padding, finished rows) are idle: their writes go 
 and their output is ignored. The only host synchronisation of a round is ``Decoder.collect``.
 
 One request at a time per target: the decode state and the target's KV cache are shared by every
-request of a runtime (and by runtimes sharing a ``TargetModel``), so a ``DecodeLock`` serialises
-them. A ``generate`` or ``stream`` from another thread waits until the running request ends (a
-stream ends when it is exhausted or closed); a ``generate`` or ``stream`` started in the thread
+request of a runtime (and by runtimes sharing a ``TargetModel``), so the target's
+``decode_lock`` (a ``target.DecodeLock``) serialises them. A ``generate`` or ``stream`` from
+another thread waits until the running request ends (a stream ends when it is exhausted or
+closed); a ``generate`` or ``stream`` started in the thread
 that holds an open stream would wait forever, and raises a ``UserError`` instead. Never wrong tokens.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 import warnings
-import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -73,7 +72,7 @@ class SpeculativeRuntime:
         self.target = target
         self.tokenizer = resolve_tokenizer(tokenizer)
         self.device = target.device
-        self._lock = decode_lock(target)
+        self._lock = target.decode_lock  # one request at a time per target: runtimes sharing it share its cache
         self.backend = resolve_backend(backend, self.device)
         self.ops = get_ops(self.backend)
         if spec is not None and not isinstance(spec, SpecConfig):
@@ -505,11 +504,11 @@ class _Run:
     """Iterates a decode loop (yielding the requests after each round) while holding the target's
     ``DecodeLock``, and keeps its return value. ``close()`` ends it early and releases the lock."""
 
-    def __init__(self, gen: Iterator[RequestRows], sampling: SamplingParams, lock: DecodeLock):
+    def __init__(self, gen: Iterator[RequestRows], sampling: SamplingParams, lock):
         self.sampling, self.result = sampling, None
         self._it = self._run(gen, lock)
 
-    def _run(self, gen: Iterator[RequestRows], lock: DecodeLock) -> Iterator[RequestRows]:
+    def _run(self, gen: Iterator[RequestRows], lock) -> Iterator[RequestRows]:
         with lock.hold():  # taken at the first step (the prefill), not when the request is built
             self.result = yield from gen
 
@@ -518,38 +517,6 @@ class _Run:
 
     def close(self) -> None:
         self._it.close()
-
-
-class DecodeLock:
-    """One request at a time on a target's decode state and KV cache (see the module docstring):
-    another thread waits; the thread that holds it (an open stream) gets a ``UserError``."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._owner: int | None = None  # the thread that took it
-
-    @contextlib.contextmanager
-    def hold(self) -> Iterator[None]:
-        me = threading.get_ident()
-        if self._owner == me:  # waiting would deadlock: this thread's own open stream holds it
-            raise UserError(
-                "a stream of this runtime (or of a runtime sharing its target) is still open in this thread: "
-                "iterate it to the end or call its close() before starting another generate() or stream()"
-            )
-        with self._lock:
-            self._owner = me
-            try:
-                yield
-            finally:
-                self._owner = None
-
-
-_LOCKS: weakref.WeakKeyDictionary[TargetModel, DecodeLock] = weakref.WeakKeyDictionary()
-
-
-def decode_lock(target: TargetModel) -> DecodeLock:
-    """The ``DecodeLock`` of ``target``, shared by every runtime built on it (its KV cache is shared)."""
-    return _LOCKS.setdefault(target, DecodeLock())
 
 
 def resolve_tokenizer(tokenizer: Any) -> Any:

@@ -11,6 +11,9 @@ Boundary convention (one convention everywhere): boundary ``b`` is the residual 
 
 from __future__ import annotations
 
+import contextlib
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -244,6 +247,7 @@ class TargetModel:
         self.rope = Rope(config, self.head_dim, self.max_position_embeddings, device, dtype)
         self.aux_layer_ids: tuple[int, ...] = ()
         self.k_cache: torch.Tensor | None = None
+        self.decode_lock = DecodeLock()  # one request at a time on this cache (runtimes may share it)
         self.v_cache: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ construction
@@ -377,3 +381,27 @@ def _config_dtype(config: Any, device: torch.device) -> torch.dtype:
     if device.type == "cpu":
         return torch.float32  # CPU BLAS is fastest and exact in fp32
     return d if isinstance(d, torch.dtype) else torch.bfloat16
+
+
+class DecodeLock:
+    """One request at a time on a target's decode state and KV cache (see the module docstring):
+    another thread waits; the thread that holds it (an open stream) gets a ``UserError``."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._owner: int | None = None  # the thread that took it
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        me = threading.get_ident()
+        if self._owner == me:  # waiting would deadlock: this thread's own open stream holds it
+            raise UserError(
+                "a stream of this runtime (or of a runtime sharing its target) is still open in this thread: "
+                "iterate it to the end or call its close() before starting another generate() or stream()"
+            )
+        with self._lock:
+            self._owner = me
+            try:
+                yield
+            finally:
+                self._owner = None
