@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..runtime.errors import UserError
+from ..runtime.gguf import KNOWN_MODELS
 
 TINY = "tiny-random"
 DEMO = "demo"  # the bundled demo pair (tritonspec.demo); "demo:eagle3" picks the EAGLE-3 drafter
@@ -56,14 +57,24 @@ def is_demo(target: str) -> bool:
 
 
 def resolve_pair(target: str, drafter: str | None) -> tuple[str, str | None]:
-    """``(target_dir, drafter_dir)`` for a ``--target`` / ``--drafter`` pair: the demo pair and the
-    tiny random pair are resolved to their directories (``--drafter`` still wins); anything else
-    is passed through."""
+    """``(target_dir, drafter_dir)`` for a ``--target`` / ``--drafter`` pair: the demo pair, the
+    tiny random pair and known GGUF models (``smollm2``, ``smollm2:eagle3``, ``smollm2:plain``;
+    their shipped drafter unless ``--drafter``) are resolved to their directories (``--drafter``
+    still wins); anything else (a directory, a ``.gguf`` file) is passed through."""
     if is_demo(target):
         from ..demo import demo_pair
 
         tdir, ddir = demo_pair(target.partition(":")[2] or "eagle3.1")
         return str(tdir), (drafter or str(ddir))
+    name, _, variant = target.partition(":")
+    if name.lower() in KNOWN_MODELS:
+        from ..drafters import shipped_drafter
+        from ..runtime.gguf import resolve_target
+
+        tdir = resolve_target(name.lower())
+        if drafter is None and variant != "plain":
+            drafter = shipped_drafter(name.lower(), variant or "eagle3.1")
+        return str(tdir), (str(drafter) if drafter is not None else None)
     if target != TINY:
         return target, drafter
     from ..runtime.tiny import tiny_random_pair

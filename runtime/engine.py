@@ -35,10 +35,20 @@ from .config import GenerationOutput, SpecConfig, SpecStats, StreamPiece
 from .decode import Decoder, DraftObserver
 from .drafter import Eagle3Drafter
 from .errors import UserError
+from .gguf import resolve_target
 from .graphs import graph_runner
 from .ops import get_ops, resolve_backend
 from .profiles import shape_policy
-from .requests import RequestRows, as_float, as_int, encode_prompts, one_prompt, resolve_stop_ids, row_seeds
+from .requests import (
+    RequestRows,
+    as_float,
+    as_int,
+    encode_prompts,
+    is_conversation,
+    one_prompt,
+    resolve_stop_ids,
+    row_seeds,
+)
 from .sampling import SamplingParams
 from .spec_policy import ShapeChoice, ShapePolicy
 from .target import TargetModel, default_aux_layer_ids
@@ -229,7 +239,8 @@ class SpeculativeRuntime:
 
         Parameters
         ----------
-        target : Hugging Face model directory, or a loaded transformers ``PreTrainedModel``.
+        target : Hugging Face model directory, a ``.gguf`` file (dequantized once and cached, see
+            ``runtime/gguf.py``), ``"smollm2"``, or a loaded transformers ``PreTrainedModel``.
         drafter : drafter directory, an ``Eagle3Drafter``, or None (plain decoding only).
         device, dtype : where and in which precision to run (CPU default: float32).
         backend : ``"auto"`` (Triton on CUDA, else torch), ``"torch"`` or ``"triton"``.
@@ -249,6 +260,7 @@ class SpeculativeRuntime:
         a device this machine lacks, and weights that disagree with their config raise
         ``tritonspec.UserError``.
         """
+        target = resolve_target(target)
         tm = TargetModel.from_pretrained(target, device=device, dtype=dtype)
         d = drafter
         if isinstance(drafter, (str, Path)):
@@ -291,6 +303,10 @@ class SpeculativeRuntime:
         completed them). ``token_ids`` include a stop token that ended the row.
         ``speculative=False`` runs plain target decoding through the same runtime (the baseline).
 
+        Chat: ``prompts`` may be one conversation (``[{"role": "user", "content": "..."}]``) or a
+        list of conversations; the tokenizer's chat template is applied with the generation prompt
+        and the template's end-of-turn token (e.g. ``<|im_end|>``) stops the row. A plain string
+        stays raw text.
         ``prompts``: a string, a list of strings, a token id list, a list of them, or a 1-D / 2-D
         integer tensor or numpy array; ids, seeds and sizes may be numpy or torch integers. Bad
         input raises ``tritonspec.UserError`` naming the value. Requests are serialised (the module
@@ -392,7 +408,9 @@ class SpeculativeRuntime:
             [len(p) for p in batch],
             max_new_tokens=max_new_tokens,
             max_seq_len=self.max_seq_len,
-            stop_ids=resolve_stop_ids(stop_token_ids, self.tokenizer, self.target.config, self.target.vocab_size),
+            stop_ids=resolve_stop_ids(
+                stop_token_ids, self.tokenizer, self.target.config, self.target.vocab_size, chat=_is_chat(prompts)
+            ),
             sampling=sampling,
             tokenizer=self.tokenizer,
         )
@@ -538,3 +556,10 @@ def resolve_tokenizer(tokenizer: Any) -> Any:
 def _same_device(a: torch.device, b: torch.device) -> bool:
     """Same device type, and the same index where both name one (``cuda`` is the current ``cuda:N``)."""
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def _is_chat(prompts: Any) -> bool:
+    """One conversation or a list of conversations (chat prompts end at the end-of-turn token)."""
+    return is_conversation(prompts) or (
+        isinstance(prompts, Sequence) and not isinstance(prompts, str) and any(is_conversation(p) for p in prompts)
+    )

@@ -28,7 +28,13 @@ def encode_prompts(
     Accepted, as transformers users pass them: a string, a list of strings, a token id list, a
     list of token id lists, a 1-D (one prompt) or 2-D (a batch) integer tensor or numpy array, or a
     list of 1-D ones. Token ids are Python, numpy or torch integers; floats, bools and bytes are
-    refused (``UserError`` naming the value) rather than converted."""
+    refused (``UserError`` naming the value) rather than converted.
+
+    Chat: one conversation (a list of ``{"role", "content"}`` dicts) or a list of conversations is
+    rendered with the tokenizer's chat template and the generation prompt, exactly as
+    ``tokenizer.apply_chat_template(messages, add_generation_prompt=True)`` tokenizes it."""
+    if is_conversation(prompts):
+        prompts = [prompts]
     if _is_array(prompts):
         prompts = _array_prompts(prompts)
     elif isinstance(prompts, (bytes, bytearray)):
@@ -41,6 +47,12 @@ def encode_prompts(
         raise UserError(f"prompts of type {type(prompts).__name__} are not accepted: {PROMPT_TYPES}")
     if len(prompts) == 0:
         raise UserError(f"prompts is empty: {PROMPT_TYPES}")
+    chats = [_looks_like_chat(p) for p in prompts]
+    if any(chats) and not all(chats):
+        raise UserError(
+            "a batch mixes chat conversations and raw prompts: chat rows stop at the end-of-turn token and "
+            "raw ones do not, so send them in separate generate() calls"
+        )
     batch: list[list[int]] = []
     for i, p in enumerate(prompts):
         if isinstance(p, str):
@@ -50,6 +62,8 @@ def encode_prompts(
                     "pass tokenizer=..., or pass token ids"
                 )
             ids = list(tokenizer(p, add_special_tokens=True)["input_ids"])
+        elif _looks_like_chat(p):
+            ids = chat_ids(tokenizer, p, f"prompt {i}")
         else:
             ids = _token_ids(p, f"prompt {i}")
         if not ids:
@@ -72,8 +86,70 @@ def encode_prompts(
 
 PROMPT_TYPES = (
     "pass a string, a list of strings, a token id list, a list of token id lists, "
-    "or a 1-D / 2-D integer tensor or numpy array"
+    "a 1-D / 2-D integer tensor or numpy array, or chat messages (a list of "
+    '{"role": ..., "content": ...} dicts, or a list of such conversations)'
 )
+
+
+def is_conversation(x: Any) -> bool:
+    """One chat conversation: a non-empty list of dicts."""
+    return isinstance(x, Sequence) and not isinstance(x, (str, bytes)) and bool(x) and isinstance(x[0], dict)
+
+
+def _looks_like_chat(p: Any) -> bool:
+    return isinstance(p, dict) or is_conversation(p)
+
+
+def chat_ids(tokenizer: Any, messages: Any, what: str = "the conversation") -> list[int]:
+    """Token ids of ``messages`` rendered by the tokenizer's chat template with the generation
+    prompt (``tokenizer.apply_chat_template(messages, add_generation_prompt=True)``).
+
+    >>> chat_ids(None, [{"role": "user"}])
+    Traceback (most recent call last):
+    ...
+    tritonspec.runtime.errors.UserError: the conversation, message 0: needs a "content" string ...
+    """
+    if isinstance(messages, dict):
+        raise UserError(f"{what} is one message dict: wrap it in a list ([{{'role': ..., 'content': ...}}])")
+    for j, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise UserError(
+                f"{what}, message {j}: is a {type(m).__name__}; each message is a dict with 'role' and 'content'"
+            )
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise UserError(
+                    f'{what}, message {j}: needs a "{key}" string (got {m.get(key)!r}); '
+                    'messages look like {"role": "user", "content": "Hello"}'
+                )
+    if tokenizer is None:
+        raise UserError("chat messages need a tokenizer with a chat template: load a target directory that has one")
+    if not getattr(tokenizer, "chat_template", None):
+        raise UserError(
+            "the tokenizer has no chat template, so chat messages cannot be rendered; pass the text as a string"
+        )
+    try:
+        out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception (jinja2 TemplateError), ValueError, ...
+        raise UserError(f"{what}: the tokenizer's chat template cannot render it: {type(e).__name__}: {e}") from e
+    if isinstance(out, dict) or hasattr(out, "keys"):
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+# special tokens chat templates end a turn with (ChatML, Llama 3, Gemma, Phi-3, Mistral)
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "</s>")
+
+
+def end_of_turn_ids(tokenizer: Any) -> set[int]:
+    """Ids of the end-of-turn tokens the tokenizer's chat template writes (empty without one)."""
+    template = getattr(tokenizer, "chat_template", None) if tokenizer is not None else None
+    if isinstance(template, dict):  # named templates ("default", "tool_use", ...)
+        template = "\n".join(t for t in template.values() if isinstance(t, str))
+    if not isinstance(template, str):
+        return set()
+    vocab = tokenizer.get_vocab()
+    return {vocab[t] for t in END_OF_TURN_TOKENS if t in template and t in vocab}
 
 
 def _is_array(x: Any) -> bool:
@@ -156,10 +232,13 @@ def one_prompt(prompt: Any) -> list:
     """``prompt`` (one string, token id list or 1-D tensor/array) as a batch of one for
     ``encode_prompts``; a batch is a ``UserError`` (``stream`` decodes one prompt)."""
     one = isinstance(prompt, (str, bytes, bytearray)) or (_is_array(prompt) and prompt.ndim == 1)
+    if is_conversation(prompt) and all(isinstance(m, dict) for m in prompt):
+        return [prompt]
     if one or (isinstance(prompt, Sequence) and all(_is_token(t) for t in prompt)):
         return [prompt]
     raise UserError(
-        "stream() takes one prompt (a string, a token id list or a 1-D integer tensor); use generate() for batches"
+        "stream() takes one prompt (a string, a token id list, a 1-D integer tensor or one conversation); "
+        "use generate() for batches"
     )
 
 
@@ -180,9 +259,11 @@ def row_seeds(seed: Any, batch: int, sampling: SamplingParams) -> list[int]:
     return seeds
 
 
-def resolve_stop_ids(stop_ids: Any, tokenizer: Any, config: Any, vocab_size: int | None = None) -> set[int]:
+def resolve_stop_ids(
+    stop_ids: Any, tokenizer: Any, config: Any, vocab_size: int | None = None, chat: bool = False
+) -> set[int]:
     """The caller's stop ids (integers in ``[0, vocab_size)``), else the tokenizer's EOS, else the
-    model config's (none: empty)."""
+    model config's (none: empty); for chat prompts also the template's end-of-turn token."""
     if stop_ids is not None:
         if _is_token(stop_ids):
             raise UserError(f"stop_token_ids={stop_ids!r}: pass a list of token ids, e.g. [{stop_ids!r}]")
@@ -203,9 +284,8 @@ def resolve_stop_ids(stop_ids: Any, tokenizer: Any, config: Any, vocab_size: int
     eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
     if eos is None:
         eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return set()
-    return {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    ids = set() if eos is None else {int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])}
+    return ids | end_of_turn_ids(tokenizer) if chat else ids
 
 
 def decode(tokenizer: Any, tokens: list[int]) -> str:

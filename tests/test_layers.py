@@ -6,7 +6,7 @@ with ``ast`` -- nothing is imported -- and three rules are checked:
 
 (a) layers. Lowest first::
 
-        rank 0  demo (data: imports nothing from the package), kernels
+        rank 0  demo, drafters (data: import nothing from the package), kernels
         rank 1  runtime
         rank 2  autotune, training
         rank 3  recipes
@@ -54,6 +54,7 @@ ROOT = Path(__file__).resolve().parent.parent  # the repo root is the package fo
 # Top-level name -> rank (lowest first). Root-level modules are listed by module name.
 LAYERS: dict[str, int] = {
     "demo": 0,
+    "drafters": 0,
     "kernels": 0,
     "runtime": 1,
     "autotune": 2,
