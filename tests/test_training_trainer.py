@@ -12,7 +12,7 @@ import tritonspec as ts
 from tritonspec.cli import main
 from tritonspec.runtime.ops import TorchOps
 from tritonspec.runtime.tiny import byte_tokenizer, tiny_target
-from tritonspec.training import TrainConfig, train_drafter
+from tritonspec.training import TrainConfig, train_drafter, train_drafters
 from tritonspec.training.data import draft_vocab_from_counts, load_token_sequences, token_windows
 from tritonspec.training.trainer import build_drafter, capture
 from tritonspec.training.ttt import shift_left, ttt_forward
@@ -235,3 +235,43 @@ def test_self_distillation_uses_the_loaded_target(target_dir, greedy_data, tmp_p
         prompt = r["input_ids"][: r["prompt_len"]]
         want = rt.generate([prompt], max_new_tokens=5, speculative=False, stop_token_ids=[]).token_ids[0]
         assert r["input_ids"][r["prompt_len"] :] == want
+
+
+def test_drafters_trained_together_equal_drafters_trained_alone(target_dir, greedy_data, tmp_path):
+    """One shared target forward per step changes nothing: each drafter's weights equal a solo run's."""
+    quiet = dict(log=lambda m: None)
+    c31 = TrainConfig(steps=4, **SMALL)
+    c3 = TrainConfig(steps=4, **{**SMALL, "ttt_depth": 2}, fc_norm=False, norm_output=False)
+    both = train_drafters(target_dir, greedy_data, [(tmp_path / "j31", c31), (tmp_path / "j3", c3)], **quiet)
+    assert [r.steps for r in both] == [4, 4]
+    for name, cfg in (("31", c31), ("3", c3)):
+        train_drafter(target_dir, greedy_data, tmp_path / f"s{name}", cfg, **quiet)
+        joint = ts.Eagle3Drafter.from_pretrained(tmp_path / f"j{name}").state_dict()
+        solo = ts.Eagle3Drafter.from_pretrained(tmp_path / f"s{name}").state_dict()
+        assert joint.keys() == solo.keys()
+        assert all(torch.equal(joint[k], solo[k]) for k in joint), name
+    # the inverse: a drafter trained on other data differs, so the equality above is not vacuous
+    train_drafter(target_dir, greedy_data[::-1], tmp_path / "other", c31, **quiet)
+    other = ts.Eagle3Drafter.from_pretrained(tmp_path / "other").state_dict()
+    solo = ts.Eagle3Drafter.from_pretrained(tmp_path / "s31").state_dict()
+    assert not all(torch.equal(other[k], solo[k]) for k in solo)
+
+
+def test_drafters_trained_together_must_share_the_data_settings(target_dir, greedy_data, tmp_path):
+    a = TrainConfig(steps=2, **SMALL)
+    b = TrainConfig(steps=2, **{**SMALL, "seq_len": 16})
+    with pytest.raises(ValueError, match="must share seq_len"):
+        train_drafters(target_dir, greedy_data, [(tmp_path / "a", a), (tmp_path / "b", b)], log=lambda m: None)
+    with pytest.raises(ValueError, match="runs is empty"):
+        train_drafters(target_dir, greedy_data, [], log=lambda m: None)
+
+
+def test_time_budget_cuts_the_step_count(target_dir, greedy_data, tmp_path):
+    logs: list[str] = []
+    res = train_drafter(
+        target_dir, greedy_data, tmp_path / "d", TrainConfig(steps=500, **SMALL), time_budget_s=0.0, log=logs.append
+    )
+    assert res.steps == 3 and len(res.history) == 3  # the probe steps, then the budget is spent
+    assert any("time budget fits 3 steps (of 500)" in m for m in logs)
+    args = json.loads((tmp_path / "d" / "training_args.json").read_text())
+    assert args["steps_run"] == 3 and len(args["history"]) == 3

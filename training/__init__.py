@@ -10,7 +10,7 @@ lives in ``tritonspec.recipes.demo``.
 7
 """
 
-from .trainer import TrainConfig, TrainResult, train_drafter
+from .trainer import TrainConfig, TrainResult, train_drafter, train_drafters
 from .ttt import TTTOutput, ttt_forward, ttt_mask
 
-__all__ = ["TrainConfig", "TrainResult", "train_drafter", "ttt_forward", "ttt_mask", "TTTOutput"]
+__all__ = ["TrainConfig", "TrainResult", "train_drafter", "train_drafters", "ttt_forward", "ttt_mask", "TTTOutput"]

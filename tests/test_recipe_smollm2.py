@@ -1,0 +1,103 @@
+"""The SmolLM2 recipe's data stages on tiny inputs: instructions derived from source files, the
+held-out split, and self-distillation that resumes (the real run: ``recipes/smollm2/README.md``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import tritonspec as ts
+from tritonspec.recipes.smollm2.build import RecipeConfig, heldout
+from tritonspec.recipes.smollm2.distill import distill
+from tritonspec.recipes.smollm2.prompts import KINDS, build_prompts
+from tritonspec.runtime.tiny import tiny_random_pair
+
+SOURCE = '''
+def add_one(x, y=1):
+    """Return x plus one, or plus y when it is given as a keyword."""
+    if x == 0:
+        return y
+    return x + 1
+
+
+def _private(x):
+    """A private helper with a long enough docstring to qualify otherwise."""
+    return x
+
+
+def pick(items, key):
+    """Pick the first item whose key is true, else None; the list is not changed."""
+    for item in items:
+        if key(item) and item is not None:
+            return item
+    return None
+'''
+
+
+@pytest.fixture
+def fake_stdlib(tmp_path):
+    root = tmp_path / "lib"
+    (root / "pkg").mkdir(parents=True)
+    for i in range(6):
+        (root / f"mod{i}.py").write_text(SOURCE.replace("add_one", f"add_one{i}").replace("pick", f"pick{i}"))
+    (root / "test").mkdir()
+    (root / "test" / "test_x.py").write_text(SOURCE.replace("add_one", "in_tests"))
+    return root
+
+
+def test_prompts_cover_every_kind_from_public_functions(fake_stdlib):
+    recs = build_prompts(n_code=12, n_general=5, root=fake_stdlib)
+    kinds = [r["kind"] for r in recs]
+    assert set(kinds) == set(KINDS) | {"general"} and kinds.count("general") == 5
+    ids = [r["id"] for r in recs]
+    assert len(ids) == len(set(ids))
+    text = json.dumps(recs)
+    assert "_private" not in text and "in_tests" not in text  # private functions and test files excluded
+    for r in recs:
+        if r["kind"] == "complete":  # raw code: signature and docstring, the body left to the model
+            assert isinstance(r["prompt"], str) and r["prompt"].startswith("def ") and "return" not in r["prompt"]
+        else:
+            assert r["prompt"][0]["role"] == "user" and r["prompt"][0]["content"]
+    fixes = [r["prompt"][0]["content"] for r in recs if r["kind"] == "fix"]
+    assert fixes
+    # a fix request's code differs from every original function (one operator was flipped)
+    originals = {ln.strip() for ln in SOURCE.splitlines()}
+    for f in fixes:
+        code = f.split("```python\n")[1].split("```")[0]
+        assert any(ln.strip() not in originals for ln in code.splitlines() if ln.strip())
+    assert build_prompts(n_code=12, n_general=5, root=fake_stdlib) == recs  # seeded
+
+
+def test_heldout_split_is_stable_and_near_its_share():
+    ids = [f"mod.f{i}.write" for i in range(4000)]
+    share = sum(heldout(i, 5) for i in ids) / len(ids)
+    assert 0.035 < share < 0.065
+    assert [heldout(i, 5) for i in ids] == [heldout(i, 5) for i in ids]
+    assert not any(heldout(i, 0) for i in ids)
+
+
+def test_recipe_config_is_validated():
+    with pytest.raises(ValueError, match="budget_minutes"):
+        RecipeConfig(budget_minutes=0)
+    with pytest.raises(ValueError, match="distill_share"):
+        RecipeConfig(distill_share=1.0)
+
+
+def test_distill_writes_resumes_and_drops_a_torn_record(tmp_path):
+    target, _ = tiny_random_pair(tmp_path / "pair")
+    rt = ts.SpeculativeRuntime.from_pretrained(target, None, max_batch_size=2, max_seq_len=256)
+    recs = [{"id": f"r{i}", "kind": "complete", "prompt": f"def f{i}(x):\n"} for i in range(5)]
+    out = tmp_path / "d.jsonl"
+    distill(rt, recs[:3], out, batch_size=2, log=lambda m: None)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["id"] for r in rows) == ["r0", "r1", "r2"]
+    for r in rows:
+        assert len(r["input_ids"]) > r["prompt_len"] and isinstance(r["sampled"], bool)
+    out.write_text(out.read_text() + '{"id": "r9", "input_')  # a run killed mid-write
+    distill(rt, recs, out, batch_size=2, log=lambda m: None)
+    ids = [json.loads(line)["id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == [f"r{i}" for i in range(5)]  # each once: resumed, torn record dropped
+    before = out.read_text()
+    distill(rt, recs, out, batch_size=2, deadline=0.0, log=lambda m: None)  # nothing left to do
+    assert out.read_text() == before
