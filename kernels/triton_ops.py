@@ -8,6 +8,8 @@ is imported), which is how the tests exercise them.
 
 from __future__ import annotations
 
+import torch
+
 from .aux_gather import aux_gather
 from .kv_compact import kv_compact
 from .kv_write import kv_write
@@ -30,6 +32,7 @@ class TritonOps:
     def begin_forward(self) -> None:
         """Nothing cached between layers (``TorchOps.begin_forward`` has the counterpart)."""
 
+    linear = staticmethod(torch.nn.functional.linear)  # (x, weight, bias=None): cuBLAS GEMMs
     rms_norm = staticmethod(rms_norm)  # (x, weight, eps, residual=None)
     aux_gather = staticmethod(aux_gather)  # (aux, index, fc_norm_weight, eps)
     kv_write = staticmethod(kv_write)  # (k_cache, v_cache, slots, k, v)

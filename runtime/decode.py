@@ -298,7 +298,7 @@ class Decoder:
         self.lengths = [len(p) for p in batch] + [0] * pad
         self.running = [True] * B + [False] * pad
         self.narrow(rows)
-        logits = self.target.logits(h_last)
+        logits = self.target.logits(h_last, self.ops)
         finite = torch.isfinite(logits).all(-1).tolist()  # NaN weights would emit token 0 forever
         if not all(finite):
             raise not_finite([b for b, ok in enumerate(finite) if not ok], "prefill", self.target.dtype)
@@ -366,7 +366,7 @@ class Decoder:
 
     def draft_logprobs(self, hn: torch.Tensor) -> torch.Tensor:
         """Log q over the draft vocabulary ``[..., Vd]`` (processed like the target's logits when sampling)."""
-        logits = self.drafter.logits(hn)
+        logits = self.drafter.logits(hn, self.ops)
         if not self.sampling.greedy:
             logits = process_logits(logits, self.sampling)
         return F.log_softmax(logits, dim=-1)
@@ -510,10 +510,10 @@ class Decoder:
         finite = torch.isfinite(hidden).flatten(1).all(-1)  # [B], read on the host by collect (no sync here)
         if self.sampling.greedy:
             nodes, num, emitted = self.ops.verify_greedy(
-                tree.tokens, tree.parents, self.target.greedy(hidden), tree.max_depth
+                tree.tokens, tree.parents, self.target.greedy(hidden, self.ops), tree.max_depth
             )
         else:
-            logits = self.target.logits(hidden)  # [B, N, V]
+            logits = self.target.logits(hidden, self.ops)  # [B, N, V]
             probs = process_logits(logits, self.sampling).softmax(-1)
             uniforms, xi = self.rng.draw(N, logits.shape[-1])
             if tree.draft_probs is not None:  # a sampled chain: min(1, p/q)

@@ -211,7 +211,7 @@ class Eagle3Drafter(nn.Module):
         x = ops.aux_gather(aux, index, self.fc_norm_weight(), self.config.rms_norm_eps)
         if self.config.norm_before_fc:
             x = ops.rms_norm(x, self.input_norm.weight, self.config.rms_norm_eps)
-        return F.linear(x, self.fc.weight)
+        return ops.linear(x, self.fc.weight)
 
     def rope(self, min_positions: int = 0) -> Rope:
         """cos/sin tables on the drafter's device and dtype, covering at least ``min_positions``."""
@@ -246,9 +246,9 @@ class Eagle3Drafter(nn.Module):
         v = ops.rms_norm(hidden, m.hidden_norm.weight, eps)
         z = torch.cat([e, v], dim=-1)  # [B, Q, 2H]: embedding first, hidden second
         a = m.self_attn
-        q = F.linear(z, a.q_proj.weight).view(B, Q, c.num_attention_heads, c.head_dim)
-        k = F.linear(z, a.k_proj.weight).view(B, Q, c.num_key_value_heads, c.head_dim)
-        val = F.linear(z, a.v_proj.weight).view(B, Q, c.num_key_value_heads, c.head_dim)
+        q = ops.linear(z, a.q_proj.weight).view(B, Q, c.num_attention_heads, c.head_dim)
+        k = ops.linear(z, a.k_proj.weight).view(B, Q, c.num_key_value_heads, c.head_dim)
+        val = ops.linear(z, a.v_proj.weight).view(B, Q, c.num_key_value_heads, c.head_dim)
         rope = self.rope()
         tables = rope.tables(meta.positions)  # gathered once for q and k
         q, k = rope.apply(q, tables), rope.apply(k, tables)
@@ -257,17 +257,18 @@ class Eagle3Drafter(nn.Module):
             o = ops.prefill_attention(q, k, val, c.head_dim**-0.5)
         else:
             o = ops.tree_attention(q, cache.k, cache.v, meta.prefix_lens, meta.tree_mask, c.head_dim**-0.5, meta.kv_len)
-        o = F.linear(o.reshape(B, Q, -1), a.o_proj.weight)
+        o = ops.linear(o.reshape(B, Q, -1), a.o_proj.weight)
         x, r = ops.rms_norm(o, m.post_attention_layernorm.weight, eps, residual=v if c.norm_before_residual else hidden)
-        h = r + F.linear(
-            F.silu(F.linear(x, m.mlp.gate_proj.weight)) * F.linear(x, m.mlp.up_proj.weight), m.mlp.down_proj.weight
+        h = r + ops.linear(
+            F.silu(ops.linear(x, m.mlp.gate_proj.weight)) * ops.linear(x, m.mlp.up_proj.weight), m.mlp.down_proj.weight
         )
         hn = ops.rms_norm(h, self.norm.weight, eps)
         return hn, (hn if c.norm_output else h)
 
-    def logits(self, hn: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits ``[..., V_d]`` (float32) from the normed hidden state."""
-        return F.linear(hn, self.lm_head.weight).float()
+    def logits(self, hn: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        """Draft-vocabulary logits ``[..., V_d]`` (float32) from the normed hidden state; ``ops``:
+        the backend whose ``linear`` runs the head (default ``F.linear``)."""
+        return (ops.linear if ops is not None else F.linear)(hn, self.lm_head.weight).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

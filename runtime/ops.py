@@ -43,6 +43,14 @@ class Ops(Protocol):
         """A model forward starts (called before its first layer): drop anything cached for the
         previous forward (the round updates ``prefix_lens`` in place between forwards)."""
 
+    def linear(
+        self,
+        x: torch.Tensor,  # [..., K]
+        weight: torch.Tensor,  # [N, K] (a module's weight, in whatever layout the backend prepared)
+        bias: torch.Tensor | None = None,  # [N]
+    ) -> torch.Tensor:  # [..., N]
+        """``x @ weight.T + bias`` (``F.linear``): every projection of the target and the drafter."""
+
     def rms_norm(
         self,
         x: torch.Tensor,  # [..., H]
@@ -142,6 +150,7 @@ class TorchOps:
 
     name = "torch"
 
+    linear = staticmethod(F.linear)
     rms_norm = staticmethod(rms_norm_reference)
     aux_gather = staticmethod(aux_gather_reference)
     kv_write = staticmethod(kv_write_reference)

