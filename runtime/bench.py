@@ -15,12 +15,19 @@ included); τ = 1 + accepted / drafts; ``accepted_per_position[i]`` / drafts = a
 i+1; speedup = tokens/s ÷ ours-plain tokens/s for the same prompt set, temperature and batch.
 transformers' prompt lookup and assisted generation run one prompt at a time (transformers
 supports batch 1 only there), so at batch 4 they are reported as not applicable.
+
+Prompts are strings (tokenized once, without a chat template), token-id lists (e.g. a chat prompt
+rendered by ``runtime/requests.py::chat_ids``) or chat conversations (rendered here the same way);
+every system gets the same ids. Each result keeps the generated ids per prompt (``token_ids``) so a
+benchmark can check that greedy outputs agree token for token (``first_difference``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -47,13 +54,34 @@ class BenchResult:
     tau: float | None = None
     accepted_per_position: list[float] = field(default_factory=list)  # rate per depth
     note: str = ""
+    # generated ids per prompt, in prompt order (not in ``info()``: its digests are, ``token_sha256``)
+    token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
     @property
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
 
     def info(self) -> dict:
-        return asdict(self) | {"tokens_per_second": self.tokens_per_second} | environment()
+        d = asdict(self)
+        d.pop("token_ids")
+        return d | {"tokens_per_second": self.tokens_per_second, "token_sha256": self.token_digests()} | environment()
+
+    def token_digests(self) -> list[str]:
+        """sha256 hex digest of each prompt's generated ids (``token_ids``), a compact record of the output."""
+        return [hashlib.sha256(",".join(map(str, t)).encode()).hexdigest() for t in self.token_ids]
+
+
+def first_difference(a: list[list[int]], b: list[list[int]]) -> dict | None:
+    """None when every prompt's ids agree, else where they first differ: ``{"prompt", "step", "a", "b"}``
+    (``step`` counts generated tokens from 0; a token is None past the end of the shorter output)."""
+    if len(a) != len(b):
+        return {"prompt": min(len(a), len(b)), "step": 0, "a": None, "b": None, "prompts": [len(a), len(b)]}
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x == y:
+            continue
+        k = next((j for j, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        return {"prompt": i, "step": k, "a": x[k] if k < len(x) else None, "b": y[k] if k < len(y) else None}
+    return None
 
 
 def environment() -> dict:
@@ -91,7 +119,10 @@ class Bench:
         spec: SpecConfig | None = None,
         max_seq_len: int | None = None,
         device: str = "cpu",
+        assisted_unavailable: str | None = None,
     ):
+        """``assisted_unavailable``: why hf-assisted cannot run when there is no draft LM (the text
+        ``available`` returns), for pairs with no smaller model of the target's tokenizer."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         from .drafter import Eagle3Drafter
@@ -117,6 +148,7 @@ class Bench:
                 max_seq_len=max_seq_len,
             )
         self.hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=self.dtype).to(device).eval()
+        self.assisted_unavailable = assisted_unavailable
         self.draft_lm = None
         if draft_lm_dir is not None and (Path(draft_lm_dir) / "config.json").exists():
             self.draft_lm = AutoModelForCausalLM.from_pretrained(str(draft_lm_dir), dtype=self.dtype).to(device).eval()
@@ -126,7 +158,7 @@ class Bench:
         if system in BATCH1_ONLY and batch != 1:
             return "transformers runs prompt lookup / assisted generation at batch 1 only"
         if system == "hf-assisted" and self.draft_lm is None:
-            return "no draft LM (build it with python -m tritonspec.recipes.demo.draft_lm)"
+            return self.assisted_unavailable or "no draft LM (build it with python -m tritonspec.recipes.demo.draft_lm)"
         if system.startswith("ours-") and system not in self.runtimes:
             return f"no {system[5:]} drafter"
         return None
@@ -134,7 +166,7 @@ class Bench:
     def run(
         self,
         system: str,
-        prompts: list[str],
+        prompts: Sequence[str | Sequence[int] | Sequence[dict]],
         prompt_set: str = "",
         temperature: float = 0.0,
         batch: int = 1,
@@ -149,16 +181,41 @@ class Bench:
         why = self.available(system, batch)
         if why:
             raise ValueError(f"{system} at batch {batch}: {why}")
-        ids = [self.tokenizer(p)["input_ids"] for p in prompts]
+        ids = [self.prompt_ids(p) for p in prompts]
         chunks = [ids[i : i + batch] for i in range(0, len(ids), batch)]
         if system.startswith("ours-"):
             return self._ours(system, chunks, prompt_set, temperature, batch, max_new_tokens, seed)
         return self._hf(system, chunks, prompt_set, temperature, batch, max_new_tokens, seed)
 
+    def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
+        """The ids every system gets for ``prompt``: a string tokenized as raw text, a token-id list as
+        it is, a chat conversation rendered by the tokenizer's chat template."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        if isinstance(prompt, torch.Tensor):
+            prompt = prompt.tolist()
+        items = list(prompt)
+        if items and all(isinstance(m, dict) for m in items):
+            from .requests import chat_ids
+
+            return chat_ids(self.tokenizer, items)
+        if not items or not all(hasattr(t, "__index__") and not isinstance(t, bool) for t in items):
+            raise UserError(
+                f"a prompt is a string, a list of token ids or a chat conversation; got {type(prompt).__name__} "
+                f"{str(prompt)[:60]}"
+            )
+        ids = [int(t) for t in items]
+        vocab = self.hf.config.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise UserError(f"token id {bad} in a prompt lies outside the target's vocabulary [0, {vocab})")
+        return ids
+
     def _ours(self, system, chunks, prompt_set, temperature, batch, max_new_tokens, seed) -> BenchResult:
         rt = self.runtimes[system]
         spec = system != "ours-plain"
         tokens = drafts = accepted = 0
+        outs: list[list[int]] = []
         per_pos = torch.zeros(0)  # grows to the deepest shape the requests ran (it may differ per batch)
         t0 = time.perf_counter()
         for i, c in enumerate(chunks):
@@ -171,6 +228,7 @@ class Bench:
                 speculative=spec,
             )
             s = out.stats
+            outs += [list(map(int, t)) for t in out.token_ids]
             tokens += s.num_new_tokens
             drafts += s.num_drafts
             accepted += s.num_accepted_tokens
@@ -189,6 +247,7 @@ class Bench:
             wall,
             tau=(1 + accepted / drafts) if spec and drafts else None,
             accepted_per_position=(per_pos / max(drafts, 1)).tolist() if spec else [],
+            token_ids=outs,
         )
 
     @torch.inference_mode()
@@ -207,6 +266,7 @@ class Bench:
         if system == "hf-assisted":
             kw["assistant_model"] = self.draft_lm
         tokens = 0
+        outs: list[list[int]] = []
         t0 = time.perf_counter()
         for i, c in enumerate(chunks):
             torch.manual_seed(seed + i)
@@ -215,8 +275,11 @@ class Bench:
             mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in c], device=self.device)
             out = self.hf.generate(input_ids=input_ids, attention_mask=mask, **kw)
             tokens += (out.shape[1] - width) * len(c)
+            outs += out[:, width:].tolist()
         wall = time.perf_counter() - t0
-        return BenchResult(system, prompt_set, temperature, batch, sum(len(c) for c in chunks), tokens, wall)
+        return BenchResult(
+            system, prompt_set, temperature, batch, sum(len(c) for c in chunks), tokens, wall, token_ids=outs
+        )
 
 
 def format_table(results: list[BenchResult]) -> str:
