@@ -9,6 +9,7 @@ One module per command, each with ``add_parser(subparsers)`` and its ``cmd_*`` f
 * ``drift`` (``cli/drift.py``): attention drift per draft depth, JSON + PNG plots
 * ``train`` (``cli/train.py``): train an EAGLE-3 / EAGLE-3.1 drafter
 * ``autotune kernels|tree`` (``cli/autotune.py``): kernel launch configs, draft-tree shape
+* ``audit`` (``cli/audit.py``): deterministic mode certified on a prompt set, Markdown + JSON report
 
 ``cli/common.py`` holds what they share (the subcommand parser, demo / tiny-random targets,
 ``--dtype``, tree-shape flags, prompts). Library imports stay inside the command functions, so ``--help`` stays fast.
@@ -20,9 +21,9 @@ import argparse
 import sys
 
 from ..runtime.errors import UserError
-from . import autotune, bench, drift, export, generate, train
+from . import audit, autotune, bench, drift, export, generate, train
 
-COMMANDS = (generate, export, bench, drift, train, autotune)  # the order ``tritonspec --help`` lists them in
+COMMANDS = (generate, export, bench, drift, train, autotune, audit)  # the order ``tritonspec --help`` lists them in
 
 # What a command reports as a one-line error (exit status 2): mistakes in the user's input
 # (``UserError``, the library's family for them, is a ValueError) and file-system refusals (a missing

@@ -86,6 +86,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         choices=list(GRAPH_MODES),
         help="capture decode rounds as CUDA graphs: auto (on a CUDA device), on, off (eager)",
     )
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="CPU: compile each decode round with torch.compile (plain decoding too; costs seconds to minutes "
+        "per batch bucket and tree shape, once)",
+    )
+    g.add_argument(
+        "--deterministic",
+        action="store_true",
+        help="row-invariant ops: output independent of speculation and batch, bit for bit (see tritonspec audit)",
+    )
     g.add_argument("--quiet-stats", action="store_true", help="print the stats line on stderr")
     g.set_defaults(fn=cmd_generate)
     return g
@@ -113,6 +124,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_batch_size=1,
         max_seq_len=args.max_seq_len,
         cuda_graphs=GRAPH_MODES[args.cuda_graphs],
+        compile=True if args.compile else "auto",
+        deterministic=args.deterministic,
     )
     speculative = not args.no_speculative and rt.drafter is not None
     kw = flag_values(args, "max_new_tokens temperature top_p top_k seed")
@@ -134,8 +147,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"[tritonspec] new_tokens={s.num_new_tokens} tokens/s={s.tokens_per_second:.1f} "
         f"mean_acceptance_length={s.mean_acceptance_length:.2f} "
         f"mode={'speculative' if s.spec is not None else 'plain'} backend={rt.backend} "
-        f"cuda_graphs={'on' if rt.graphs_enabled else 'off'} spec={shape_label(s.spec)} "
-        f"spec_source={s.spec_source.replace(' ', '-')}"
+        f"cuda_graphs={'on' if rt.graphs_enabled else 'off'} compiled={'on' if rt.compiled else 'off'} "
+        f"spec={shape_label(s.spec)} "
+        f"spec_source={s.spec_source.replace(' ', '-')}" + (" deterministic=on" if rt.deterministic else "")
     )
     if args.compare and speculative:
         base = rt.generate(prompt, **(kw | {"speculative": False}))

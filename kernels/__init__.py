@@ -11,6 +11,8 @@ the tests and the benchmarks share.
 * ``verify_sampling``: lossless stochastic tree verification
 * ``verify_chain``: lossless verification of a sampled draft chain
 * ``kv_compact``: KV-cache compaction along the accepted path
+* ``batch_invariant_matmul``: a matmul with one fixed tile configuration (no split-K), row-invariant
+  bit for bit: deterministic mode's linear layers on a GPU
 * ``triton_ops``: ``TritonOps``, the Triton backend of ``runtime.ops``
 
 Beside them: ``utils`` (the guarded Triton import, argument checks, and the helpers more than one

@@ -12,6 +12,8 @@ One round
     ``ops.py``           the ``Ops`` protocol a backend provides; ``TorchOps`` (the references)
     ``tree.py``          EAGLE-2 tree expansion helpers (rerank, build the tree mask)
     ``sampling.py``      sampling parameters, logits processing, counter-based per-row RNG
+    ``deterministic.py`` deterministic mode: ``DeterministicOps`` (row-invariant ops, probed per shape),
+                         the position-keyed sampling race
     ``decode.py``        ``Decoder``: the decode state and prefill / draft / verify / commit / round
 The façade and around it
     ``engine.py``        ``SpeculativeRuntime``: construction, ``generate`` / ``stream``, graph dispatch
@@ -21,4 +23,5 @@ The façade and around it
     ``config.py``        ``SpecConfig``, ``SpecStats``, ``GenerationOutput``, ``StreamPiece``
     ``drift.py``         attention-drift diagnostics (an observer of the drafter's forwards)
     ``bench.py``         side-by-side systems and round profiles for ``tritonspec bench`` and ``perf/``
+    ``audit.py``         ``tritonspec audit``: deterministic mode certified on a prompt set (MD + JSON report)
 """

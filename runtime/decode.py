@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import SpecConfig
+from .deterministic import position_race
 from .errors import UserError
 from .metadata import AttentionMetadata, KVCache
 from .sampling import RowRandom, SamplingParams, process_logits
@@ -163,6 +164,7 @@ class Decoder:
         self.sampling = SamplingParams()
         self.rng: RowRandom | None = None
         self.speculative = False
+        self.deterministic = False  # sample by position_race (runtime/deterministic.py); set by the engine
 
     def _fit(self, spec: SpecConfig) -> None:
         """Grow the caches (never shrink) so that ``spec`` fits: the target's ``max_seq_len + N``
@@ -304,6 +306,8 @@ class Decoder:
             raise not_finite([b for b, ok in enumerate(finite) if not ok], "prefill", self.target.dtype)
         if sampling.greedy:
             root = logits.argmax(-1)
+        elif self.deterministic:  # the token at position len(prompt), raced on (seed, position)
+            root = position_race(process_logits(logits, sampling), self.rng.key[:B], lens)
         else:  # the first token: an exponential-race sample of the processed distribution
             _, xi = self.rng.draw(1, logits.shape[-1])
             root = (process_logits(logits, sampling).log_softmax(-1) - xi[:B].log()).argmax(-1)
@@ -379,7 +383,7 @@ class Decoder:
         sampled chain instead for ``top_k=1`` at temperature > 0 (``SpecConfig.sample_chain_drafts``).
         ``spec``: the tree shape (default ``self.spec``)."""
         spec = spec or self.spec
-        if spec.top_k == 1 and spec.sample_chain_drafts and not self.sampling.greedy:
+        if spec.top_k == 1 and spec.sample_chain_drafts and not self.sampling.greedy and not self.deterministic:
             return self._draft_sampled_chain(spec.num_draft_tokens - 1, whole_cache, timings)
         t0 = time.perf_counter()
         d, dev = self.drafter, self.device
@@ -477,8 +481,17 @@ class Decoder:
         return tree
 
     def root_tree(self) -> DraftTree:
-        """The tree of plain decoding: the root alone."""
-        return self.chain_tree(self.root[:, None])
+        """The tree of plain decoding: the root alone. Deterministic mode appends a padding node
+        (parent -1, never accepted) so that every op of the forward runs on the two rows from which
+        a CPU's matmuls are row-invariant, instead of padding op by op (``runtime/deterministic.py``)."""
+        if not self.deterministic:
+            return self.chain_tree(self.root[:, None])
+        B = self.root.shape[0]
+        c = self._chains.get((B, 0))
+        if c is None:  # built once per row count, like the chains' constants
+            par, depth, mask = self._chain_consts(B, 2)
+            c = self._chains[B, 0] = (torch.full_like(par, -1), depth, mask)
+        return DraftTree(self.root[:, None].repeat(1, 2), *c, 0)
 
     def chain_tree(self, tokens: torch.Tensor, draft_probs: torch.Tensor | None = None) -> DraftTree:
         """The tree of a chain ``tokens [B, n+1]`` (root first); its parents/depths/mask are constants,
@@ -512,6 +525,11 @@ class Decoder:
             nodes, num, emitted = self.ops.verify_greedy(
                 tree.tokens, tree.parents, self.target.greedy(hidden, self.ops), tree.max_depth
             )
+        elif self.deterministic:  # the token after each node is its position's race winner: a greedy walk
+            winners = position_race(
+                process_logits(self.target.logits(hidden, self.ops), self.sampling), self.rng.key, positions + 1
+            )
+            nodes, num, emitted = self.ops.verify_greedy(tree.tokens, tree.parents, winners, tree.max_depth)
         else:
             logits = self.target.logits(hidden, self.ops)  # [B, N, V]
             probs = process_logits(logits, self.sampling).softmax(-1)

@@ -33,6 +33,7 @@ import torch
 
 from .config import GenerationOutput, SpecConfig, SpecStats, StreamPiece
 from .decode import Decoder, DraftObserver
+from .deterministic import DeterministicOps
 from .drafter import Eagle3Drafter
 from .errors import UserError
 from .gguf import resolve_target
@@ -78,6 +79,8 @@ class SpeculativeRuntime:
         max_seq_len: int | None = None,
         cuda_graphs: str | bool = "auto",
         cuda_graph_sizes: Sequence[int] | None = None,
+        deterministic: bool = False,
+        compile: str | bool = "auto",
     ):
         self.target = target
         self.tokenizer = resolve_tokenizer(tokenizer)
@@ -85,6 +88,14 @@ class SpeculativeRuntime:
         self._lock = target.decode_lock  # one request at a time per target: runtimes sharing it share its cache
         self.backend = resolve_backend(backend, self.device)
         self.ops = get_ops(self.backend)
+        self.deterministic = bool(deterministic)  # every op row-invariant (runtime/deterministic.py)
+        if self.deterministic:
+            if compile is True:
+                raise UserError(
+                    "deterministic=True runs decode rounds eagerly (a compiled round fuses ops, which may round a "
+                    "row differently by batch); pass compile=False"
+                )
+            self.ops = DeterministicOps(self.ops, self.device)
         if spec is not None and not isinstance(spec, SpecConfig):
             raise TypeError(f"spec must be a tritonspec.SpecConfig, got {type(spec).__name__}")
         # the shape per request: the caller's, a tuned profile's per batch size and mode, or the rule
@@ -93,7 +104,8 @@ class SpeculativeRuntime:
             raise UserError(f"max_batch_size={max_batch_size} must be >= 1")
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
-        self._graphs = graph_runner(cuda_graphs, self.device, max_batch_size, cuda_graph_sizes)  # None = eager
+        self.compile = compile
+        self._graphs = graph_runner(cuda_graphs, self.device, max_batch_size, cuda_graph_sizes, compile)  # None: eager
         self._graph_cache_at: tuple[int, ...] | None = None  # addresses the captured graphs point at
         limit = target.max_position_embeddings
         self.max_seq_len = max_seq_len if max_seq_len is not None else min(limit, 4096)
@@ -121,6 +133,9 @@ class SpeculativeRuntime:
             max_seq_len=self.max_seq_len,
             capacity=largest,
         )
+        self.decoder.deterministic = self.deterministic
+        if self.deterministic:
+            self.ops.prepare(target, drafter)  # probe every shape at load: warnings now, not mid-request
 
     @property
     def spec(self) -> SpecConfig:
@@ -144,7 +159,12 @@ class SpeculativeRuntime:
     @property
     def graphs_enabled(self) -> bool:
         """Whether decode rounds run as captured CUDA graphs (``cuda_graphs`` on a CUDA device)."""
-        return self._graphs is not None
+        return self._graphs is not None and self._graphs.backend == "cuda"
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode rounds run compiled on the CPU (``compile=True``; ``runtime/graphs.py``)."""
+        return self._graphs is not None and self._graphs.backend == "compile"
 
     def warmup(
         self,
@@ -155,7 +175,8 @@ class SpeculativeRuntime:
         top_k: int = 0,
         speculative: bool = True,
     ) -> list[int]:
-        """Capture the decode-round graphs now instead of on first use (CUDA only; a no-op eager).
+        """Capture the decode-round graphs (CUDA) or compile the rounds (CPU, ``compile=True``) now
+        instead of on first use (a no-op eager).
 
         Runs a short dummy generation per batch-size bucket with these sampling settings (graphs
         are keyed by bucket, tree shape and sampling settings). Returns the buckets captured.
@@ -234,6 +255,8 @@ class SpeculativeRuntime:
         cuda_graphs: str | bool = "auto",
         cuda_graph_sizes: Sequence[int] | None = None,
         tokenizer: Any = None,
+        deterministic: bool = False,
+        compile: str | bool = "auto",
     ) -> SpeculativeRuntime:
         """Build a runtime from a target (HF directory or ``PreTrainedModel``) and an optional drafter.
 
@@ -254,6 +277,16 @@ class SpeculativeRuntime:
             ``max_batch_size``); a batch is padded up to the next bucket, larger ones run eager.
         tokenizer : a transformers tokenizer or a local directory holding one; by default read
             from the target directory when it has one.
+        deterministic : make every op row-invariant (``runtime/deterministic.py``): each emitted
+            token's logits equal plain one-token decoding's bit for bit, and a request's output
+            (greedy, or sampled with its seed) is the same alone or in any batch, with or without
+            speculation. Sampling then draws each position's token by a race keyed on (seed,
+            position). On a CPU the forwards run on one intra-op thread; on a GPU it needs Triton.
+        compile : ``True`` compiles each decode round on a CPU (``torch.compile`` of the same round a
+            CUDA graph captures, plain decoding included, one artefact per batch bucket, tree shape
+            and sampling setting; lazily or by ``warmup()``); ``"auto"``/``False`` run eager there.
+            Compiling takes seconds (tiny models) to minutes (a 30-layer target) per key; a failure
+            warns once and runs that key eagerly. The tokens are those of eager rounds.
 
         A drafter object already on ``device`` in the target's dtype is used as is; otherwise the
         runtime runs a converted copy and the caller's module is left untouched. Bad arguments,
@@ -279,6 +312,8 @@ class SpeculativeRuntime:
             max_seq_len=max_seq_len,
             cuda_graphs=cuda_graphs,
             cuda_graph_sizes=cuda_graph_sizes,
+            deterministic=deterministic,
+            compile=compile,
         )
 
     # ================================================================== public API
@@ -441,7 +476,7 @@ class SpeculativeRuntime:
         stats = SpecStats(accepted_per_position=[0] * self.spec.num_speculative_tokens if use_draft else [])
         stats.spec, stats.spec_source = choice.spec, choice.source
         t0 = time.perf_counter()
-        with torch.inference_mode():  # never across a yield: the caller's code runs between rounds
+        with torch.inference_mode(), self._pinned():  # never across a yield: the caller's code runs between rounds
             dec.prefill(
                 batch,
                 speculative=use_draft,
@@ -457,7 +492,7 @@ class SpeculativeRuntime:
             live = max(b for b, a in enumerate(dec.running) if a) + 1
             if self._rows(live) < dec.rows:  # finished rows at the end: a smaller bucket does
                 dec.narrow(self._rows(live))
-            with torch.inference_mode():
+            with torch.inference_mode(), self._pinned():
                 self._dispatch_round(stats)
                 new = dec.collect()
             if use_draft:
@@ -470,6 +505,10 @@ class SpeculativeRuntime:
         if self.tokenizer is not None:
             texts = [requests.text(b) for b in range(len(requests.outs))]
         return GenerationOutput(token_ids=requests.outs, texts=texts, stats=stats, finish_reasons=requests.reasons)
+
+    def _pinned(self) -> contextlib.AbstractContextManager:
+        """Deterministic mode on a CPU: one intra-op thread inside the forwards (``DeterministicOps.threads``)."""
+        return self.ops.threads() if self.deterministic else contextlib.nullcontext()
 
     def _graph_addresses(self) -> tuple[int, ...]:
         """Addresses of the tensors a captured round reads that can be replaced under it: the

@@ -10,7 +10,8 @@ Shipped configurations: fp32/fp16/bf16 x {the tiny test model (H 72, 6/3 heads, 
 Llama-3-8B (H 4096, 32/8 heads, head_dim 128)}; greedy verification for the default SpecConfig
 (depth 6, 48 draft tokens) and a chain (depth 4, 5 tokens); sampling verification for the
 default SpecConfig at Llama-3's vocabulary (128256), 60 tree tokens at a 32000 vocabulary, and a
-chain at the tiny model's 97.
+chain at the tiny model's 97. The batch-invariant matmul of deterministic mode: its one
+configuration per dtype, with and without bias.
 
 The compilation runs in a subprocess without ``TRITON_INTERPRET`` (under the interpreter
 ``triton.jit`` gives interpreted functions that cannot be compiled); run this file as a script
@@ -44,6 +45,7 @@ def _specs():
     import torch
 
     from tritonspec.kernels import aux_gather as ag
+    from tritonspec.kernels import batch_invariant_matmul as bim
     from tritonspec.kernels import kv_compact as kc
     from tritonspec.kernels import kv_write as kw
     from tritonspec.kernels import rms_norm as rn
@@ -106,6 +108,20 @@ def _specs():
             sig = dict(k_ptr=p, v_ptr=p, start_ptr="*i64", nodes_ptr="*i64") | _i32("stride_l stride_b")
             consts = dict(HD=hd, M=M, BLOCK_M=block_m, BLOCK_C=min(next_pow2(hd), max(8192 // block_m, 128)), NONE=-1)
             add(f"kv_compact/{dt_name}/{model}", kc._kv_compact_kernel, sig, consts, list(sig), **base, num_warps=4)
+    for dt_name, dt in DTYPES.items():
+        block_m, block_n, block_k, warps, stages = bim.CONFIGS[getattr(torch, dt)]
+        for bias in (False, True):
+            p = f"*{dt_name}"
+            sig = (
+                dict(a_ptr=p, b_ptr=p, c_ptr=p, bias_ptr=p)
+                | _i32("M N K")
+                | _i32("stride_ab stride_am stride_ak stride_bb stride_bk stride_bn stride_cb stride_cm stride_cn")
+            )
+            consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, UPCAST=False)
+            consts["INPUT_PRECISION"] = "ieee" if dt == "float32" else "tf32"
+            divisible = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "K", "stride_am", "stride_bk", "stride_cm"]
+            name = f"batch_invariant_matmul/{dt_name}/bias={bias}"
+            add(name, bim._bi_matmul_kernel, sig, consts, divisible, **base, num_warps=warps, num_stages=stages)
     for depth, n in ((6, 48), (4, 5)):
         sig = dict.fromkeys(["tokens_ptr", "parents_ptr", "argmax_ptr", "nodes_ptr", "num_ptr", "emitted_ptr"], "*i64")
         sig["N"] = "i32"
@@ -158,6 +174,8 @@ def compile_all(arch: int) -> dict:
                 divs=sorted(set(re.findall(r"\bdiv(?:\.[a-z0-9]+)*\.f32\b", ptx))),
                 f2i=sorted(set(re.findall(r"\bcvt(?:\.[a-z0-9]+)*\.s64\.f32\b", ptx))),
                 barriers=len(re.findall(r"\bbar\.sync\b", ptx)),
+                atomics=len(re.findall(r"\b(?:atom|red)\.", ptx)),
+                tf32=len(re.findall(r"\.tf32\b", ptx)),
             )
         except Exception as e:  # reported per kernel, asserted in the test
             report[name] = dict(error=f"{type(e).__name__}: {e}"[:2000])
@@ -193,6 +211,7 @@ _SPEC_NAMES = (
         )
         for suffix in suffixes
     ]
+    + [f"batch_invariant_matmul/{dt}/bias={b}" for dt in DTYPES for b in (False, True)]
     + ["verify_greedy/depth=6/N=48", "verify_greedy/depth=4/N=5"]
     + [f"verify_sampling/depth={d}/N={n}/V={v}" for d, n, v in VERIFY_SAMPLING]
     + [f"verify_chain/n={n}/V={v}" for n, v in VERIFY_CHAIN]
@@ -225,6 +244,20 @@ def test_rms_norm_ptx_vector_loads_and_no_fma(arch):
             assert r["fma"] == 0, (dt, r["fma"])
     fc = report["aux_gather/bf16/llama3_8b/fc_norm=True"]
     assert any(ld.endswith(".v4.b32") for ld in fc["loads"]), fc["loads"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_batch_invariant_matmul_ptx_has_no_split_k(arch):
+    """The deterministic-mode matmul compiles for every dtype; one program per output tile walks the
+    whole K loop (no atomics: no split-K reduction), fp32 uses IEEE products (no TF32 MMA)."""
+    pytest.importorskip("triton")
+    report = _report(arch)
+    for dt in DTYPES:
+        for bias in (False, True):
+            r = report[f"batch_invariant_matmul/{dt}/bias={bias}"]
+            assert r["ptx"] > 0 and r["cubin"] > 0 and r["atomics"] == 0, r
+            if dt == "fp32":
+                assert r["tf32"] == 0, r
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,0 +1,176 @@
+"""Batch-invariant matmul: a row's result never depends on how many rows share the call.
+
+    C[b] = A[b] @ B[b] (+ bias)        A [Bt, M, K], B [Bt, K, N] (or [K, N] shared), fp32 accumulation
+
+cuBLAS picks its kernel from the problem size: for a small M it may split K across thread blocks
+(split-K) and sum the partial products in another order, so a row of a 1-row decode step and the
+same row inside a 48-row verify forward round differently. This kernel has one fixed
+configuration per dtype (``CONFIGS``): the output tiles and the K loop never depend on M, there
+is no split-K, and every output element accumulates its K products in the same order (K tiles
+in ascending order, ``tl.dot`` inside a tile) whatever the row count, the batch size or the
+other rows. It is what ``runtime/deterministic.py`` runs for the target's and the drafter's
+linear layers (and the chunked attention's small matmuls) on a GPU.
+
+The anchor is the batch-invariant kernels published with "Defeating Nondeterminism in LLM
+Inference" (He and Thinking Machines Lab, 2025; github.com/thinking-machines-lab/batch_invariant_ops,
+``matmul_kernel_persistent``): fixed tiles, no split-K. Differences here: a plain 3-D grid
+(tile of M, tile of N, batch item) instead of a persistent loop, an optional batch axis with
+arbitrary strides (so ``x @ weight.T`` needs no copy of the weight), fp32 inputs multiplied in
+IEEE fp32 (``input_precision="ieee"``, never TF32) and the output rounded to the input dtype.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .utils import ENABLE_FP_FUSION, FLOAT_DTYPES, check_tensor, require_triton, round_to, tl, triton
+
+# One configuration per dtype, never chosen by the problem size: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
+# num_stages). BLOCK_K fixes the reduction chunking; the tiles of M and N only decide which program
+# computes an element, not how.
+CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
+    torch.float32: (32, 64, 32, 4, 3),
+    torch.float16: (64, 64, 64, 4, 3),
+    torch.bfloat16: (64, 64, 64, 4, 3),
+}
+
+
+def batch_invariant_matmul_reference(
+    a: torch.Tensor,  # [M, K] or [Bt, M, K]
+    b: torch.Tensor,  # [K, N] or [Bt, K, N]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] or [Bt, M, N], dtype of a
+    """``a @ b + bias`` accumulated in float32 (PyTorch), rounded once to ``a``'s dtype."""
+    out = torch.matmul(a.float(), b.float())
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(a.dtype)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton kernel and launcher
+#
+# Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), Bt). Each program owns one BLOCK_M x BLOCK_N output
+# tile of one batch item and walks K from 0 upwards in BLOCK_K steps, accumulating in fp32;
+# masked loads fill the ragged edges with zeros (exact: x + 0*y = x). With fp-fusion off the bias
+# add rounds separately, as in the reference.
+# --------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["M"])
+def _bi_matmul_kernel(
+    a_ptr,  # [Bt, M, K] at (stride_ab, stride_am, stride_ak)
+    b_ptr,  # [Bt, K, N] at (stride_bb, stride_bk, stride_bn); stride_bb = 0 for a shared [K, N]
+    c_ptr,  # [Bt, M, N] at (stride_cb, stride_cm, stride_cn)
+    bias_ptr,  # [N] (read when HAS_BIAS)
+    M,
+    N,
+    K,
+    stride_ab,
+    stride_am,
+    stride_ak,
+    stride_bb,
+    stride_bk,
+    stride_bn,
+    stride_cb,
+    stride_cm,
+    stride_cn,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    item = tl.program_id(2).to(tl.int64)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    a_base = a_ptr + item * stride_ab + rows[:, None].to(tl.int64) * stride_am
+    b_base = b_ptr + item * stride_bb + cols[None, :].to(tl.int64) * stride_bn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):  # ascending K tiles, never split
+        kk = k0 + ks
+        a = tl.load(a_base + kk[None, :] * stride_ak, mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
+        b = tl.load(b_base + kk[:, None] * stride_bk, mask=(kk[:, None] < K) & (cols[None, :] < N), other=0.0)
+        if UPCAST:  # interpreter only: its bf16 dot reads raw bits; the widening is exact, as in the MMA
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    c = c_ptr + item * stride_cb + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
+    tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+
+
+def batch_invariant_matmul(
+    a: torch.Tensor,  # [M, K] or [Bt, M, K], any strides
+    b: torch.Tensor,  # [K, N] or [Bt, K, N], any strides (a weight's transpose is a view)
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N] or [Bt, M, N], contiguous, dtype of a
+    """Triton ``a @ b + bias`` with one fixed tile configuration per dtype (see the module docstring):
+    bit-identical rows whatever M, the batch size or the other rows hold.
+
+    Examples
+    --------
+    >>> x = torch.randn(5, 64, device="cuda")                          # doctest: +SKIP
+    >>> w = torch.randn(128, 64, device="cuda")                        # doctest: +SKIP
+    >>> torch.equal(batch_invariant_matmul(x, w.T)[:1], batch_invariant_matmul(x[:1], w.T))  # doctest: +SKIP
+    True
+    """
+    require_triton()
+    check_tensor("a", a, dtypes=FLOAT_DTYPES, contiguous=False)
+    check_tensor("b", b, dtypes=(a.dtype,), contiguous=False, device=a.device)
+    if a.dim() not in (2, 3) or b.dim() not in (2, a.dim()):
+        raise ValueError(
+            f"a must be [M, K] or [Bt, M, K] and b [K, N] or [Bt, K, N]; got {tuple(a.shape)}, {tuple(b.shape)}"
+        )
+    batched = a.dim() == 3
+    a3 = a if batched else a[None]
+    b3 = b if b.dim() == 3 else b[None]
+    bt, m, k = a3.shape
+    if b3.shape[1] != k or b3.shape[0] not in (1, bt):
+        raise ValueError(f"a {tuple(a.shape)} and b {tuple(b.shape)} do not multiply")
+    n = b3.shape[2]
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(n,), device=a.device)
+    c = torch.empty(bt, m, n, dtype=a.dtype, device=a.device)
+    if c.numel():
+        block_m, block_n, block_k, warps, stages = CONFIGS[a.dtype]
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), bt)
+        _bi_matmul_kernel[grid](
+            a3,
+            b3,
+            c,
+            bias if bias is not None else c,
+            m,
+            n,
+            k,
+            *a3.stride(),
+            b3.stride(0) if b3.shape[0] == bt and bt > 1 else 0,
+            b3.stride(1),
+            b3.stride(2),
+            *c.stride(),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            HAS_BIAS=bias is not None,
+            INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
+            UPCAST=a.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+            num_warps=warps,
+            num_stages=stages,
+            enable_fp_fusion=ENABLE_FP_FUSION,
+        )
+    return c if batched else c[0]
+
+
+def batch_invariant_linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N]
+    """``F.linear`` through ``batch_invariant_matmul`` (the weight's transpose is a view, not a copy)."""
+    out = batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias)
+    return out.view(*x.shape[:-1], weight.shape[0])

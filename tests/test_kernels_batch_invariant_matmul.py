@@ -1,0 +1,121 @@
+"""Batch-invariant matmul kernel vs its reference (interpreter on a CPU, compiled on a GPU).
+
+Stated bounds: against ``batch_invariant_matmul_reference`` (fp32 accumulation in PyTorch) within
+a relative 1e-5 (fp32) / one output ULP (fp16, bf16: both round one fp32 sum once, in a different
+order); and batch invariance, bit for bit: a row's result does not depend on how many rows share
+the call (1..70), which rows they are, where it sits, or how many batch items the call holds.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+pytest.importorskip("triton")
+
+from tritonspec.kernels.batch_invariant_matmul import (  # noqa: E402
+    CONFIGS,
+    batch_invariant_linear,
+    batch_invariant_matmul,
+    batch_invariant_matmul_reference,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-2), torch.bfloat16: (8e-3, 5e-2)}  # (rtol, atol)
+
+
+def _rand(*shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(DEVICE, dtype)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    m=st.sampled_from([1, 3, 33, 70]),
+    n=st.sampled_from([1, 17, 64, 97]),
+    k=st.sampled_from([1, 12, 64, 130]),
+    dtype=st.sampled_from(DTYPES),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_matches_reference(m, n, k, dtype, bias, seed):
+    x, w = _rand(m, k, dtype=dtype, seed=seed), _rand(n, k, dtype=dtype, seed=seed + 1)
+    b = _rand(n, dtype=dtype, seed=seed + 2) if bias else None
+    got = batch_invariant_linear(x, w, b)
+    want = batch_invariant_matmul_reference(x, w.t(), b)
+    assert got.dtype == dtype and got.shape == (m, n)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rows_are_batch_invariant(dtype):
+    """Row r of a call with M rows equals the same row computed alone or among others, bit for bit."""
+    x, w = _rand(70, 96, dtype=dtype, seed=0), _rand(80, 96, dtype=dtype, seed=1)
+    b = _rand(80, dtype=dtype, seed=2)
+    full = batch_invariant_linear(x, w, b)
+    g = torch.Generator().manual_seed(3)
+    for m in (1, 2, 5, 31, 32, 33, 64, 70):
+        idx = torch.randperm(70, generator=g)[:m].to(DEVICE)
+        assert torch.equal(batch_invariant_linear(x[idx], w, b), full[idx]), m
+
+
+def test_batched_items_are_invariant_and_match_2d():
+    """Item i of a [Bt, M, K] @ [Bt, K, N] call equals the 2-D call on its own, whatever Bt."""
+    a, bm = _rand(5, 9, 40, dtype=torch.float32, seed=4), _rand(5, 40, 33, dtype=torch.float32, seed=5)
+    full = batch_invariant_matmul(a, bm)
+    for i in range(5):
+        assert torch.equal(batch_invariant_matmul(a[i], bm[i]), full[i])
+        assert torch.equal(batch_invariant_matmul(a[i : i + 1, :3], bm[i : i + 1]), full[i : i + 1, :3])
+    shared = batch_invariant_matmul(a, bm[0])  # one [K, N] for every item
+    torch.testing.assert_close(shared, batch_invariant_matmul_reference(a, bm[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_config_is_fixed_per_dtype():
+    """One tile configuration per dtype, never chosen by the problem size (no split-K)."""
+    assert set(CONFIGS) == set(DTYPES)
+    for block_m, block_n, block_k, warps, stages in CONFIGS.values():
+        assert min(block_m, block_n, block_k) >= 16 and warps in (4, 8) and stages >= 1
+
+
+def test_rejects_bad_arguments():
+    x = _rand(4, 8, dtype=torch.float32, seed=0)
+    with pytest.raises(TypeError, match="b must have dtype"):
+        batch_invariant_matmul(x, _rand(8, 3, dtype=torch.float16, seed=0))
+    with pytest.raises(ValueError, match="do not multiply"):
+        batch_invariant_matmul(x, _rand(7, 3, dtype=torch.float32, seed=0))
+    with pytest.raises(ValueError, match="bias must have shape"):
+        batch_invariant_matmul(x, _rand(8, 3, dtype=torch.float32, seed=0), _rand(4, dtype=torch.float32, seed=0))
+    with pytest.raises(ValueError, match=r"a must be \[M, K\]"):
+        batch_invariant_matmul(x[None, None], x)
+    assert batch_invariant_matmul(x[:0], _rand(8, 3, dtype=torch.float32, seed=0)).shape == (0, 3)
+
+
+def test_fixed_order_attention_on_this_matmul_is_row_invariant():
+    """What deterministic mode runs on a GPU: ``chunked_attention`` with this kernel as its batched
+    matmul gives one query the same bits as a decode step and as a branch of a tree (ancestors at
+    scattered slots, among other rows)."""
+    from tritonspec.runtime.deterministic import chunked_attention, decode_layout
+
+    g = torch.Generator().manual_seed(6)
+    hq, hkv, d, n = 2, 1, 16, 70  # two chunks of keys
+    k, v, q0 = (torch.randn(*s, generator=g).to(DEVICE) for s in ((1, n + 8, hkv, d), (1, n + 8, hkv, d), (hq, d)))
+
+    def att(q, kk, vv, prefix, mask, kv_len):
+        lay = decode_layout(torch.tensor(prefix, device=DEVICE), mask.to(DEVICE), kv_len, need_tail=True)
+        return chunked_attention(q, kk, vv, lay, d**-0.5, bmm=batch_invariant_matmul)
+
+    ref = att(q0[None, None], k, v, [n - 1], torch.ones(1, 1, 1, dtype=torch.bool), n)[0, 0]
+    kt, vt = torch.cat([k, k]), torch.cat([v, v])
+    kt[1, n - 3 + 2], vt[1, n - 3 + 2] = k[0, n - 2], v[0, n - 2]  # row 1: the path 0 -> 2 -> 3
+    kt[1, n - 3 + 3], vt[1, n - 3 + 3] = k[0, n - 1], v[0, n - 1]
+    mask = torch.eye(4, dtype=torch.bool).repeat(2, 1, 1)
+    mask[1, 3, [0, 2]] = True
+    qt = torch.randn(2, 4, hq, d, generator=g).to(DEVICE)
+    qt[1, 3] = q0
+    assert torch.equal(att(qt, kt, vt, [20, n - 3], mask, n + 1)[1, 3], ref)
+    exact = (torch.einsum("hd,sd->hs", q0.double(), k[0, :n, 0].double()) * d**-0.5).softmax(-1) @ v[0, :n, 0].double()
+    torch.testing.assert_close(ref.double(), exact, rtol=1e-5, atol=1e-5)
