@@ -13,7 +13,11 @@ recorded once and replayed. ``GraphRunner.run(key, fn, state)``:
     largest bucket       warning per runner
 
 The same ``fn`` is what eager execution calls, so the eager path (every CPU test) exercises the
-code that is captured. ``backend="emulate"`` is a CPU stand-in for tests: ``torch.fx``'s
+code that is captured. ``backend="compile"`` (the CPU's counterpart, ``compile=True``) records the
+round's aten ops the same way and compiles them with ``torch.compile`` (inductor's C++ backend,
+``fullgraph=True``, static shapes): one compiled artefact per key, so a round pays neither Python
+nor per-op dispatch; compiling takes from seconds (tiny models) to minutes (a 30-layer target) per
+key, so it suits long-running serving. ``backend="emulate"`` is a CPU stand-in for tests: ``torch.fx``'s
 ``make_fx`` records the aten ops the round runs and replays only those, so Python code in the
 round does not run again on replay, as with a CUDA graph. Recording executes the ops, so the
 emulator snapshots the state buffers first and restores them after (a CUDA capture executes
@@ -47,12 +51,14 @@ class GraphRunner:
     Parameters
     ----------
     sizes : the batch buckets (ascending, distinct, >= 1).
-    backend : ``"cuda"`` (``torch.cuda.CUDAGraph``) or ``"emulate"`` (CPU ``make_fx`` replay, tests).
+    backend : ``"cuda"`` (``torch.cuda.CUDAGraph``), ``"compile"`` (``make_fx`` + ``torch.compile``,
+        CPU) or ``"emulate"`` (CPU ``make_fx`` replay, tests).
     """
 
     def __init__(self, sizes: Sequence[int], backend: str = "cuda", device: torch.device | None = None):
-        if backend not in ("cuda", "emulate"):
-            raise ValueError(f"graph backend {backend!r}: use 'cuda' or 'emulate'")
+        if backend not in ("cuda", "compile", "emulate"):
+            raise ValueError(f"graph backend {backend!r}: use 'cuda', 'compile' or 'emulate'")
+        self.what = "torch.compile of the decode round" if backend == "compile" else "CUDA-graph capture"
         self.sizes = sorted(set(int(s) for s in sizes))
         self.backend = backend
         self.device = device
@@ -105,8 +111,7 @@ class GraphRunner:
         except Exception as e:  # noqa: BLE001 - any capture failure falls back to eager
             self.failed.add(key)
             warnings.warn(
-                f"CUDA-graph capture failed for batch bucket {key[0]} ({type(e).__name__}: {e}); "
-                "running these rounds eagerly",
+                f"{self.what} failed for batch bucket {key[0]} ({type(e).__name__}: {e}); running these rounds eagerly",
                 stacklevel=4,
             )
         return True
@@ -157,7 +162,14 @@ class GraphRunner:
 
         saved = [t.clone() for t in state]
         try:
-            return make_fx(fn, tracing_mode="real")()
+            gm = make_fx(fn, tracing_mode="real")()
+            if self.backend != "compile":
+                return gm
+            compiled = torch.compile(gm, fullgraph=True, dynamic=False)
+            for t, s in zip(state, saved):
+                t.copy_(s)
+            compiled()  # compiles now (the state is restored below), so no request pays it twice
+            return compiled
         finally:
             for t, s in zip(state, saved):
                 t.copy_(s)
@@ -176,16 +188,26 @@ class GraphRunner:
 
 
 def graph_runner(
-    cuda_graphs: str | bool, device: torch.device, max_batch_size: int, sizes: Sequence[int] | None
+    cuda_graphs: str | bool,
+    device: torch.device,
+    max_batch_size: int,
+    sizes: Sequence[int] | None,
+    compile: str | bool = "auto",
 ) -> GraphRunner | None:
-    """The runner for a runtime's ``cuda_graphs`` / ``cuda_graph_sizes`` options (None = eager)."""
+    """The runner for a runtime's ``cuda_graphs`` / ``cuda_graph_sizes`` / ``compile`` options (None =
+    eager). On a CUDA device rounds are CUDA graphs (``cuda_graphs``); elsewhere ``compile=True``
+    compiles them (``"auto"`` leaves the CPU eager: compiling costs seconds to minutes per key)."""
     if cuda_graphs not in ("auto", True, False):
         raise ValueError(f"cuda_graphs={cuda_graphs!r}: use 'auto', True or False")
+    if compile not in ("auto", True, False):
+        raise ValueError(f"compile={compile!r}: use 'auto', True or False")
     if sizes is not None:
         sizes = list(sizes)
         bad = [s for s in sizes if not isinstance(s, int) or not 1 <= s <= max_batch_size]
         if not sizes or bad:
             raise ValueError(f"cuda_graph_sizes={sizes!r}: give batch sizes in [1, max_batch_size={max_batch_size}]")
+    if device.type != "cuda" and compile is True:
+        return GraphRunner(sizes or default_sizes(max_batch_size), "compile", device)
     if cuda_graphs is False:
         return None
     if device.type != "cuda":
