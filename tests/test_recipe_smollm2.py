@@ -82,6 +82,8 @@ def test_recipe_config_is_validated():
         RecipeConfig(budget_minutes=0)
     with pytest.raises(ValueError, match="distill_share"):
         RecipeConfig(distill_share=1.0)
+    with pytest.raises(ValueError, match="distill_share"):
+        RecipeConfig(distill_share=-0.1)
 
 
 def test_distill_writes_resumes_and_drops_a_torn_record(tmp_path):

@@ -232,8 +232,9 @@ def train_drafter(
     out : output directory; ``out/checkpoint.pt`` is written every ``checkpoint_every`` steps and a
         later call with the same settings resumes from it.
     config : ``TrainConfig`` (defaults: EAGLE-3.1, TTT depth 7).
-    time_budget_s : wall-clock budget: after the first steps the step count is cut to what fits
-        (the learning-rate schedule follows the new count); None = ``config.steps``.
+    time_budget_s : wall-clock budget: after the first steps, and again every 25, the step count is
+        fitted to what the remaining time holds at the mean step time so far (the learning-rate
+        schedule follows the new count); None = ``config.steps``.
 
     Examples
     --------
@@ -337,11 +338,14 @@ def train_drafters(
         r0 = state[0]
         bar.update(step, _mean_recent(r0.history, "loss"), _mean_recent_acc(r0.history))
         step += 1
-        if time_budget_s is not None and step - start == BUDGET_PROBE_STEPS:
-            per_step = (time.time() - t0) / BUDGET_PROBE_STEPS
-            fit = start + BUDGET_PROBE_STEPS + int((time_budget_s - (time.time() - t0)) / per_step)
-            if fit < total:
-                total = max(step, fit)
+        done = step - start
+        if time_budget_s is not None and (done == BUDGET_PROBE_STEPS or (done > 0 and done % BUDGET_REFIT_EVERY == 0)):
+            # fit the step count to the budget at the mean step time so far (refitted as the load changes)
+            per_step = (time.time() - t0) / done
+            fit = step + int((time_budget_s - (time.time() - t0)) / per_step)
+            new_total = max(step, min(cfg.steps, fit))
+            if new_total != total:
+                total = new_total
                 bar.total = bar.bar.total = total
                 log(f"train: {per_step:.1f} s a step; the time budget fits {total} steps (of {cfg.steps})")
         if step % cfg.checkpoint_every == 0 and step < total:
@@ -352,6 +356,7 @@ def train_drafters(
 
 
 BUDGET_PROBE_STEPS = 3  # steps timed before a time budget sets the step count
+BUDGET_REFIT_EVERY = 25  # then refitted every this many steps (the machine's load changes)
 
 
 def _start_run(

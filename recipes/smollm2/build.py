@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -34,8 +35,9 @@ import torch
 
 from ...drafters import ROOT as DRAFTERS_ROOT
 from ...runtime.gguf import resolve_target
+from ...runtime.weights import load_tokenizer
 from .distill import distill, encode
-from .prompts import build_prompts
+from .prompts import build_prompts, stdlib_files
 
 MODEL = "smollm2"
 VARIANTS = {"eagle3": False, "eagle3.1": True}
@@ -47,7 +49,8 @@ class RecipeConfig:
     """Every knob of the SmolLM2 recipe (written to ``report.json``)."""
 
     budget_minutes: float = 120.0
-    distill_share: float = 0.3  # of the budget; the rest (less evaluation) trains
+    distill_share: float = 0.3  # of the budget (0: train on the distilled data already in --work)
+    stdlib_code_tokens: int = 100_000  # raw stdlib source added to the training data (teacher-forced)
     n_code: int = 1200
     n_general: int = 300
     distill_batch: int = 32
@@ -65,8 +68,8 @@ class RecipeConfig:
     def __post_init__(self) -> None:
         if self.budget_minutes <= 0:
             raise ValueError(f"budget_minutes={self.budget_minutes} must be > 0")
-        if not 0 < self.distill_share < 1:
-            raise ValueError(f"distill_share={self.distill_share} must lie in (0, 1)")
+        if not 0 <= self.distill_share < 1:
+            raise ValueError(f"distill_share={self.distill_share} must lie in [0, 1)")
         if not 8192 <= self.draft_vocab_size <= 16384 and self.budget_minutes >= 30:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: the recipe uses 8K-16K")
 
@@ -123,14 +126,35 @@ def stage_train(cfg: RecipeConfig, work: Path, target: Path, data: Path, budget_
         )
         runs.append((work / name, tc))
     train = work / "train.jsonl"  # held-out ids never train, whoever wrote the distilled file
-    keep = [r for r in read_jsonl(data) if not heldout(r["id"], cfg.heldout_percent)]
-    train.write_text("".join(json.dumps({"input_ids": r["input_ids"]}) + "\n" for r in keep))
+    keep = [r["input_ids"] for r in read_jsonl(data) if not heldout(r["id"], cfg.heldout_percent)]
+    keep += stdlib_code(cfg.stdlib_code_tokens, load_tokenizer(target), cfg.seed)
+    train.write_text("".join(json.dumps({"input_ids": ids}) + "\n" for ids in keep))
     t0 = time.time()
     results = train_drafters(target, train, runs, time_budget_s=budget_s, log=log)
     return {
         r.out_dir.name: {"steps": r.steps, "final_loss": r.final_loss, "accuracy_per_depth": r.accuracies}
         for r in results
     } | {"wall_s": time.time() - t0}
+
+
+def stdlib_code(tokens: int, tokenizer, seed: int, doc_tokens: int = 1024) -> list[list[int]]:
+    """About ``tokens`` tokens of standard-library source in documents of ``doc_tokens`` (files in a
+    seeded order): text the target reads teacher-forced, so the drafter also sees code it did not write."""
+    files = stdlib_files()
+    random.Random(seed).shuffle(files)
+    out: list[list[int]] = []
+    total = 0
+    for f in files:
+        if total >= tokens:
+            break
+        try:
+            ids = tokenizer(f.read_text(encoding="utf-8"), add_special_tokens=False)["input_ids"]
+        except (UnicodeDecodeError, OSError):
+            continue
+        for i in range(0, min(len(ids), tokens - total), doc_tokens):
+            out.append(ids[i : i + doc_tokens])
+            total += len(out[-1])
+    return out
 
 
 def stage_evaluate(cfg: RecipeConfig, work: Path, target: Path, records: list[dict]) -> dict:
@@ -185,7 +209,9 @@ def run(cfg: RecipeConfig, work: Path, out: Path, until: str = "bundle") -> dict
     if stop >= 1:
         records = timed("prompts", stage_prompts, cfg, work)
     if stop >= 2:
-        data = timed("distill", stage_distill, cfg, work, target, records, t0 + cfg.distill_share * budget)
+        data = work / "distill.jsonl"
+        if cfg.distill_share > 0 or not data.exists():
+            data = timed("distill", stage_distill, cfg, work, target, records, t0 + cfg.distill_share * budget)
         recs = read_jsonl(data)
         report["data"] = {
             "records": len(recs),
@@ -215,11 +241,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--work", default=None, help="scratch folder (default: <cache>/recipes/smollm2)")
     p.add_argument("--until", default="bundle", choices=STAGES)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--distill-share",
+        type=float,
+        default=RecipeConfig.distill_share,
+        help="share of the budget for self-distillation (0: train on the data already distilled in --work)",
+    )
     args = p.parse_args(argv)
     from ...runtime.gguf import cache_root
 
     work = Path(args.work) if args.work else cache_root().parent / "recipes" / MODEL
-    cfg = RecipeConfig(budget_minutes=args.budget_minutes, seed=args.seed)
+    cfg = RecipeConfig(budget_minutes=args.budget_minutes, seed=args.seed, distill_share=args.distill_share)
     report = run(cfg, work, Path(args.out), args.until)
     print(json.dumps({k: report[k] for k in report if k != "config"}, indent=1))
     return 0
