@@ -6,6 +6,7 @@ SpecConfig(num_speculative_tokens=4, top_k=1, num_draft_tokens=5)
 """
 
 from .demo import demo_pair
+from .drafters import shipped_drafter
 from .kernels.store import package_version
 from .runtime.config import GenerationOutput, SpecConfig, SpecStats
 from .runtime.drafter import DrafterConfig, Eagle3Drafter
@@ -25,5 +26,6 @@ __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "UserError",
     "demo_pair",
+    "shipped_drafter",
     "__version__",
 ]
