@@ -53,31 +53,42 @@ def render(rows: list[dict], source: str) -> tuple[str, dict]:
         "accepted depth k / rounds. `n/a`: transformers runs prompt lookup and assisted generation at batch 1 only.",
         "",
     ]
+    tables, speedups = speed_tables(groups, PROMPT_SETS, lambda p, t, b, g: f"## {p}, temperature {t:g}, batch {b}")
+    out += tables
+    return "\n".join(out), speedups
+
+
+def speed_tables(groups: dict, sets, heading, identity: bool = False) -> tuple[list[str], dict]:
+    """One Markdown table per (set, temperature, batch) group, batch then temperature then set order:
+    tokens/s, speedup over ours-plain of the group, τ, acceptance per depth, and with ``identity``
+    an ``= plain`` column on greedy tables. Returns the lines and the greedy batch-1 speedups
+    ``{system: {set: speedup}}`` the plots use."""
     speedups: dict[str, dict[str, float]] = defaultdict(dict)
-    for pset, temp, batch in sorted(
-        groups, key=lambda k: (k[2], k[1], PROMPT_SETS.index(k[0]) if k[0] in PROMPT_SETS else 9)
-    ):
+    out: list[str] = []
+    for pset, temp, batch in sorted(groups, key=lambda k: (k[2], k[1], sets.index(k[0]) if k[0] in sets else 9)):
         g = groups[(pset, temp, batch)]
         base = g.get("ours-plain", {}).get("tokens_per_second")
+        ident = identity and temp == 0
         out += [
-            f"## {pset}, temperature {temp:g}, batch {batch}",
+            heading(pset, temp, batch, g),
             "",
-            "| system | tokens/s | speedup | τ | acceptance per depth |",
-            "|---|---:|---:|---:|---|",
+            "| system | tokens/s | speedup | τ | acceptance per depth |" + (" = plain |" if ident else ""),
+            "|---|---:|---:|---:|---|" + ("---|" if ident else ""),
         ]
         for s in ORDER:
             r = g.get(s)
             if r is None:
-                out.append(f"| {s} | n/a | | | |")
+                out.append(f"| {s} | n/a | | | |" + (" |" if ident else ""))
                 continue
             sp = r["tokens_per_second"] / base if base else None
             if sp is not None and temp == 0 and batch == 1:
                 speedups[s][pset] = sp
             tau = f"{r['tau']:.2f}" if r.get("tau") else ""
             acc = " ".join(f"{a:.2f}" for a in r.get("accepted_per_position") or [])
-            out.append(f"| {s} | {r['tokens_per_second']:.1f} | {f'{sp:.2f}x' if sp else ''} | {tau} | {acc} |")
+            row = f"| {s} | {r['tokens_per_second']:.1f} | {f'{sp:.2f}x' if sp else ''} | {tau} | {acc} |"
+            out.append(row + (f" {_identical(r)} |" if ident else ""))
         out.append("")
-    return "\n".join(out), speedups
+    return out, speedups
 
 
 def plots(
@@ -157,35 +168,13 @@ def render_smollm2(rows: list[dict], source: str, title: bool = False) -> tuple[
         "ours-plain's (and hf-greedy's) token for token on every prompt.",
         "",
     ]
-    speedups: dict[str, dict[str, float]] = defaultdict(dict)
-    for pset, temp, batch in sorted(
-        groups, key=lambda k: (k[2], k[1], SMOLLM2_SETS.index(k[0]) if k[0] in SMOLLM2_SETS else 9)
-    ):
-        g = groups[(pset, temp, batch)]
-        base = g.get("ours-plain", {}).get("tokens_per_second")
+
+    def heading(pset: str, temp: float, batch: int, g: dict) -> str:
         n = max(r.get("prompts", 0) for r in g.values())
-        greedy = temp == 0
-        out += [
-            f"### {pset}, temperature {temp:g}, batch {batch} ({n} prompt{'s' if n != 1 else ''})",
-            "",
-            "| system | tokens/s | speedup | τ | acceptance per depth |" + (" = plain |" if greedy else ""),
-            "|---|---:|---:|---:|---|" + ("---|" if greedy else ""),
-        ]
-        for s in ORDER:
-            r = g.get(s)
-            if r is None:
-                out.append(f"| {s} | n/a | | | |" + (" |" if greedy else ""))
-                continue
-            sp = r["tokens_per_second"] / base if base else None
-            if sp is not None and greedy and batch == 1:
-                speedups[s][pset] = sp
-            tau = f"{r['tau']:.2f}" if r.get("tau") else ""
-            acc = " ".join(f"{a:.2f}" for a in r.get("accepted_per_position") or [])
-            row = f"| {s} | {r['tokens_per_second']:.1f} | {f'{sp:.2f}x' if sp else ''} | {tau} | {acc} |"
-            if greedy:
-                row += f" {_identical(r)} |"
-            out.append(row)
-        out.append("")
+        return f"### {pset}, temperature {temp:g}, batch {batch} ({n} prompt{'s' if n != 1 else ''})"
+
+    tables, speedups = speed_tables(groups, SMOLLM2_SETS, heading, identity=True)
+    out += tables
     split = [r for r in rows if r.get("round_ms") is not None and r["temperature"] == 0 and r["batch"] == 1]
     if split:
         out += [
