@@ -32,7 +32,10 @@ class TritonOps:
     def begin_forward(self) -> None:
         """Nothing cached between layers (``TorchOps.begin_forward`` has the counterpart)."""
 
-    linear = staticmethod(torch.nn.functional.linear)  # (x, weight, bias=None): cuBLAS GEMMs
+    def linear(self, x, weight, bias=None):
+        """cuBLAS GEMMs (``F.linear``); the deterministic mode swaps in ``batch_invariant_matmul``."""
+        return torch.nn.functional.linear(x, weight, bias)
+
     rms_norm = staticmethod(rms_norm)  # (x, weight, eps, residual=None)
     aux_gather = staticmethod(aux_gather)  # (aux, index, fc_norm_weight, eps)
     kv_write = staticmethod(kv_write)  # (k_cache, v_cache, slots, k, v)

@@ -150,7 +150,10 @@ class TorchOps:
 
     name = "torch"
 
-    linear = staticmethod(F.linear)
+    def linear(self, x, weight, bias=None):
+        """``F.linear`` (the weight may be stored ``[K, N]``: ``TargetModel.weight_layout``)."""
+        return F.linear(x, weight, bias)
+
     rms_norm = staticmethod(rms_norm_reference)
     aux_gather = staticmethod(aux_gather_reference)
     kv_write = staticmethod(kv_write_reference)

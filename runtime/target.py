@@ -467,7 +467,7 @@ class TargetModel:
             q, k, v = ops.linear(x, L.wqkv, L.bqkv).split(L.qkv_sizes, dim=-1)
             q = q.view(B, Q, self.num_heads, self.head_dim)
             k = k.view(B, Q, self.num_kv_heads, self.head_dim)
-            v = v.view(B, Q, self.num_kv_heads, self.head_dim)
+            v = v.reshape(B, Q, self.num_kv_heads, self.head_dim).contiguous()  # kv_write: k's strides
             if L.q_norm is not None:
                 q = ops.rms_norm(q, L.q_norm, self.eps)
                 k = ops.rms_norm(k, L.k_norm, self.eps)

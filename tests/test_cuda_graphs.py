@@ -472,5 +472,6 @@ def test_graphs_follow_a_shared_cache_that_grows():
     assert a.generate(prompts, max_new_tokens=20).token_ids == want
     assert a._graphs.captures > captures  # recaptured against the new cache
     where = a._graph_addresses()
-    drafter.rope(drafter.rope().cos.shape[0] + 64)  # a runtime with a longer drafter context regrows the tables
+    d = a.drafter  # the module a's graphs point at (a converted copy when the caller's borrows another embedding)
+    d.rope(d.rope().cos.shape[0] + 64)  # a runtime with a longer drafter context regrows the tables
     assert a._graph_addresses() != where  # ... which the next round notices
