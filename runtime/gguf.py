@@ -85,6 +85,27 @@ def file_sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _known_digest(path: Path, root: Path) -> str:
+    """``file_sha256(path)``, remembered in ``gguf-hashes.json`` beside ``root`` (the cache holds only
+    model directories) by (absolute path, size, mtime), so a
+    multi-GB file is hashed once, not on every load; a changed file (size or mtime) is hashed again."""
+    st = path.stat()
+    key = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+    index = root.parent / "gguf-hashes.json"
+    try:
+        known = json.loads(index.read_text())
+    except (OSError, ValueError):
+        known = {}
+    if not isinstance(known, dict) or key not in known:
+        known = known if isinstance(known, dict) else {}
+        known[key] = file_sha256(path)
+        index.parent.mkdir(parents=True, exist_ok=True)
+        tmp = index.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(known, indent=0))
+        tmp.replace(index)  # atomic: a concurrent reader sees the old or the new index
+    return known[key]
+
+
 def gguf_to_directory(path: str | Path, cache: Path | None = None) -> Path:
     """The cached model directory of the GGUF file ``path``, converting it on first use."""
     path = Path(path)
@@ -94,8 +115,9 @@ def gguf_to_directory(path: str | Path, cache: Path | None = None) -> Path:
         raise UserError(
             f"{path} is not a GGUF file (its first bytes are not 'GGUF'); pass a .gguf file or a model directory"
         )
-    digest = file_sha256(path)
-    out = (cache or cache_root()) / digest[:16]
+    root = cache or cache_root()
+    digest = _known_digest(path, root)
+    out = root / digest[:16]
     if (out / COMPLETE).exists():
         return out
     _convert(path, out, digest)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -219,6 +220,21 @@ def test_cache_hit_is_keyed_by_content(either, cache_env, tmp_path, monkeypatch)
     assert gg.resolve_target(str(d)) == d  # a directory passes through
     model = object()  # a loaded model passes through too
     assert gg.resolve_target(model) is model
+
+
+def test_a_known_file_is_not_hashed_again(tiny, cache_env, tmp_path, monkeypatch):
+    path, d, _ = tiny
+    copy = tmp_path / "again.gguf"
+    shutil.copyfile(path, copy)
+    assert gg.resolve_target(copy) == d  # hashed once (a cache hit on the content)
+    monkeypatch.setattr(gg, "file_sha256", lambda p: (_ for _ in ()).throw(AssertionError("hashed again")))
+    assert gg.resolve_target(copy) == d  # the same path, size and mtime: the remembered digest
+    data = bytearray(copy.read_bytes())
+    data[-4:] = torch.tensor([5.0]).numpy().tobytes()
+    copy.write_bytes(bytes(data))  # same size, new mtime
+    os.utime(copy, ns=(copy.stat().st_atime_ns, copy.stat().st_mtime_ns + 1_000_000))
+    with pytest.raises(AssertionError, match="hashed again"):  # the inverse: a changed file is hashed
+        gg.resolve_target(copy)
 
 
 def test_changed_file_gets_a_new_directory(tiny, cache_env, tmp_path, monkeypatch):

@@ -186,6 +186,10 @@ class Progress:
             total=total, initial=start, desc="train", file=sys.stderr, dynamic_ncols=True, disable=not self.tty
         )
 
+    def set_total(self, total: int) -> None:
+        """A new step count (a time budget refitted it)."""
+        self.total = self.bar.total = total
+
     def update(self, step: int, loss: float, accs: list[float]) -> None:
         done = step + 1
         postfix = f"loss {loss:.3f} acc@depth {' '.join(f'{a:.2f}' for a in accs)}"
@@ -249,8 +253,20 @@ def train_drafter(
     return train_drafters(target, data, runs, **kw)[0]
 
 
-SHARED = ("batch_size", "seq_len", "seed", "draft_vocab_size", "aux_layer_ids", "device", "steps", "checkpoint_every")
-SHARED += ("regenerate_new_tokens", "regenerate_prompt_tokens", "regenerate_samples")
+# settings drafters trained together must share: they decide the data, the batches and the step count
+SHARED = (
+    "batch_size",
+    "seq_len",
+    "seed",
+    "draft_vocab_size",
+    "aux_layer_ids",
+    "device",
+    "steps",
+    "checkpoint_every",
+    "regenerate_new_tokens",
+    "regenerate_prompt_tokens",
+    "regenerate_samples",
+)
 
 
 @dataclass
@@ -339,14 +355,14 @@ def train_drafters(
         bar.update(step, _mean_recent(r0.history, "loss"), _mean_recent_acc(r0.history))
         step += 1
         done = step - start
-        if time_budget_s is not None and (done == BUDGET_PROBE_STEPS or (done > 0 and done % BUDGET_REFIT_EVERY == 0)):
+        if time_budget_s is not None and (done == BUDGET_PROBE_STEPS or done % BUDGET_REFIT_EVERY == 0):
             # fit the step count to the budget at the mean step time so far (refitted as the load changes)
             per_step = (time.time() - t0) / done
             fit = step + int((time_budget_s - (time.time() - t0)) / per_step)
             new_total = max(step, min(cfg.steps, fit))
             if new_total != total:
                 total = new_total
-                bar.total = bar.bar.total = total
+                bar.set_total(total)
                 log(f"train: {per_step:.1f} s a step; the time budget fits {total} steps (of {cfg.steps})")
         if step % cfg.checkpoint_every == 0 and step < total:
             for r in state:
