@@ -45,7 +45,7 @@ from .requests import (
     as_float,
     as_int,
     encode_prompts,
-    is_conversation,
+    is_chat,
     one_prompt,
     resolve_stop_ids,
     row_seeds,
@@ -444,7 +444,7 @@ class SpeculativeRuntime:
             max_new_tokens=max_new_tokens,
             max_seq_len=self.max_seq_len,
             stop_ids=resolve_stop_ids(
-                stop_token_ids, self.tokenizer, self.target.config, self.target.vocab_size, chat=_is_chat(prompts)
+                stop_token_ids, self.tokenizer, self.target.config, self.target.vocab_size, chat=is_chat(prompts)
             ),
             sampling=sampling,
             tokenizer=self.tokenizer,
@@ -595,10 +595,3 @@ def resolve_tokenizer(tokenizer: Any) -> Any:
 def _same_device(a: torch.device, b: torch.device) -> bool:
     """Same device type, and the same index where both name one (``cuda`` is the current ``cuda:N``)."""
     return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
-
-
-def _is_chat(prompts: Any) -> bool:
-    """One conversation or a list of conversations (chat prompts end at the end-of-turn token)."""
-    return is_conversation(prompts) or (
-        isinstance(prompts, Sequence) and not isinstance(prompts, str) and any(is_conversation(p) for p in prompts)
-    )

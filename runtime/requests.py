@@ -96,6 +96,15 @@ def is_conversation(x: Any) -> bool:
     return isinstance(x, Sequence) and not isinstance(x, (str, bytes)) and bool(x) and isinstance(x[0], dict)
 
 
+def is_chat(prompts: Any) -> bool:
+    """``prompts`` is one conversation or a batch of them (``encode_prompts`` refuses mixed batches),
+    so its rows stop at the template's end-of-turn token."""
+    if is_conversation(prompts):
+        return True
+    batch = isinstance(prompts, Sequence) and not isinstance(prompts, (str, bytes))
+    return batch and any(map(_looks_like_chat, prompts))
+
+
 def _looks_like_chat(p: Any) -> bool:
     return isinstance(p, dict) or is_conversation(p)
 
