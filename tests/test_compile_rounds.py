@@ -40,6 +40,8 @@ def test_compiled_rounds_equal_eager(pair, compiled):
     assert b.token_ids == compiled.generate(prompt, max_new_tokens=30).token_ids  # lossless: spec == plain
     g = compiled._graphs
     assert not g.failed and g.replays > 10 and {k[0] for k in g.graphs} == {1}
+    # the replayed artefacts are torch.compile's, not the recorded aten graph run as it is
+    assert all(isinstance(fn, torch._dynamo.eval_frame.OptimizedModule) for fn in g.graphs.values())
 
 
 @pytest.mark.slow
