@@ -275,3 +275,41 @@ def test_time_budget_cuts_the_step_count(target_dir, greedy_data, tmp_path):
     assert any("time budget fits 3 steps (of 500)" in m for m in logs)
     args = json.loads((tmp_path / "d" / "training_args.json").read_text())
     assert args["steps_run"] == 3 and len(args["history"]) == 3
+
+
+def test_warm_start_begins_from_the_given_drafter(target_dir, greedy_data, tmp_path):
+    """init_from: the run starts from that drafter's weights and draft vocabulary (not a fresh
+    init, not this data's vocabulary), continues to learn, and refuses a drafter of another variant."""
+    cfg = TrainConfig(steps=6, draft_vocab_size=64, **SMALL)
+    first = train_drafter(target_dir, greedy_data, tmp_path / "a", cfg, log=lambda m: None).out_dir
+    src = ts.Eagle3Drafter.from_pretrained(first)
+    tm = ts.TargetModel.from_pretrained(target_dir, dtype=torch.float32)
+    other_data = [[200 + i % 50 for i in range(60)]]  # another vocabulary by frequency
+    warm = build_drafter(tm, TrainConfig(init_from=str(first), draft_vocab_size=64, **SMALL), other_data)
+    cold = build_drafter(tm, TrainConfig(draft_vocab_size=64, **SMALL), other_data)
+    for k, v in src.state_dict().items():
+        assert torch.equal(warm.state_dict()[k], v.float() if v.is_floating_point() else v), k
+    assert not torch.equal(cold.d2t, src.d2t)  # inverse: the vocabulary really came from init_from
+    assert not torch.equal(cold.fc.weight, src.fc.weight)
+    res = train_drafter(
+        target_dir,
+        greedy_data,
+        tmp_path / "b",
+        TrainConfig(steps=6, init_from=str(first), draft_vocab_size=64, **SMALL),
+        log=lambda m: None,
+    )
+    # same data and seed, so step 0 sees the first run's first batch: the loaded weights do better on it
+    assert res.history[0]["loss"] < first_loss(first)
+    with pytest.raises(ValueError, match="fc_norm"):
+        build_drafter(
+            tm, TrainConfig(init_from=str(first), draft_vocab_size=64, **{**SMALL, "fc_norm": False}), greedy_data
+        )
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        build_drafter(tm, TrainConfig(init_from=str(first), draft_vocab_size=32, **SMALL), greedy_data)
+    with pytest.raises(ValueError, match="cannot load a drafter"):
+        build_drafter(tm, TrainConfig(init_from=str(tmp_path / "nope"), draft_vocab_size=64, **SMALL), greedy_data)
+
+
+def first_loss(out_dir) -> float:
+    hist = json.loads((out_dir / "training_args.json").read_text())["history"]
+    return hist[0]["loss"]

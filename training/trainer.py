@@ -54,6 +54,8 @@ class TrainConfig:
     regenerate_new_tokens : > 0 replaces the data by target continuations of this many tokens after
         prompts of ``regenerate_prompt_tokens`` cut from it (self-distillation; up to ``regenerate_samples``).
     init_lm_head_from_target : start the draft lm_head from the target's rows of the draft vocabulary.
+    init_from : warm start: a drafter directory (``Eagle3Drafter.from_pretrained``) whose weights and
+        draft vocabulary (d2t/t2d) the run starts from; it must match this run's variant and shapes.
 
     Examples
     --------
@@ -75,6 +77,7 @@ class TrainConfig:
     aux_layer_ids: tuple[int, ...] | None = None
     intermediate_size: int | None = None
     init_lm_head_from_target: bool = True
+    init_from: str | None = None
     regenerate_new_tokens: int = 0
     regenerate_prompt_tokens: int = 128
     regenerate_samples: int = 256
@@ -132,7 +135,8 @@ def capture(target: TargetModel, ops: Any, tokens: torch.Tensor) -> tuple[torch.
 
 
 def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) -> Eagle3Drafter:
-    """A fresh drafter for ``target`` with d2t/t2d from the token frequencies of ``seqs``."""
+    """A fresh drafter for ``target`` with d2t/t2d from the token frequencies of ``seqs``, or, with
+    ``cfg.init_from``, the weights and draft vocabulary of that drafter (a warm start)."""
     d = Eagle3Drafter.for_target(
         target.config,
         fc_norm=cfg.fc_norm,
@@ -143,14 +147,49 @@ def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) 
         intermediate_size=cfg.intermediate_size,
     )
     c = d.config
-    if c.draft_vocab_size < c.vocab_size:
+    if cfg.init_from is not None:
+        _warm_start(d, Path(cfg.init_from))
+    elif c.draft_vocab_size < c.vocab_size:
         d.set_draft_vocab(draft_vocab_from_counts(seqs, c.vocab_size, c.draft_vocab_size))
     d.to(target.device)
-    if cfg.init_lm_head_from_target:
+    if cfg.init_lm_head_from_target and cfg.init_from is None:
         with torch.no_grad():
             d.lm_head.weight.copy_(target.lm_head.float()[d.target_ids()])
     d.attach_target_embedding(target.embed.float(), target.drafter_info())
     return d
+
+
+WARM_START_FIELDS = (
+    "hidden_size",
+    "vocab_size",
+    "draft_vocab_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "aux_layer_ids",
+    "fc_norm",
+    "norm_output",
+)
+
+
+def _warm_start(d: Eagle3Drafter, src_dir: Path) -> None:
+    """Copy the weights and draft vocabulary of the drafter at ``src_dir`` into the fresh ``d``."""
+    try:
+        src = Eagle3Drafter.from_pretrained(src_dir)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"init_from={str(src_dir)!r}: cannot load a drafter there ({e})") from e
+    diff = [
+        f"{k} {getattr(src.config, k)} (run: {getattr(d.config, k)})"
+        for k in WARM_START_FIELDS
+        if hasattr(d.config, k) and getattr(src.config, k) != getattr(d.config, k)
+    ]
+    if diff:
+        raise ValueError(
+            f"init_from={str(src_dir)!r} does not match this run: {'; '.join(diff)}. Warm-start from a drafter "
+            "of the same variant (fc_norm/norm_output) and shapes, or leave init_from unset"
+        )
+    state = {k: v.float() if v.is_floating_point() else v for k, v in src.state_dict().items()}
+    d.load_state_dict({k: state[k] for k in d.state_dict()}, strict=True)
 
 
 def fingerprint(target: TargetModel, cfg: TrainConfig, windows: torch.Tensor) -> dict:
@@ -165,6 +204,7 @@ def fingerprint(target: TargetModel, cfg: TrainConfig, windows: torch.Tensor) ->
         "draft_vocab_size",
         "aux_layer_ids",
         "intermediate_size",
+        "init_from",
         "seed",
     )
     return {

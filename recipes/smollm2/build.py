@@ -64,6 +64,7 @@ class RecipeConfig:
     eval_prompts: int = 24
     eval_new_tokens: int = 96
     seed: int = 0
+    warm_start: str | None = None  # a folder holding smollm2-eagle3{,.1}: continue from those drafters
 
     def __post_init__(self) -> None:
         if self.budget_minutes <= 0:
@@ -123,6 +124,7 @@ def stage_train(cfg: RecipeConfig, work: Path, target: Path, data: Path, budget_
             draft_vocab_size=cfg.draft_vocab_size,
             seed=cfg.seed,
             checkpoint_every=50,
+            init_from=None if cfg.warm_start is None else str(Path(cfg.warm_start) / f"{MODEL}-{name}"),
         )
         runs.append((work / name, tc))
     train = work / "train.jsonl"  # held-out ids never train, whoever wrote the distilled file
@@ -247,11 +249,28 @@ def main(argv: list[str] | None = None) -> int:
         default=RecipeConfig.distill_share,
         help="share of the budget for self-distillation (0: train on the data already distilled in --work)",
     )
+    p.add_argument(
+        "--warm-start",
+        default=None,
+        metavar="DIR",
+        help="continue from the drafters smollm2-eagle3{,.1} in DIR (e.g. the shipped ones) instead of a fresh init",
+    )
+    p.add_argument("--stdlib-code-tokens", type=int, default=RecipeConfig.stdlib_code_tokens)
+    p.add_argument("--lr", type=float, default=RecipeConfig.lr)
+    p.add_argument("--ttt-depth", type=int, default=RecipeConfig.ttt_depth)
     args = p.parse_args(argv)
     from ...runtime.gguf import cache_root
 
     work = Path(args.work) if args.work else cache_root().parent / "recipes" / MODEL
-    cfg = RecipeConfig(budget_minutes=args.budget_minutes, seed=args.seed, distill_share=args.distill_share)
+    cfg = RecipeConfig(
+        budget_minutes=args.budget_minutes,
+        seed=args.seed,
+        distill_share=args.distill_share,
+        warm_start=args.warm_start,
+        stdlib_code_tokens=args.stdlib_code_tokens,
+        lr=args.lr,
+        ttt_depth=args.ttt_depth,
+    )
     report = run(cfg, work, Path(args.out), args.until)
     print(json.dumps({k: report[k] for k in report if k != "config"}, indent=1))
     return 0
