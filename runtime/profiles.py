@@ -127,11 +127,20 @@ def profile_name(target_fp: str, drafter_fp: str, device_key: str, dtype: str, b
 
 def candidate_profiles(target: Any, drafter: Any, backend: str) -> list[Path]:
     """Every existing profile file for this pair/dtype/backend, in lookup order: this exact device's,
-    then this kind of device's; user folders (``store.search_dirs()``) before ``SHIPPED_DIR``."""
+    then this kind of device's, then (a CPU) one of the same architecture with another vector ISA
+    (e.g. an ``avx2`` profile on an ``avx512`` CPU: the cost ratios that pick a shape carry over
+    better than the rule's); user folders (``store.search_dirs()``) before ``SHIPPED_DIR``."""
     t, d, dt = target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
-    names = [profile_name(t, d, key, dt, backend) for key in (device_key(target.device), device_kind(target.device))]
+    kind = device_kind(target.device)
+    names = [profile_name(t, d, key, dt, backend) for key in (device_key(target.device), kind)]
     dirs = [*store.search_dirs(), SHIPPED_DIR]
-    return [folder / name for name in names for folder in dirs if (folder / name).is_file()]
+    found = [folder / name for name in names for folder in dirs if (folder / name).is_file()]
+    if kind.startswith("cpu-"):
+        family = kind.rsplit("-", 1)[0] + "-"  # cpu-<arch>-
+        pattern = profile_name(t, d, family + "*", dt, backend)
+        for folder in dirs:
+            found += sorted(p for p in folder.glob(pattern) if p not in found and p.name not in names)
+    return found
 
 
 def _spec_fields(spec: SpecConfig) -> dict[str, int]:
@@ -236,6 +245,8 @@ def shape_policy(target: Any, drafter: Any, backend: str) -> ShapePolicy:
     except Exception as e:  # noqa: BLE001 - a lookup must never break model loading
         _warn(f"tuned tree profile lookup failed ({e}); using the default shapes")
         return ShapePolicy.heuristic(target.device)
+    t, d, dt = target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
+    own_names = {profile_name(t, d, k, dt, backend) for k in (device_key(target.device), device_kind(target.device))}
     for path in paths:
         shipped = path.parent == SHIPPED_DIR
         try:
@@ -247,7 +258,10 @@ def shape_policy(target: Any, drafter: Any, backend: str) -> ShapePolicy:
                     f"{store.package_version()}; re-run `tritonspec autotune tree`"
                 )
                 continue
-            return policy_from_profile(data, "shipped profile" if shipped else "profile", target.device, str(path))
+            source = "shipped profile" if shipped else "profile"
+            if path.name not in own_names:
+                source += f" ({data.get('device_name')})"  # another vector ISA of this architecture
+            return policy_from_profile(data, source, target.device, str(path))
         except (OSError, ValueError, TypeError) as e:
             _warn(f"ignoring the tuned tree profile {path} ({e}); using the default shapes")
     return ShapePolicy.heuristic(target.device)

@@ -186,3 +186,40 @@ def test_cli_stats_line_names_the_shape_and_its_source(fresh_cache, tmp_path, mo
     )
     line = capsys.readouterr().out.strip().splitlines()[-1]
     assert "spec=(2,1,3)" in line and "spec_source=caller" in line
+
+
+def test_a_profile_of_another_vector_isa_of_this_architecture_is_the_fallback(fresh_cache, tmp_path, monkeypatch):
+    """No profile for this exact CPU or its kind: one of the same architecture with another ISA
+    (say avx2 on an avx512 CPU) applies, and the source names it; another architecture's never does."""
+    t, d = ts.demo_pair("eagle3.1")
+    tm, dr = ts.TargetModel.from_pretrained(t), ts.Eagle3Drafter.from_pretrained(d)
+    tfp, dfp = prof.target_fingerprint(tm), prof.drafter_fingerprint(dr)
+    src = sorted(prof.SHIPPED_DIR.glob(f"tree_shape,target={tfp},drafter={dfp},*.json"))[0]
+    data = prof.read_profile(src)
+    arch = prof.device_kind("cpu").rsplit("-", 1)[0]
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(prof, "SHIPPED_DIR", shipped)
+    other_arch = dict(
+        data,
+        device_name="cpu-otherarch-neon",
+        spec={"num_speculative_tokens": 2, "top_k": 1, "num_draft_tokens": 3},
+        shapes=[],
+    )
+    (shipped / prof.profile_name(tfp, dfp, "cpu-otherarch-neon", "float32", "torch")).write_text(json.dumps(other_arch))
+    assert ts.SpeculativeRuntime.from_pretrained(t, d, max_seq_len=512).shape_policy.source == "heuristic"
+    isa = dict(
+        data,
+        device_name=f"{arch}-fakeisa",
+        spec={"num_speculative_tokens": 5, "top_k": 1, "num_draft_tokens": 6},
+        shapes=[],
+    )
+    (shipped / prof.profile_name(tfp, dfp, f"{arch}-fakeisa", "float32", "torch")).write_text(json.dumps(isa))
+    rt = ts.SpeculativeRuntime.from_pretrained(t, d, max_seq_len=512)
+    assert rt.shape_policy.source == f"shipped profile ({arch}-fakeisa)" and rt.spec == C(5)
+    own = dict(
+        isa, device_name=prof.device_kind("cpu"), spec={"num_speculative_tokens": 3, "top_k": 1, "num_draft_tokens": 4}
+    )
+    (shipped / prof.profile_name(tfp, dfp, prof.device_kind("cpu"), "float32", "torch")).write_text(json.dumps(own))
+    rt = ts.SpeculativeRuntime.from_pretrained(t, d, max_seq_len=512)
+    assert rt.shape_policy.source == "shipped profile" and rt.spec == C(3)  # this kind's own wins
