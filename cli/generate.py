@@ -1,10 +1,13 @@
-"""``tritonspec generate``: one prompt through SpeculativeRuntime, then the stats line
-(tokens/s, mean acceptance length; with ``--compare`` the plain-decoding speedup)."""
+"""``tritonspec generate``: one prompt (or a file of prompts, continuously batched) through
+SpeculativeRuntime, then the stats line (tokens/s, mean acceptance length; with ``--compare`` the
+plain-decoding speedup)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from ..runtime.errors import UserError
 from .common import (
@@ -34,7 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
   tritonspec generate --target ./llama --drafter ./eagle3 "Hello" --compare
   echo "Hello" | tritonspec generate --target ./llama --no-speculative
   tritonspec generate "import os" --temperature 0.8 --top-p 0.95 --seed 1 --stop "\\n\\n" --stream
-  tritonspec generate --target smollm2 --chat "Write a haiku about Python" --compare   # GGUF target, chat""",
+  tritonspec generate --target smollm2 --chat "Write a haiku about Python" --compare   # GGUF target, chat
+  tritonspec generate --prompts-file prompts.txt --max-batch-size 8      # one JSON line per prompt""",
     )
     g.add_argument("prompt", nargs="?", help="the prompt; '-' or nothing reads stdin")
     g.add_argument(
@@ -50,6 +54,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="send the prompt as a user message through the tokenizer's chat template (stops at end of turn)",
     )
     g.add_argument("--system", default=None, help="with --chat: a system message before the prompt")
+    g.add_argument(
+        "--prompts-file",
+        default=None,
+        metavar="PATH",
+        help="one prompt per line (with --chat: one user message per line), or a .jsonl file of "
+        '{"prompt": ...} records; prints one JSON line per prompt, in order. More prompts than '
+        "--max-batch-size are continuously batched (a finished row takes the next prompt)",
+    )
+    g.add_argument(
+        "--max-batch-size", type=int, default=None, help="rows decoded together (default 1; 8 with --prompts-file)"
+    )
     g.add_argument("--drafter", default=None, help="EAGLE-3/3.1 drafter directory (none: plain decoding)")
     g.add_argument("--max-new-tokens", type=int, default=64)
     g.add_argument(
@@ -105,13 +120,23 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def cmd_generate(args: argparse.Namespace) -> int:
     import tritonspec as ts
 
-    prompt = read_prompt(args.prompt)
+    if args.prompts_file is not None:
+        if args.prompt is not None:
+            raise UserError("pass a prompt or --prompts-file, not both")
+        if args.stream:
+            raise UserError("--stream shows one prompt: drop it with --prompts-file")
+        prompts = read_prompts_file(args.prompts_file)
+    else:
+        prompts = [read_prompt(args.prompt)]
     if args.chat:
-        prompt = ([{"role": "system", "content": args.system}] if args.system else []) + [
-            {"role": "user", "content": prompt}
-        ]
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompts = [system + [{"role": "user", "content": p}] for p in prompts]
     elif args.system:
         raise UserError("--system needs --chat")
+    batch = args.max_batch_size or (8 if args.prompts_file is not None else 1)
+    if batch < 1:
+        raise UserError(f"--max-batch-size {batch} must be >= 1")
+    prompt = prompts if args.prompts_file is not None else prompts[0]
     target, drafter = resolve_pair(args.target, args.drafter)
     spec = spec_from_flags(args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens)
     rt = ts.SpeculativeRuntime.from_pretrained(
@@ -121,7 +146,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         dtype=parse_dtype(args.dtype),
         backend=args.backend,
         spec=spec,
-        max_batch_size=1,
+        max_batch_size=batch,
         max_seq_len=args.max_seq_len,
         cuda_graphs=GRAPH_MODES[args.cuda_graphs],
         compile=True if args.compile else "auto",
@@ -131,8 +156,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     kw = flag_values(args, "max_new_tokens temperature top_p top_k seed")
     kw.update(stop=[unescape(s) for s in args.stop] or None, speculative=speculative)
     if args.compare:  # one short warm-up per mode, so neither timing pays first-call costs
+        warm = prompts[:batch] if args.prompts_file is not None else prompt
         for mode in (speculative, False):
-            rt.generate(prompt, **(kw | {"max_new_tokens": 2, "speculative": mode}))
+            rt.generate(warm, **(kw | {"max_new_tokens": 2, "speculative": mode}))
     if args.stream:
         for piece in rt.stream(prompt, **kw):
             print(piece.text if rt.tokenizer is not None else " ".join(map(str, piece.token_ids)), end="", flush=True)
@@ -141,7 +167,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out_ids = None
     else:
         out = rt.generate(prompt, **kw)
-        print(out.texts[0] if out.texts is not None else " ".join(map(str, out.token_ids[0])))
+        if args.prompts_file is not None:
+            for i, ids in enumerate(out.token_ids):
+                rec = {"index": i, "finish_reason": out.finish_reasons[i], "token_ids": ids}
+                if out.texts is not None:
+                    rec["text"] = out.texts[i]
+                print(json.dumps(rec))
+        else:
+            print(out.texts[0] if out.texts is not None else " ".join(map(str, out.token_ids[0])))
         s, out_ids = out.stats, out.token_ids
     line = (
         f"[tritonspec] new_tokens={s.num_new_tokens} tokens/s={s.tokens_per_second:.1f} "
@@ -151,6 +184,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"spec={shape_label(s.spec)} "
         f"spec_source={s.spec_source.replace(' ', '-')}" + (" deterministic=on" if rt.deterministic else "")
     )
+    if args.prompts_file is not None:
+        line += f" prompts={len(prompts)} max_batch_size={batch} rows_refilled={s.rows_refilled}"
     if args.compare and speculative:
         base = rt.generate(prompt, **(kw | {"speculative": False}))
         line += (
@@ -161,6 +196,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
             line += f" identical={base.token_ids == out_ids}"
     print(line, file=sys.stderr if args.quiet_stats else sys.stdout)
     return 0
+
+
+def read_prompts_file(path: str) -> list[str]:
+    """Prompts of ``--prompts-file``: a ``.jsonl`` file of ``{"prompt": str}`` records, else one
+    prompt per non-empty line (write ``\\n`` for a newline inside a prompt)."""
+    p = Path(path)
+    if not p.is_file():
+        raise UserError(f"--prompts-file {path}: no such file")
+    lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise UserError(f"--prompts-file {path} holds no prompts")
+    if p.suffix != ".jsonl":
+        return [unescape(line) for line in lines]
+    out = []
+    for n, line in enumerate(lines, 1):
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"--prompts-file {path} line {n} is not JSON ({e.msg})") from e
+        if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+            raise UserError(f'--prompts-file {path} line {n}: expected {{"prompt": "..."}}')
+        out.append(rec["prompt"])
+    return out
 
 
 def shape_label(spec) -> str:

@@ -96,6 +96,7 @@ class SpecStats:
     spec: SpecConfig | None = None  # the shape the request ran (None: plain decoding)
     spec_source: str = ""  # why: "caller", "profile", "shipped profile", "heuristic", "speculative=False", ...
     #                                                     rounds replayed as CUDA graphs (eager rounds split by phase)
+    rows_refilled: int = 0  # continuous batching: prompts admitted into a finished row mid-run
 
     def count_round(self, accepted: list[int], draft_tokens: int) -> None:
         """Count one verify round of each row that ran it: ``accepted[i]`` draft tokens accepted of

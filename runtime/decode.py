@@ -226,11 +226,10 @@ class Decoder:
         for b in rows:
             self.running[b] = False
             self.lengths[b] = 0
-        stopped = [b for b in rows if b < self.rows]
-        if stopped:  # a host-side list: no device read
-            idx = torch.tensor(stopped, device=self.device)
-            self.L.index_fill_(0, idx, 0)
-            self.active.index_fill_(0, idx, False)
+        if rows:  # a host-side list: no device read; the whole buffers, so a later widened round finds them idle
+            idx = torch.tensor(list(rows), device=self.device)
+            self.bufs.L.index_fill_(0, idx, 0)
+            self.bufs.active.index_fill_(0, idx, False)
 
     def snapshot(self) -> Snapshot:
         """Copy the state a draft/verify/commit changes (lengths, roots, drafter states)."""
@@ -271,8 +270,56 @@ class Decoder:
             self.bufs = self._new_buffers()
         # runtimes may share the target, whose cache only grows, and the spec may have grown: fit both
         self._fit(self.spec)
-        B, P = len(batch), max(len(p) for p in batch)
+        B = len(batch)
         rows = B if rows is None else rows
+        pad = rows - B
+        bufs = self.bufs
+        for t in bufs.tensors():  # every slot idle: continuous batching widens the round into them (admit)
+            t.zero_()
+        self.sampling = sampling
+        self.rng = None
+        if not sampling.greedy:
+            seeds = [0] * B if seeds is None else list(seeds)
+            self.rng = RowRandom(seeds + [0] * pad, self.device, key=bufs.key[:rows], counter=bufs.counter[:rows])
+        self.num_prompts = B
+        self.lengths = [len(p) for p in batch] + [0] * pad
+        self.running = [True] * B + [False] * pad
+        self.narrow(rows)
+        self._prefill_rows(batch, 0, None if self.rng is None else self.rng.rows(0, B))
+        _add_time(timings, "prefill", t0)
+
+    def admit(self, slot: int, prompt: list[int], seed: int = 0, *, timings: dict[str, float] | None = None) -> int:
+        """Continuous batching: prefill ``prompt`` alone into the idle row ``slot`` of the running
+        batch (its caches, length, root and drafter state; the other rows are untouched), with the
+        batch's sampling settings and its own ``seed``. The row runs from the next round (widen the
+        round with ``narrow`` when ``slot >= rows``); returns its first token (a host sync).
+
+        The row's output equals a solo run of the prompt: every op of a round works row by row,
+        and the row's random stream (``RowRandom``) depends only on its seed and its own draws."""
+        t0 = time.perf_counter()
+        if not 0 <= slot < self.max_batch_size:
+            raise ValueError(f"slot={slot} is outside the batch's {self.max_batch_size} rows")
+        if slot < len(self.running) and self.running[slot]:
+            raise ValueError(f"row {slot} is still decoding: admit a prompt only into a finished row")
+        if self.observer is not None:
+            raise UserError("observed decoding (observe()) runs one static batch: pass at most max_batch_size prompts")
+        bufs = self.bufs
+        rng = None
+        if not self.sampling.greedy:
+            rng = RowRandom([seed], self.device, key=bufs.key[slot : slot + 1], counter=bufs.counter[slot : slot + 1])
+        self._prefill_rows([prompt], slot, rng)
+        grow = slot + 1 - len(self.running)
+        if grow > 0:
+            self.running += [False] * grow
+            self.lengths += [0] * grow
+        self.running[slot], self.lengths[slot] = True, len(prompt)
+        _add_time(timings, "prefill", t0)
+        return int(bufs.root[slot])
+
+    def _prefill_rows(self, batch: list[list[int]], row0: int, rng: RowRandom | None) -> None:
+        """The prompts' forward into cache rows ``row0..row0+B-1``, their first token (``rng``: the
+        rows' random streams when sampling) and the drafter's encoding; sets those rows' state."""
+        B, P = len(batch), max(len(p) for p in batch)
         dev = self.device
         lens = torch.tensor([len(p) for p in batch], device=dev)
         tokens = torch.zeros(B, P, dtype=torch.int64, device=dev)
@@ -284,42 +331,32 @@ class Decoder:
         causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril().expand(B, P, P)
         zero = torch.zeros(B, dtype=torch.int64, device=dev)
         meta = AttentionMetadata(positions, torch.where(valid, positions, -1), zero, causal, P, prefill=True)
-        hidden, aux = self.target.forward(self.ops, tokens, meta, capture_aux=speculative)
+        hidden, aux = self.target.forward(self.ops, tokens, meta, capture_aux=self.speculative, cache_row=row0)
         last = (lens - 1)[:, None]
         h_last = hidden.gather(1, last[..., None].expand(B, 1, hidden.shape[-1]))[:, 0]
-        pad = rows - B
-        bufs = self.bufs
-        for t in bufs.tensors():
-            t[:rows].zero_()
-        self.sampling = sampling
-        self.rng = None
-        if not sampling.greedy:
-            seeds = [0] * B if seeds is None else list(seeds)
-            self.rng = RowRandom(seeds + [0] * pad, dev, key=bufs.key[:rows], counter=bufs.counter[:rows])
-        self.num_prompts = B
-        self.lengths = [len(p) for p in batch] + [0] * pad
-        self.running = [True] * B + [False] * pad
-        self.narrow(rows)
         logits = self.target.logits(h_last, self.ops)
         finite = torch.isfinite(logits).all(-1).tolist()  # NaN weights would emit token 0 forever
         if not all(finite):
-            raise not_finite([b for b, ok in enumerate(finite) if not ok], "prefill", self.target.dtype)
+            raise not_finite([row0 + b for b, ok in enumerate(finite) if not ok], "prefill", self.target.dtype)
+        sampling = self.sampling
         if sampling.greedy:
             root = logits.argmax(-1)
         elif self.deterministic:  # the token at position len(prompt), raced on (seed, position)
-            root = position_race(process_logits(logits, sampling), self.rng.key[:B], lens)
+            root = position_race(process_logits(logits, sampling), rng.key, lens)
         else:  # the first token: an exponential-race sample of the processed distribution
-            _, xi = self.rng.draw(1, logits.shape[-1])
-            root = (process_logits(logits, sampling).log_softmax(-1) - xi[:B].log()).argmax(-1)
-        self.L[:B].copy_(lens)
-        self.root[:B].copy_(root)
-        self.active[:B].fill_(True)
-        if speculative:
+            _, xi = rng.draw(1, logits.shape[-1])
+            root = (process_logits(logits, sampling).log_softmax(-1) - xi.log()).argmax(-1)
+        rows = slice(row0, row0 + B)
+        bufs = self.bufs
+        bufs.L[rows].copy_(lens)
+        bufs.root[rows].copy_(root)
+        bufs.active[rows].fill_(True)
+        bufs.out[rows].zero_()
+        if self.speculative:
             nxt = torch.cat([tokens[:, 1:], torch.zeros(B, 1, dtype=torch.int64, device=dev)], dim=1)
             nxt = nxt.scatter(1, last, root[:, None])  # pair (g_t, x_{t+1}); x_P = root
             index = torch.where(valid, torch.arange(B, device=dev)[:, None] * P + ar, -1)
-            self._catch_up(aux.reshape(B * P, -1), index, nxt, lens, zero, P, prefill=True)
-        _add_time(timings, "prefill", t0)
+            self._catch_up(aux.reshape(B * P, -1), index, nxt, lens, zero, P, prefill=True, row0=row0)
 
     def _catch_up(
         self,
@@ -330,9 +367,11 @@ class Decoder:
         start: torch.Tensor,
         kv_len: int | None,
         prefill: bool = False,
+        row0: int = 0,
     ) -> None:
         """Drafter re-encodes ``n_valid`` positions from ``start`` with true target features; the
-        state's first ``B`` rows get the drafter's state at the last one (B = rows of ``index``)."""
+        state's rows ``row0..row0+B-1`` get the drafter's state at the last one (B = rows of
+        ``index``; their drafter cache rows are written)."""
         d = self.drafter
         B, Qc = index.shape
         ar = torch.arange(Qc, device=self.device)
@@ -344,10 +383,13 @@ class Decoder:
         else:  # a decode round: Qc = max depth + 1, the chain's constant mask
             causal = self._chain_consts(B, Qc)[2]
         meta = AttentionMetadata(positions, slots, start, causal, kv_len, prefill=prefill)
-        hn, carry = d.step(self._drafter_ops(), g, tokens, meta, self.draft_cache)
+        cache = self.draft_cache
+        if row0:  # an admitted row (continuous batching): its own cache rows
+            cache = KVCache(cache.k[row0:], cache.v[row0:])
+        hn, carry = d.step(self._drafter_ops(), g, tokens, meta, cache)
         last = (n_valid - 1).clamp(min=0)[:, None, None].expand(B, 1, hn.shape[-1])
-        self.hn[:B].copy_(hn.gather(1, last)[:, 0])
-        self.carry[:B].copy_(carry.gather(1, last)[:, 0])
+        self.bufs.hn[row0 : row0 + B].copy_(hn.gather(1, last)[:, 0])
+        self.bufs.carry[row0 : row0 + B].copy_(carry.gather(1, last)[:, 0])
         if self.observer is not None:  # depth 1 of the next round is this catch-up's last position
             self.observer.on_catch_up(last[:, 0, 0], start + n_valid)
 

@@ -433,12 +433,12 @@ class SpeculativeRuntime:
             self.tokenizer,
             vocab_size=self.target.vocab_size,
             max_seq_len=self.max_seq_len,
-            max_batch_size=self.max_batch_size,
+            max_batch_size=None,  # more prompts than rows: continuous batching (_decode)
         )
         seeds = row_seeds(seed, len(batch), sampling)
         if speculative and self.drafter is None:
             warnings.warn("no drafter loaded: speculative=True runs plain decoding", stacklevel=3)
-        choice = self._choose_shape(len(batch), sampling, speculative)
+        choice = self._choose_shape(min(len(batch), self.max_batch_size), sampling, speculative)
         requests = RequestRows(
             [len(p) for p in batch],
             max_new_tokens=max_new_tokens,
@@ -467,8 +467,14 @@ class SpeculativeRuntime:
         seeds: list[int],
         choice: ShapeChoice,
     ) -> Iterator[RequestRows]:
-        """The decode loop: prefill, then rounds until every row has stopped. Yields the requests
-        after the prefill and after each round; returns the output."""
+        """The decode loop: prefill, then rounds until every request has stopped. Yields the
+        requests after the prefill, after each admission and after each round; returns the output.
+
+        Continuous batching: the first ``max_batch_size`` prompts are prefilled together; when a
+        row finishes, the next waiting prompt is prefilled alone into that row (``Decoder.admit``)
+        before the next round, so rows leave from anywhere and the others wait one prefill per
+        newcomer. Every prompt's output equals its solo run (each row's ops and random stream are
+        its own)."""
         dec = self.decoder
         use_draft = choice.spec is not None
         if use_draft:
@@ -476,28 +482,46 @@ class SpeculativeRuntime:
         stats = SpecStats(accepted_per_position=[0] * self.spec.num_speculative_tokens if use_draft else [])
         stats.spec, stats.spec_source = choice.spec, choice.source
         t0 = time.perf_counter()
+        first_batch = min(len(batch), self.max_batch_size)
+        slot_req: list[int | None] = list(range(first_batch))  # the request each row decodes
+        waiting = list(range(len(batch) - 1, first_batch - 1, -1))  # the rest, next one last (pop())
         with torch.inference_mode(), self._pinned():  # never across a yield: the caller's code runs between rounds
             dec.prefill(
-                batch,
+                batch[:first_batch],
                 speculative=use_draft,
                 sampling=sampling,
-                seeds=seeds,
-                rows=self._rows(len(batch)),
+                seeds=seeds[:first_batch],
+                rows=self._rows(first_batch),
                 timings=stats.time_split_s,
             )
             first = dec.first_tokens()
-        dec.finish(requests.emit([[r] for r in first]))
+        self._emit(dec, requests, slot_req, [[t] for t in first])
         yield requests
-        while any(dec.running):
+        while True:
+            free = [b for b in range(self.max_batch_size) if b >= len(dec.running) or not dec.running[b]]
+            if waiting and free:  # refill finished rows, lowest first (keeps the round's rows few)
+                for b in free[: len(waiting)]:
+                    r = waiting.pop()
+                    with torch.inference_mode(), self._pinned():
+                        tok = dec.admit(b, batch[r], seeds[r], timings=stats.time_split_s)
+                    slot_req += [None] * (b + 1 - len(slot_req))
+                    slot_req[b] = r
+                    stats.rows_refilled += 1
+                    self._emit(dec, requests, slot_req, [[tok] if i == b else [] for i in range(len(slot_req))])
+                yield requests
+            if not any(dec.running):
+                if waiting:
+                    continue  # every newcomer stopped at its first token: admit the next ones
+                break
             live = max(b for b, a in enumerate(dec.running) if a) + 1
-            if self._rows(live) < dec.rows:  # finished rows at the end: a smaller bucket does
+            if self._rows(live) != dec.rows:  # finished rows at the end shrink the round; newcomers widen it
                 dec.narrow(self._rows(live))
             with torch.inference_mode(), self._pinned():
                 self._dispatch_round(stats)
                 new = dec.collect()
             if use_draft:
                 stats.count_round([len(t) - 1 for t in new if t], self.spec.num_draft_tokens - 1)
-            dec.finish(requests.emit(new))
+            self._emit(dec, requests, slot_req, new)
             yield requests
         stats.wall_time_s = time.perf_counter() - t0
         stats.num_new_tokens = sum(len(o) for o in requests.outs)
@@ -505,6 +529,16 @@ class SpeculativeRuntime:
         if self.tokenizer is not None:
             texts = [requests.text(b) for b in range(len(requests.outs))]
         return GenerationOutput(token_ids=requests.outs, texts=texts, stats=stats, finish_reasons=requests.reasons)
+
+    @staticmethod
+    def _emit(dec: Decoder, requests: RequestRows, slot_req: list[int | None], new: list[list[int]]) -> None:
+        """Hand each row's new tokens to its request; retire the rows whose request finished."""
+        per_req: list[list[int]] = [[] for _ in requests.outs]
+        for b, toks in enumerate(new):
+            if toks and b < len(slot_req) and slot_req[b] is not None:
+                per_req[slot_req[b]] = toks
+        done = set(requests.emit(per_req))
+        dec.finish([b for b, r in enumerate(slot_req) if r is not None and r in done and dec.running[b]])
 
     def _pinned(self) -> contextlib.AbstractContextManager:
         """Deterministic mode on a CPU: one intra-op thread inside the forwards (``DeterministicOps.threads``)."""
@@ -523,8 +557,7 @@ class SpeculativeRuntime:
         return tuple(x.data_ptr() for x in ts_)
 
     def _rows(self, live: int) -> int:
-        """Rows a round runs on: ``live`` (eager) or its graph bucket (live rows only ever decrease,
-        so the bucket never exceeds the batch's own)."""
+        """Rows a round runs on: ``live`` (eager) or its graph bucket (``live <= max_batch_size``)."""
         if self._graphs is None or self.decoder.observer is not None:
             return live
         b = self._graphs.bucket(live)

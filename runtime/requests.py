@@ -20,10 +20,10 @@ from .sampling import SamplingParams
 
 
 def encode_prompts(
-    prompts: Any, tokenizer: Any, *, vocab_size: int, max_seq_len: int, max_batch_size: int
+    prompts: Any, tokenizer: Any, *, vocab_size: int, max_seq_len: int, max_batch_size: int | None
 ) -> list[list[int]]:
     """Token id lists of ``prompts``, checked against the vocabulary, ``max_seq_len`` and
-    ``max_batch_size``.
+    ``max_batch_size`` (None: any number, as continuous batching takes them).
 
     Accepted, as transformers users pass them: a string, a list of strings, a token id list, a
     list of token id lists, a 1-D (one prompt) or 2-D (a batch) integer tensor or numpy array, or a
@@ -77,7 +77,7 @@ def encode_prompts(
                 "(prompt + generated tokens); shorten it or raise max_seq_len"
             )
         batch.append(ids)
-    if len(batch) > max_batch_size:
+    if max_batch_size is not None and len(batch) > max_batch_size:
         raise UserError(
             f"{len(batch)} prompts exceed max_batch_size={max_batch_size}; split the batch or raise max_batch_size"
         )

@@ -118,6 +118,12 @@ class RowRandom:
         self.key.copy_(k.to(device))
         self.counter.zero_()
 
+    def rows(self, start: int, stop: int) -> RowRandom:
+        """The streams of rows ``start..stop-1``: views of the same key/counter tensors (not reseeded)."""
+        sub = object.__new__(RowRandom)
+        sub.device, sub.key, sub.counter = self.device, self.key[start:stop], self.counter[start:stop]
+        return sub
+
     def draw(self, n: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``(uniforms [B, n] in [0, 1), exp_noise [B, vocab] > 0)`` for this round; counter += 1."""
         dev = self.key.device

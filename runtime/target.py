@@ -446,8 +446,12 @@ class TargetModel:
         tokens: torch.Tensor,  # [B, Q] int64
         meta: AttentionMetadata,
         capture_aux: bool = True,
+        cache_row: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Return ``(final-normed hidden [B, Q, H], aux [B, Q, n_aux*H] or None)``.
+
+        Row ``b`` reads and writes cache row ``cache_row + b`` (continuous batching prefills a
+        newcomer into a finished row of the running batch).
 
         The tokens' K/V are written at ``meta.slots``; ``meta.prefill`` promises an empty prefix
         and a causal mask over left-aligned rows (padding last): attention then runs causally
@@ -472,13 +476,14 @@ class TargetModel:
                 q = ops.rms_norm(q, L.q_norm, self.eps)
                 k = ops.rms_norm(k, L.k_norm, self.eps)
             q, k = self.rope.apply(q, rope), self.rope.apply(k, rope)
-            ops.kv_write(self.k_cache[i], self.v_cache[i], meta.slots, k, v)
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            if cache_row:
+                kc, vc = kc[cache_row:], vc[cache_row:]
+            ops.kv_write(kc, vc, meta.slots, k, v)
             if meta.prefill:
                 a = ops.prefill_attention(q, k, v, scale)
             else:
-                a = ops.tree_attention(
-                    q, self.k_cache[i], self.v_cache[i], meta.prefix_lens, meta.tree_mask, scale, meta.kv_len
-                )
+                a = ops.tree_attention(q, kc, vc, meta.prefix_lens, meta.tree_mask, scale, meta.kv_len)
             a = ops.linear(a.reshape(B, Q, self.num_heads * self.head_dim), L.wo, L.bo)
             x, h = ops.rms_norm(a, L.ln2, self.eps, residual=h)
             gate, up = ops.linear(x, L.gate_up).chunk(2, dim=-1)

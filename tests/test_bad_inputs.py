@@ -65,7 +65,6 @@ API_CASES = [
     ("float-tensor", lambda rt, b: rt.generate(torch.ones(2, 3)), ts.UserError, "torch.float32"),
     ("3d-tensor", lambda rt, b: rt.generate(torch.ones(1, 2, 3, dtype=torch.int64)), ts.UserError, "got 3-D"),
     ("dict", lambda rt, b: rt.generate({"text": "x"}), ts.UserError, "prompts of type dict"),
-    ("batch", lambda rt, b: rt.generate([PROMPT] * 5), ts.UserError, "5 prompts exceed max_batch_size=4"),
     ("too-long", lambda rt, b: rt.generate([1] * 300), ts.UserError, "prompt 0 has 300 tokens"),
     ("seed-str", lambda rt, b: rt.generate(PROMPT, seed="abc"), ts.UserError, "seed='abc'"),
     ("seed-float", lambda rt, b: rt.generate(PROMPT, seed=1.5), ts.UserError, "seed=1.5"),

@@ -123,3 +123,37 @@ def test_only_user_errors_become_one_line_messages(monkeypatch, capsys):
         monkeypatch.setattr(export, "cmd_export", fail(exc))
         with pytest.raises(type(exc)):
             main(argv)
+
+
+def test_generate_a_prompts_file_continuously_batched(pair_dirs, capsys, tmp_path):
+    """--prompts-file: one JSON line per prompt, in order, each equal to that prompt's solo run;
+    5 prompts on 2 rows refill 3 finished rows."""
+    t, d = pair_dirs
+    prompts = ["def f(x):", "import os\\nimport sys", "class A:", "x = [1, 2", "for i in range(3):"]
+    f = tmp_path / "prompts.txt"
+    f.write_text("\n".join(prompts) + "\n\n")
+    argv = [
+        "generate",
+        "--target",
+        str(t),
+        "--drafter",
+        str(d),
+        "--max-new-tokens",
+        "6",
+        *"--num-speculative-tokens 3 --draft-top-k 2 --num-draft-tokens 6".split(),
+    ]
+    assert main([*argv, "--prompts-file", str(f), "--max-batch-size", "2"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    recs = [json.loads(line) for line in lines[:-1]]
+    assert [r["index"] for r in recs] == list(range(5)) and "rows_refilled=3" in lines[-1]
+    rt = ts.SpeculativeRuntime.from_pretrained(t, d, spec=ts.SpecConfig(3, 2, 6), max_batch_size=1)
+    for r, p in zip(recs, prompts):
+        assert r["token_ids"] == rt.generate(p.replace("\\n", "\n"), max_new_tokens=6).token_ids[0]
+    j = tmp_path / "p.jsonl"
+    j.write_text('{"prompt": "def g():"}\n{"prompt": 3}\n')
+    assert main([*argv, "--prompts-file", str(j)]) == 2
+    assert "line 2: expected" in capsys.readouterr().err
+    assert main([*argv, "--prompts-file", str(tmp_path / "none.txt")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    assert main([*argv, "--prompts-file", str(f), "x"]) == 2
+    assert "not both" in capsys.readouterr().err

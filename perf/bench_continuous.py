@@ -1,0 +1,96 @@
+"""Continuous batching against static batches, side by side in one run (issue: CPU throughput).
+
+64 prompts of mixed lengths (the demo's standard, long and perturbed sets), greedy, one thread, outputs of
+mixed lengths (a row stops at its first blank line, or after ``--e2e-tokens`` tokens), one runtime
+with ``max_batch_size=8``:
+
+- ``static``: ``generate`` on 8 batches of 8 in turn (a batch runs until its longest row);
+- ``continuous``: one ``generate`` of all 64 (a finished row is refilled at the next round).
+
+Plain decoding and EAGLE-3.1 each. ``extra_info`` holds new tokens, wall time, tokens/s, rows
+refilled and the output lengths; both modes must emit the same tokens, prompt by prompt.
+
+    python -m pytest perf/bench_continuous.py --benchmark-json perf/continuous.json
+    python -m pytest perf/bench_continuous.py --benchmark-disable      # CI: 16 prompts x 8 tokens
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+N_PROMPTS, BATCH = 64, 8
+MODES = ("static", "continuous")
+RESULTS: dict[tuple[str, str], dict] = {}
+
+
+@pytest.fixture(scope="module")
+def cb(request):
+    """``(runtime, prompts, max_new_tokens)`` on the demo pair (skips when it is not built)."""
+    import tritonspec as ts
+    from tritonspec import demo
+
+    if not demo.available():
+        pytest.skip("the demo pair is not built (python -m tritonspec.demo build)")
+    quick = request.config.getoption("benchmark_disable", False)
+    torch.set_num_threads(1)  # the throughput issue's convention: one thread, side by side
+    tokens = request.config.getoption("--e2e-tokens") or (8 if quick else 64)
+    n = 16 if quick else N_PROMPTS
+    sets = {name: [r["prompt"] for r in demo.prompt_set(name)] for name in demo.PROMPT_SETS}
+    prompts = (sets["standard"][: n // 2] + sets["long"][: n // 4] + sets["perturbed"][: n // 4])[:n]
+    target, drafter = demo.demo_pair("eagle3.1")
+    rt = ts.SpeculativeRuntime.from_pretrained(target, drafter, max_batch_size=BATCH, max_seq_len=2048)
+    rt.generate(prompts[:BATCH], max_new_tokens=2)  # first-call costs paid by neither mode
+    return rt, prompts, tokens
+
+
+def run(rt, prompts: list[str], mode: str, speculative: bool, tokens: int) -> dict:
+    kw = dict(max_new_tokens=tokens, speculative=speculative, stop="\n\n")
+    t0 = time.perf_counter()
+    if mode == "static":
+        outs = [rt.generate(prompts[i : i + BATCH], **kw) for i in range(0, len(prompts), BATCH)]
+        ids = [t for o in outs for t in o.token_ids]
+        refilled = 0
+    else:
+        out = rt.generate(prompts, **kw)
+        ids, refilled = out.token_ids, out.stats.rows_refilled
+    wall = time.perf_counter() - t0
+    new = sum(len(t) for t in ids)
+    return {
+        "token_ids": ids,
+        "new_tokens": new,
+        "wall_s": wall,
+        "tokens_per_s": new / wall,
+        "rows_refilled": refilled,
+        "output_lengths": sorted(len(t) for t in ids),
+    }
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "eagle3.1"])
+@pytest.mark.parametrize("mode", MODES)
+def test_continuous_batching(benchmark, cb, mode, speculative):
+    rt, prompts, tokens = cb
+    results = []
+    benchmark.pedantic(
+        lambda: results.append(run(rt, prompts, mode, speculative, tokens)), rounds=1, iterations=1, warmup_rounds=0
+    )
+    r = results[-1]
+    system = "eagle3.1" if speculative else "plain"
+    RESULTS[(system, mode)] = r
+    benchmark.extra_info.update(
+        {k: v for k, v in r.items() if k != "token_ids"}
+        | {
+            "system": system,
+            "mode": mode,
+            "prompts": len(prompts),
+            "max_batch_size": BATCH,
+            "threads": torch.get_num_threads(),
+        }
+    )
+    other = RESULTS.get((system, "static" if mode == "continuous" else "continuous"))
+    if other is not None:  # greedy: the same tokens whichever way the prompts were batched
+        assert other["token_ids"] == r["token_ids"]
+        st, co = (other, r) if mode == "continuous" else (r, other)
+        benchmark.extra_info["continuous_over_static"] = co["tokens_per_s"] / st["tokens_per_s"]

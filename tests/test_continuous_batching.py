@@ -1,0 +1,124 @@
+"""Continuous batching (``SpeculativeRuntime._decode``, ``Decoder.admit``).
+
+More prompts than ``max_batch_size``: a finished row is refilled with the next waiting prompt at
+the next round, from anywhere in the batch. Every prompt's output equals its solo run, greedy and
+seeded sampling, speculative and plain, eager and through the graph-replay emulator; an inverse
+test shows the comparison catches an admission that gets a row's random stream wrong.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tritonspec as ts
+from tritonspec.runtime.decode import Decoder
+from tritonspec.runtime.graphs import GraphRunner, default_sizes
+
+from _util import perm_pair, random_prompts, runtime
+
+SPEC = ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6)
+STOP = 5  # a token the perm pair emits now and then: rows stop at different rounds
+LENGTHS = [3, 17, 8, 1, 11, 6, 2, 25, 9, 4, 13, 7, 1, 19, 5, 10, 3, 14, 8, 2, 16, 6]  # 22 ragged prompts
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return perm_pair("llama", vocab=24, seed=3, alpha=0.4)
+
+
+def _solo(rt, prompts, **kw):
+    seeds = kw.pop("seed", None)
+    return [rt.generate([p], seed=None if seeds is None else seeds[i], **kw) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 4])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("speculative", [True, False])
+def test_outputs_equal_solo_runs(pair, batch, temperature, speculative):
+    rt = runtime(*pair, SPEC, max_batch_size=batch)
+    prompts = random_prompts(24, LENGTHS, seed=11)
+    kw = dict(max_new_tokens=24, temperature=temperature, speculative=speculative, stop_token_ids=[STOP])
+    seeds = list(range(100, 100 + len(prompts)))
+    out = rt.generate(prompts, seed=seeds, **kw)
+    solo = _solo(rt, prompts, seed=seeds, **kw)
+    assert out.token_ids == [s.token_ids[0] for s in solo]
+    assert out.finish_reasons == [s.finish_reasons[0] for s in solo]
+    assert set(out.finish_reasons) == {"stop", "length"}  # rows really end at different rounds
+    assert out.stats.rows_refilled == len(prompts) - batch
+    assert out.stats.num_new_tokens == sum(len(t) for t in out.token_ids)
+
+
+def test_a_row_finishing_mid_batch_is_reused(pair, monkeypatch):
+    """Rows leave from anywhere: a prompt is admitted into a row below a row still decoding."""
+    admitted: list[tuple[int, list[bool]]] = []
+    real = Decoder.admit
+
+    def spy(self, slot, prompt, seed=0, **kw):
+        admitted.append((slot, list(self.running)))
+        return real(self, slot, prompt, seed, **kw)
+
+    monkeypatch.setattr(Decoder, "admit", spy)
+    rt = runtime(*pair, SPEC, max_batch_size=4)
+    prompts = random_prompts(24, LENGTHS, seed=11)
+    out = rt.generate(prompts, max_new_tokens=24, stop_token_ids=[STOP])
+    assert len(admitted) == out.stats.rows_refilled == len(prompts) - 4
+    below_a_live_row = [s for s, running in admitted if any(running[s + 1 :])]
+    assert below_a_live_row, admitted
+
+
+def test_replayed_rounds_equal_eager_through_growing_and_shrinking_rows(pair):
+    """The round's rows widen when a newcomer lands above the live rows: graph buckets follow."""
+    prompts = random_prompts(24, LENGTHS[:12], seed=5)
+    kw = dict(max_new_tokens=20, stop_token_ids=[STOP], temperature=1.0, seed=list(range(12)))
+    eager = runtime(*pair, SPEC, max_batch_size=4, cuda_graphs=False).generate(prompts, **kw)
+    rt = runtime(*pair, SPEC, max_batch_size=4, cuda_graphs=False)
+    rt._graphs = GraphRunner(default_sizes(4), "emulate")
+    replayed = rt.generate(prompts, **kw)
+    assert replayed.token_ids == eager.token_ids
+    assert replayed.stats.time_split_s["graph"] > 0
+
+
+def test_deterministic_mode_keeps_batch_invariance(pair):
+    rt = runtime(*pair, SPEC, max_batch_size=3, deterministic=True)
+    prompts = random_prompts(24, LENGTHS[:9], seed=2)
+    for temperature in (0.0, 0.8):
+        kw = dict(max_new_tokens=16, temperature=temperature, stop_token_ids=[STOP])
+        out = rt.generate(prompts, seed=7, **kw)
+        assert out.token_ids == [s.token_ids[0] for s in _solo(rt, prompts, seed=[7] * 9, **kw)]
+
+
+def test_newcomers_that_stop_at_their_first_token(pair):
+    rt = runtime(*pair, SPEC, max_batch_size=2)
+    prompts = random_prompts(24, [4, 9, 2, 7, 3], seed=1)
+    out = rt.generate(prompts, max_new_tokens=1)
+    assert [len(t) for t in out.token_ids] == [1] * 5 and out.stats.rows_refilled == 3
+    assert out.token_ids == [rt.generate([p], max_new_tokens=1).token_ids[0] for p in prompts]
+
+
+def test_a_wrong_random_stream_is_caught(pair, monkeypatch):
+    """Inverse: admitting a row with another seed changes its sampled tokens, and the solo
+    comparison sees it (so the equality above is not vacuous)."""
+    real = Decoder.admit
+    monkeypatch.setattr(
+        Decoder, "admit", lambda self, slot, prompt, seed=0, **kw: real(self, slot, prompt, seed + 1, **kw)
+    )
+    rt = runtime(*pair, SPEC, max_batch_size=2)
+    prompts = random_prompts(24, LENGTHS[:6], seed=4)
+    kw = dict(max_new_tokens=24, temperature=1.0)
+    out = rt.generate(prompts, seed=list(range(6)), **kw)
+    solo = [s.token_ids[0] for s in _solo(rt, prompts, seed=list(range(6)), **kw)]
+    assert out.token_ids[:2] == solo[:2]  # the first batch is not admitted
+    assert out.token_ids[2:] != solo[2:]
+
+
+def test_admit_refuses_a_busy_row(pair):
+    rt = runtime(*pair, SPEC, max_batch_size=2)
+    dec = rt.decoder
+    with torch.inference_mode():
+        dec.prefill([[1, 2, 3]], speculative=True, rows=2)
+        with pytest.raises(ValueError, match="row 0 is still decoding"):
+            dec.admit(0, [4, 5])
+        with pytest.raises(ValueError, match="slot=2 is outside"):
+            dec.admit(2, [4, 5])
+        assert dec.admit(1, [4, 5]) >= 0 and dec.running == [True, True]
