@@ -48,6 +48,7 @@ from ..kernels.store import package_version
 from .config import SpecConfig
 from .deterministic import probe_table
 from .errors import UserError
+from .requests import encode_prompts
 from .sampling import SamplingParams, process_logits
 
 LAW_MIN_EXPECTED = 5.0  # chi-square bins hold at least this expected count (pooled below it)
@@ -102,6 +103,14 @@ def generate_recorded(rt, prompts, **kwargs) -> tuple[list[list[int]], list[torc
     """``rt.generate(prompts, **kwargs)`` and, per prompt, the target's logits ``[n, V]`` (float32) of
     each of its n emitted tokens (``EmissionRecorder`` on the runtime's decoder, removed after)."""
     dec = rt.decoder
+    # the recorder keeps logits per decoder row, which continuous batching would reuse: one static batch
+    encode_prompts(
+        prompts,
+        rt.tokenizer,
+        vocab_size=rt.target.vocab_size,
+        max_seq_len=rt.max_seq_len,
+        max_batch_size=rt.max_batch_size,
+    )
     rec = EmissionRecorder(dec.ops, rt.target.lm_head)
     dec.ops = rec
     try:

@@ -435,6 +435,11 @@ class SpeculativeRuntime:
             max_seq_len=self.max_seq_len,
             max_batch_size=None,  # more prompts than rows: continuous batching (_decode)
         )
+        if self.decoder.observer is not None and len(batch) > self.max_batch_size:
+            raise UserError(
+                f"observed decoding (observe()) runs one static batch: {len(batch)} prompts exceed "
+                f"max_batch_size={self.max_batch_size}; pass at most that many"
+            )
         seeds = row_seeds(seed, len(batch), sampling)
         if speculative and self.drafter is None:
             warnings.warn("no drafter loaded: speculative=True runs plain decoding", stacklevel=3)

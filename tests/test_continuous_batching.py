@@ -13,7 +13,8 @@ import torch
 
 import tritonspec as ts
 from tritonspec.runtime.decode import Decoder
-from tritonspec.runtime.graphs import GraphRunner, default_sizes
+from tritonspec.runtime.audit import generate_recorded
+from tritonspec.runtime.graphs import GraphRunner
 
 from _util import perm_pair, random_prompts, runtime
 
@@ -47,6 +48,12 @@ def test_outputs_equal_solo_runs(pair, batch, temperature, speculative):
     assert set(out.finish_reasons) == {"stop", "length"}  # rows really end at different rounds
     assert out.stats.rows_refilled == len(prompts) - batch
     assert out.stats.num_new_tokens == sum(len(t) for t in out.token_ids)
+    # greedy tokens are blind to the drafter's state (verification is lossless): its acceptance is
+    # not, so a newcomer drafting from a stale or misplaced drafter state shows up here
+    for field in ("num_drafts", "num_accepted_tokens", "accepted_per_position"):
+        solo_sum = [getattr(s.stats, field) for s in solo]
+        total = [sum(x) for x in zip(*solo_sum)] if isinstance(solo_sum[0], list) else sum(solo_sum)
+        assert getattr(out.stats, field) == total, field
 
 
 def test_a_row_finishing_mid_batch_is_reused(pair, monkeypatch):
@@ -67,16 +74,23 @@ def test_a_row_finishing_mid_batch_is_reused(pair, monkeypatch):
     assert below_a_live_row, admitted
 
 
-def test_replayed_rounds_equal_eager_through_growing_and_shrinking_rows(pair):
-    """The round's rows widen when a newcomer lands above the live rows: graph buckets follow."""
-    prompts = random_prompts(24, LENGTHS[:12], seed=5)
-    kw = dict(max_new_tokens=20, stop_token_ids=[STOP], temperature=1.0, seed=list(range(12)))
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_replayed_rounds_equal_eager_through_growing_and_shrinking_rows(pair, monkeypatch, temperature):
+    """The round's rows shrink when the last rows finish and widen again when a newcomer lands
+    above the live rows (buckets 1-4): replayed rounds follow, with the same tokens as eager ones."""
+    widths: list[int] = []
+    real = Decoder.narrow
+    monkeypatch.setattr(Decoder, "narrow", lambda self, rows: (widths.append(rows), real(self, rows))[1])
+    prompts = random_prompts(24, LENGTHS[:16], seed=5)
+    kw = dict(max_new_tokens=20, stop_token_ids=[STOP, 7, 11], temperature=temperature, seed=list(range(16)))
     eager = runtime(*pair, SPEC, max_batch_size=4, cuda_graphs=False).generate(prompts, **kw)
     rt = runtime(*pair, SPEC, max_batch_size=4, cuda_graphs=False)
-    rt._graphs = GraphRunner(default_sizes(4), "emulate")
+    rt._graphs = GraphRunner([1, 2, 3, 4], "emulate")
+    widths.clear()
     replayed = rt.generate(prompts, **kw)
     assert replayed.token_ids == eager.token_ids
     assert replayed.stats.time_split_s["graph"] > 0
+    assert any(b > a for a, b in zip(widths[1:], widths[2:])), widths  # a round widened after a shrink
 
 
 def test_deterministic_mode_keeps_batch_invariance(pair):
@@ -122,3 +136,27 @@ def test_admit_refuses_a_busy_row(pair):
         with pytest.raises(ValueError, match="slot=2 is outside"):
             dec.admit(2, [4, 5])
         assert dec.admit(1, [4, 5]) >= 0 and dec.running == [True, True]
+
+
+def test_static_batch_only_paths_refuse_more_prompts_up_front(pair):
+    """Observed decoding and the audit's logit recorder keep per-row records: they refuse more
+    prompts than rows before any work, instead of failing at the first refill."""
+
+    class Noop:
+        def wrap(self, ops):
+            return ops
+
+        def on_catch_up(self, *a):
+            pass
+
+        on_depth1 = on_step = on_catch_up
+
+    rt = runtime(*pair, SPEC, max_batch_size=2)
+    prompts = random_prompts(24, [3, 4, 5], seed=0)
+    with rt.observe(Noop()), pytest.raises(ts.UserError, match="3 prompts exceed max_batch_size=2"):
+        rt.generate(prompts, max_new_tokens=4)
+    with pytest.raises(ts.UserError, match="3 prompts exceed max_batch_size=2"):
+        generate_recorded(rt, prompts, max_new_tokens=4)
+    assert (
+        generate_recorded(rt, prompts[:2], max_new_tokens=4)[0] == rt.generate(prompts[:2], max_new_tokens=4).token_ids
+    )
