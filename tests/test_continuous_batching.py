@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import tritonspec as ts
-from tritonspec.runtime.decode import Decoder
 from tritonspec.runtime.audit import generate_recorded
+from tritonspec.runtime.decode import Decoder
 from tritonspec.runtime.graphs import GraphRunner
 
 from _util import perm_pair, random_prompts, runtime
