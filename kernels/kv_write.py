@@ -16,19 +16,29 @@ from .utils import ENABLE_FP_FUSION, check_kv_cache, check_tensor, next_pow2, re
 
 
 def kv_write_reference(
-    k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer)
-    v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
+    k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer), or [L, B_max, S, Hkv, D] with ``layer``
+    v_cache: torch.Tensor,  # same shape as k_cache
     slots: torch.Tensor,  # [B, Q] int64 absolute slot per query; -1 = write nowhere
     k: torch.Tensor,  # [B, Q, Hkv, D]
     v: torch.Tensor,  # [B, Q, Hkv, D]
+    layer: int | None = None,
 ) -> None:
-    """Scatter the new tokens' K/V into the cache. Slot -1 goes to the trash slot ``S - 1``."""
+    """Scatter the new tokens' K/V into the cache. Slot -1 goes to the trash slot ``S - 1``.
+
+    ``layer``: the caches are every layer's, stacked, and the write goes to this layer through the
+    stacked tensor itself, not a view of it: a compiled round (``torch.compile``) then updates the
+    cache in place, where a write through ``cache[layer]`` made it copy the whole stack per write."""
     batch, nq = slots.shape
-    trash = k_cache.shape[1] - 1
+    trash = k_cache.shape[-3] - 1
     slot = torch.where(slots >= 0, slots, trash)
     rows = torch.arange(batch, device=slots.device)[:, None].expand(batch, nq)
-    k_cache[rows, slot] = k.to(k_cache.dtype)
-    v_cache[rows, slot] = v.to(v_cache.dtype)
+    if layer is None:
+        k_cache[rows, slot] = k.to(k_cache.dtype)
+        v_cache[rows, slot] = v.to(v_cache.dtype)
+    else:  # a tensor index for the layer: cache[layer, ...] would write through a view of the layer
+        layers = torch.full_like(rows, layer)
+        k_cache.index_put_((layers, rows, slot), k.to(k_cache.dtype))
+        v_cache.index_put_((layers, rows, slot), v.to(v_cache.dtype))
 
 
 # --------------------------------------------------------------------------------------------
@@ -72,14 +82,17 @@ def _kv_write_kernel(
 
 
 def kv_write(
-    k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer)
-    v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
+    k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer), or [L, B_max, S, Hkv, D] with ``layer``
+    v_cache: torch.Tensor,  # same shape as k_cache
     slots: torch.Tensor,  # [B, Q] int64, -1 = trash slot S-1
     k: torch.Tensor,  # [B, Q, Hkv, D]
     v: torch.Tensor,  # [B, Q, Hkv, D]
+    layer: int | None = None,
 ) -> None:
     """Triton twin of ``kv_write_reference`` (in place). Slots are not range-checked (no host sync)."""
     require_triton()
+    if layer is not None:
+        k_cache, v_cache = k_cache[layer], v_cache[layer]
     check_kv_cache("k_cache", k_cache)
     check_kv_cache("v_cache", v_cache)
     if v_cache.shape != k_cache.shape:

@@ -71,11 +71,12 @@ class Ops(Protocol):
 
     def kv_write(
         self,
-        k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer)
-        v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
+        k_cache: torch.Tensor,  # [B_max, S, Hkv, D] (one layer), or [L, B_max, S, Hkv, D] with layer
+        v_cache: torch.Tensor,  # same shape as k_cache
         slots: torch.Tensor,  # [B, Q] int64 absolute slot per query, -1 = the trash slot S-1
         k: torch.Tensor,  # [B, Q, Hkv, D]
         v: torch.Tensor,  # [B, Q, Hkv, D]
+        layer: int | None = None,  # the caches are [L, B_max, S, Hkv, D]: write this layer (through the stack)
     ) -> None:
         """Scatter the new tokens' K/V into the cache, in place (cast to the cache dtype)."""
 

@@ -477,9 +477,11 @@ class TargetModel:
                 k = ops.rms_norm(k, L.k_norm, self.eps)
             q, k = self.rope.apply(q, rope), self.rope.apply(k, rope)
             kc, vc = self.k_cache[i], self.v_cache[i]
-            if cache_row:
+            if cache_row:  # an admitted row (continuous batching, eager): a view of its cache rows
                 kc, vc = kc[cache_row:], vc[cache_row:]
-            ops.kv_write(kc, vc, meta.slots, k, v)
+                ops.kv_write(kc, vc, meta.slots, k, v)
+            else:  # through the stacked cache: a compiled round updates it in place (kv_write_reference)
+                ops.kv_write(self.k_cache, self.v_cache, meta.slots, k, v, layer=i)
             if meta.prefill:
                 a = ops.prefill_attention(q, k, v, scale)
             else:

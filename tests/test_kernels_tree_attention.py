@@ -217,6 +217,52 @@ def test_kv_write_matches_reference(b_max, nq, hkv, d, cache_dtype, src_dtype, s
     assert torch.equal(k_cache, kr) and torch.equal(v_cache, vr)
 
 
+@pytest.mark.parametrize("layer", [0, 2])
+def test_kv_write_through_the_stacked_cache_equals_a_write_to_the_layer(layer):
+    """``layer=``: the write lands in that layer of the stacked ``[L, B, S, H, D]`` cache exactly as a
+    write to ``cache[layer]`` does, and touches no other layer (reference and Triton)."""
+    g = torch.Generator().manual_seed(layer)
+    L, b_max, S, hkv, d = 3, 2, 9, 2, 16
+    kc = torch.randn(L, b_max, S, hkv, d, generator=g).to(DEVICE)
+    vc = torch.randn(L, b_max, S, hkv, d, generator=g).to(DEVICE)
+    slots = torch.tensor([[4, -1, 6]], device=DEVICE)
+    k = torch.randn(1, 3, hkv, d, generator=g).to(DEVICE)
+    v = torch.randn(1, 3, hkv, d, generator=g).to(DEVICE)
+    want_k, want_v = kc.clone(), vc.clone()
+    kv_write_reference(want_k[layer], want_v[layer], slots, k, v)
+    for fn in (kv_write_reference, kv_write):
+        ks, vs = kc.clone(), vc.clone()
+        fn(ks, vs, slots, k, v, layer=layer)
+        assert torch.equal(ks, want_k) and torch.equal(vs, want_v), fn.__name__
+    assert not torch.equal(want_k, kc)  # inverse: the write did change the cache
+
+
+def test_kv_write_with_a_layer_writes_the_stack_itself_not_a_view():
+    """A compiled round (torch.compile) turns an in-place write through a view of the stacked cache
+    into a copy of the whole stack per layer (SmolLM2: ~90 ms a step); ``layer=`` writes with
+    ``index_put_`` on the stacked tensor itself. Inverse: ``cache[layer, rows, slot] = x`` does not."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.puts = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket.__name__ in ("index_put_", "_index_put_impl_"):
+                self.puts.append(args[0].dim())
+            return func(*args, **(kwargs or {}))
+
+    kc, vc = torch.zeros(3, 2, 9, 2, 4), torch.zeros(3, 2, 9, 2, 4)
+    slots, k = torch.tensor([[4, -1]]), torch.ones(1, 2, 2, 4)
+    with Record() as r:
+        kv_write_reference(kc, vc, slots, k, k, layer=1)
+    assert r.puts and all(d == 5 for d in r.puts), r.puts
+    with Record() as r:
+        kc[1, torch.zeros_like(slots), slots] = k
+    assert r.puts and all(d == 4 for d in r.puts), r.puts  # the view of layer 1
+
+
 def test_tree_attention_and_kv_write_reject_bad_arguments():
     q = torch.randn(1, 2, 4, 16, device=DEVICE)
     kc = torch.randn(1, 8, 2, 16, device=DEVICE)
