@@ -503,8 +503,12 @@ class SpeculativeRuntime:
         self._emit(dec, requests, slot_req, [[t] for t in first])
         yield requests
         while True:
-            free = [b for b in range(self.max_batch_size) if b >= len(dec.running) or not dec.running[b]]
-            if waiting and free:  # refill finished rows, lowest first (keeps the round's rows few)
+            free = (
+                [b for b in range(self.max_batch_size) if b >= len(dec.running) or not dec.running[b]]
+                if waiting
+                else []
+            )
+            if free:  # refill finished rows, lowest first (keeps the round's rows few)
                 for b in free[: len(waiting)]:
                     r = waiting.pop()
                     with torch.inference_mode(), self._pinned():

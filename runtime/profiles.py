@@ -125,6 +125,12 @@ def profile_name(target_fp: str, drafter_fp: str, device_key: str, dtype: str, b
     return store.config_filename(KIND, device_key, dtype, shape)[:-5] + f",backend={backend}.json"
 
 
+def own_profile_names(target: Any, drafter: Any, backend: str) -> list[str]:
+    """The profile file names for this pair on this exact device, then on this kind of device."""
+    t, d, dt = target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
+    return [profile_name(t, d, key, dt, backend) for key in (device_key(target.device), device_kind(target.device))]
+
+
 def candidate_profiles(target: Any, drafter: Any, backend: str) -> list[Path]:
     """Every existing profile file for this pair/dtype/backend, in lookup order: this exact device's,
     then this kind of device's, then (a CPU) one of the same architecture with another vector ISA
@@ -132,7 +138,7 @@ def candidate_profiles(target: Any, drafter: Any, backend: str) -> list[Path]:
     better than the rule's); user folders (``store.search_dirs()``) before ``SHIPPED_DIR``."""
     t, d, dt = target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
     kind = device_kind(target.device)
-    names = [profile_name(t, d, key, dt, backend) for key in (device_key(target.device), kind)]
+    names = own_profile_names(target, drafter, backend)
     dirs = [*store.search_dirs(), SHIPPED_DIR]
     found = [folder / name for name in names for folder in dirs if (folder / name).is_file()]
     if kind.startswith("cpu-"):
@@ -245,8 +251,7 @@ def shape_policy(target: Any, drafter: Any, backend: str) -> ShapePolicy:
     except Exception as e:  # noqa: BLE001 - a lookup must never break model loading
         _warn(f"tuned tree profile lookup failed ({e}); using the default shapes")
         return ShapePolicy.heuristic(target.device)
-    t, d, dt = target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
-    own_names = {profile_name(t, d, k, dt, backend) for k in (device_key(target.device), device_kind(target.device))}
+    own_names = own_profile_names(target, drafter, backend)
     for path in paths:
         shipped = path.parent == SHIPPED_DIR
         try:
