@@ -266,10 +266,13 @@ class Decoder:
         self.speculative = speculative
         if speculative:  # runtimes may share one TargetModel (e.g. EAGLE-3 and 3.1 drafters side by side)
             self.target.set_aux_layer_ids(self.drafter.config.aux_layer_ids)
-        if self.bufs.out.shape[1] < self.emitted_width:  # the tree depth grew since construction (autotune)
-            self.bufs = self._new_buffers()
-        # runtimes may share the target, whose cache only grows, and the spec may have grown: fit both
-        self._fit(self.spec)
+        # normal tensors, as at construction, though prefill runs in inference mode: the host-side
+        # steps between rounds (finish) write them outside it
+        with torch.inference_mode(False):
+            # runtimes may share the target, whose cache only grows, and the spec may have grown: fit both
+            self._fit(self.spec)
+            if self.bufs.out.shape[1] < self.emitted_width:  # the tree depth grew since construction (autotune)
+                self.bufs = self._new_buffers()  # sized by _fit's depth
         B = len(batch)
         rows = B if rows is None else rows
         pad = rows - B

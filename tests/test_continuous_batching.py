@@ -160,3 +160,16 @@ def test_static_batch_only_paths_refuse_more_prompts_up_front(pair):
     assert (
         generate_recorded(rt, prompts[:2], max_new_tokens=4)[0] == rt.generate(prompts[:2], max_new_tokens=4).token_ids
     )
+
+
+def test_a_deeper_tree_set_after_construction_still_retires_rows(pair):
+    """A deeper spec than the runtime was built with re-makes the decode buffers at the next
+    prefill, which runs in inference mode; retiring rows between rounds (outside it) still writes
+    them. Found by perf/bench_defaults.py: inference tensors refused the in-place write."""
+    rt = runtime(*pair, ts.SpecConfig.chain(1), max_batch_size=3)
+    prompts = random_prompts(24, [5, 9, 3, 7], seed=2)
+    kw = dict(max_new_tokens=12, stop_token_ids=[STOP])
+    rt.spec = ts.SpecConfig(num_speculative_tokens=5, top_k=2, num_draft_tokens=9)
+    out = rt.generate(prompts, **kw)
+    assert not rt.decoder.bufs.out.is_inference()
+    assert out.token_ids == [s.token_ids[0] for s in _solo(rt, prompts, speculative=False, **kw)]
