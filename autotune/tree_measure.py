@@ -264,11 +264,16 @@ def measure_generation(
     *,
     batch_size: int = 1,
     temperature: float = 0.0,
+    repeats: int = 1,
 ) -> list[Measured]:
     """Generate every prompt with each shape (None = plain decoding), ``batch_size`` prompts per
     call (the prompt list repeats to fill a batch), shapes interleaved per batch so that a change
     of machine load hits them all alike; at ``temperature > 0`` sampled with fixed seeds.
-    ``rt.spec`` is left as it was."""
+    ``repeats > 1`` runs the whole set again, the shapes in reverse order on every other pass
+    (A B C, C B A, ...) so a load that drifts during a batch does not favour the first shape; the
+    totals sum over passes (token ids too). ``rt.spec`` is left as it was."""
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1")
     n = max(len(prompts), batch_size)
     pool = [prompts[i % len(prompts)] for i in range(n)]
     groups = [pool[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]
@@ -280,19 +285,25 @@ def measure_generation(
         with using_spec(rt, spec):
             return rt.generate(group, max_new_tokens=k, speculative=True, **kw)
 
-    ms = [Measured(0, 0.0, 0.0, 0, 0, batch_size * len(groups)) for _ in specs]
+    ms = [Measured(0, 0.0, 0.0, 0, 0, batch_size * len(groups) * repeats) for _ in specs]
     for spec in specs:  # first calls untimed: JIT and, on a GPU, the CUDA-graph capture of each shape
         generate(groups[0], 4, spec)
-    for group in groups:
-        for spec, m in zip(specs, ms):
-            out = generate(group, max_new_tokens, spec)
-            st = out.stats
-            m.token_ids += out.token_ids
-            m.tokens += st.num_new_tokens
-            m.wall_s += st.wall_time_s
-            m.prefill_s += st.time_split_s.get("prefill", 0.0)
-            m.rounds += st.num_drafts if spec is not None else st.num_new_tokens - len(group)
-            m.accepted += st.num_accepted_tokens
-            for k, v in st.time_split_s.items():
-                m.split_s[k] = m.split_s.get(k, 0.0) + v
+    order = list(zip(specs, ms))
+    for rep in range(repeats):
+        for group in groups:
+            for spec, m in order if rep % 2 == 0 else order[::-1]:
+                _measure_one(m, generate(group, max_new_tokens, spec), spec, len(group))
     return ms
+
+
+def _measure_one(m: Measured, out, spec: SpecConfig | None, rows: int) -> None:
+    """Add one ``generate`` call's stats to ``m``."""
+    st = out.stats
+    m.token_ids += out.token_ids
+    m.tokens += st.num_new_tokens
+    m.wall_s += st.wall_time_s
+    m.prefill_s += st.time_split_s.get("prefill", 0.0)
+    m.rounds += st.num_drafts if spec is not None else st.num_new_tokens - rows
+    m.accepted += st.num_accepted_tokens
+    for k, v in st.time_split_s.items():
+        m.split_s[k] = m.split_s.get(k, 0.0) + v

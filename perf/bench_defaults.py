@@ -9,8 +9,12 @@ of prompts (``tree_measure.measure_generation``), so machine load hits them alik
     python -m pytest perf/bench_defaults.py --benchmark-json perf/defaults.json    # ~minutes
     python -m pytest perf/bench_defaults.py --benchmark-disable                    # CI: 1 batch x 4 tokens
 
-``extra_info`` per benchmark: decode tokens/s of each system, the default's shape and source,
-``default_vs_best`` (default / the fastest candidate or plain) and ``default_vs_plain``.
+Two passes: the first measures the default, plain and every candidate and names the fastest
+other than the default; the second measures the default, plain and that one again, twice in
+alternating order, and the ratios come from it (the fastest of several noisy rates is biased
+upwards; a fresh measurement of it is not). ``extra_info`` per benchmark: both passes' decode
+tokens/s, the default's shape and source, ``best_other``, ``default_vs_best`` (default / the best
+other, capped at 1) and ``default_vs_plain``.
 Goals (issue "out-of-the-box speed"): default within 5% of the best at batch 1 and 4; never below
 plain decoding at batch 1-8.
 """
@@ -48,30 +52,46 @@ def test_defaults(benchmark, tmp_path, monkeypatch, variant, batch):
         n, tokens = (8, 48) if FULL else (batch, 4)
         prompts = [r["prompt"][-1500:] for r in prompt_set("standard")[:n]]
         rt.spec = largest  # sizes the caches once for every shape measured
+        others = [s for s in [None, *cands] if s != default.spec]  # plain and every candidate
         results = []
-        specs = [None, default.spec, *cands]
-        benchmark.pedantic(
-            lambda: results.append(measure_generation(rt, prompts, tokens, specs, batch_size=batch)),
-            rounds=1,
-            iterations=1,
-            warmup_rounds=0,
-        )
+
+        def run():
+            # pass 1 picks the fastest of the others; pass 2 measures it again against the default
+            # and plain, afresh and twice (A B C, C B A): the best of several noisy rates is biased
+            # upwards, a second measurement of that shape is not
+            first = measure_generation(rt, prompts, tokens, [default.spec, *others], batch_size=batch)
+            best = others[max(range(len(others)), key=lambda i: first[1 + i].decode_tokens_per_s)]
+            confirm = list(dict.fromkeys([default.spec, None, best]))  # in order, without repeats
+            second = measure_generation(rt, prompts, tokens, confirm, batch_size=batch, repeats=2 if FULL else 1)
+            results.append((first, best, confirm, second))
+
+        benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
     finally:
         torch.set_num_threads(threads)
-    plain, dflt, *rest = results[-1]
-    rate = {"plain": plain.decode_tokens_per_s, "default": dflt.decode_tokens_per_s}
-    for s, m in zip(cands, rest):
-        rate[f"({s.num_speculative_tokens},{s.top_k},{s.num_draft_tokens})"] = m.decode_tokens_per_s
-    best = max(v for k, v in rate.items() if k != "default")
+    first, best, confirm, second = results[-1]
+    selection = {spec_name(s): m.decode_tokens_per_s for s, m in zip([default.spec, *others], first)}
+    confirmed = {spec_name(s): m.decode_tokens_per_s for s, m in zip(confirm, second)}
+    dflt = confirmed[spec_name(default.spec)]
     benchmark.extra_info.update(
         variant=variant,
         batch=batch,
-        default_spec=None if default.spec is None else str(default.spec),
+        default_spec=spec_name(default.spec),
         default_source=default.source,
-        decode_tokens_per_s={k: round(v, 2) for k, v in rate.items()},
-        default_vs_best=round(rate["default"] / max(best, rate["default"]), 3),
-        default_vs_plain=round(rate["default"] / rate["plain"], 3),
+        selection_decode_tokens_per_s={k: round(v, 2) for k, v in selection.items()},
+        best_other=spec_name(best),
+        confirm_decode_tokens_per_s={k: round(v, 2) for k, v in confirmed.items()},
+        default_vs_best=round(min(dflt / confirmed[spec_name(best)], 1.0), 3),
+        default_vs_plain=round(dflt / confirmed["plain"], 3),
         max_new_tokens=tokens,
         prompts=len(prompts),
     )
-    assert dflt.token_ids == plain.token_ids  # greedy: whatever the shape, the target's output
+    reference = first[0].token_ids
+    for m in (*first, *second):  # greedy: whatever the shape, the target's output
+        assert m.token_ids[: len(reference)] == reference
+
+
+def spec_name(spec: ts.SpecConfig | None) -> str:
+    """``"plain"`` or ``"(D,K,N)"``."""
+    if spec is None:
+        return "plain"
+    return f"({spec.num_speculative_tokens},{spec.top_k},{spec.num_draft_tokens})"

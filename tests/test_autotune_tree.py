@@ -217,3 +217,32 @@ def test_string_prompts_without_a_tokenizer_are_a_clear_error():
         tune_tree(
             model, drafter, ["def f(x):"], max_new_tokens=4, max_depth=2, top_ks=(1,), max_draft_tokens=3, dry_run=True
         )
+
+
+def test_measure_generation_repeats_alternate_the_order():
+    """``repeats=2`` runs every batch twice, shapes in order then reversed, and sums both passes
+    (the per-prompt first tokens too, so decode tokens/s stays a rate)."""
+    from tritonspec.autotune import tree_measure
+
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3, chain=[3, 7, 11, 5, 9])
+    prompts = random_prompts(24, [5, 7], seed=1)
+    rt = runtime(model, drafter, spec=ts.SpecConfig.chain(2), max_batch_size=1)
+    specs = [None, ts.SpecConfig.chain(1), ts.SpecConfig.chain(2)]
+    calls = []
+    real = rt.generate
+
+    def spy(*a, **kw):
+        calls.append(rt.spec.num_speculative_tokens if kw["speculative"] else 0)
+        return real(*a, **kw)
+
+    rt.generate = spy
+    once = tree_measure.measure_generation(rt, prompts, 6, specs)
+    calls.clear()
+    twice = tree_measure.measure_generation(rt, prompts, 6, specs, repeats=2)
+    # 3 untimed warm-ups, then pass 1 (A B C per prompt), then pass 2 (C B A per prompt)
+    assert calls == [0, 1, 2] + [0, 1, 2] * 2 + [2, 1, 0] * 2
+    for a, b in zip(once, twice):
+        assert b.tokens == 2 * a.tokens and b.n_prompts == 2 * a.n_prompts and b.rounds == 2 * a.rounds
+        assert b.token_ids == a.token_ids * 2
+    with pytest.raises(ValueError, match="repeats=0"):
+        tree_measure.measure_generation(rt, prompts, 6, specs, repeats=0)
