@@ -88,6 +88,11 @@ def pytest_addoption(parser):
         default=None,
         help="new tokens per prompt for perf/bench_e2e.py (default 64; 8 with --benchmark-disable)",
     )
+    parser.addoption(
+        "--e2e-compile",
+        action="store_true",
+        help="perf/bench_e2e.py: our runtimes with compiled rounds (compile=True, plain and speculative alike)",
+    )
     parser.addoption("--soak-calls", type=int, default=2000, help="calls made by perf/bench_soak.py (default 2000)")
     parser.addoption(
         "--smollm2-prompts",
@@ -130,7 +135,8 @@ def e2e(request, tmp_path_factory):
         target, d3 = demo.demo_pair("eagle3")
         _, d31 = demo.demo_pair("eagle3.1")
         sets = {name: [r["prompt"] for r in demo.prompt_set(name)] for name in demo.PROMPT_SETS}
-        bench = Bench(target, {"eagle3": d3, "eagle3.1": d31}, demo.ROOT / "draft-lm")
+        compiled = request.config.getoption("--e2e-compile") or "auto"
+        bench = Bench(target, {"eagle3": d3, "eagle3.1": d31}, demo.ROOT / "draft-lm", compile=compiled)
         pair = "demo"
     else:
         from tritonspec.runtime.tiny import tiny_random_pair

@@ -34,6 +34,19 @@ def load(path: Path) -> list[dict]:
     return rows
 
 
+def compiled_note(rows: list[dict]) -> str:
+    """How our runtimes ran: compiled rounds (``--e2e-compile``) or eager, and the compile time kept
+    out of the timings."""
+    ours = [r for r in rows if r["system"].startswith("ours-")]
+    if not any(r.get("compiled") for r in ours):
+        return "Our runtimes ran eager rounds."
+    total = sum(r.get("compile_s", 0.0) for r in ours)
+    return (
+        "Our runtimes ran compiled rounds (`compile=True`, plain decoding's round too); compiling took "
+        f"{total:.0f} s in all, in untimed first calls."
+    )
+
+
 def render(rows: list[dict], source: str) -> tuple[str, dict]:
     groups: dict[tuple, dict[str, dict]] = defaultdict(dict)
     for r in rows:
@@ -46,7 +59,7 @@ def render(rows: list[dict], source: str) -> tuple[str, dict]:
         f"Pair: {env.get('pair')}; device: {env.get('device')}; torch {env.get('torch')}, transformers "
         f"{env.get('transformers')}, triton {env.get('triton')}, tritonspec {env.get('tritonspec')}, "
         f"{env.get('threads')} threads; {env.get('prompts')} prompts per set x {env.get('max_new_tokens')} new tokens "
-        "(EOS ignored, so every system generates the same number of tokens).",
+        "(EOS ignored, so every system generates the same number of tokens). " + compiled_note(rows),
         "",
         "Speedup is against `ours-plain` (plain decoding through our runtime) for the same set, temperature "
         "and batch, measured in the same run. τ = 1 + accepted / drafts; acceptance per depth = rounds that "

@@ -53,6 +53,9 @@ if TYPE_CHECKING:
     from .target import TargetModel
 
 
+KV_BUCKET_MIN = 256  # smallest attention bound of a compiled round (``Decoder.kv_bucket``)
+
+
 @dataclass
 class DraftTree:
     """A draft tree of N nodes per row, node 0 the root (``kernels/verify.py`` conventions)."""
@@ -165,6 +168,7 @@ class Decoder:
         self.rng: RowRandom | None = None
         self.speculative = False
         self.deterministic = False  # sample by position_race (runtime/deterministic.py); set by the engine
+        self._kv_cap: int | None = None  # attention bound of a whole-cache round (``round(kv_cap=)``)
 
     def _fit(self, spec: SpecConfig) -> None:
         """Grow the caches (never shrink) so that ``spec`` fits: the target's ``max_seq_len + N``
@@ -241,8 +245,30 @@ class Decoder:
         self.lengths = list(snap.lengths)
 
     def _kv_len(self, whole_cache: bool, extra: int) -> int | None:
-        """Attention bound: the longest row plus ``extra`` slots (None: the whole cache, in graphs)."""
-        return None if whole_cache else max(self.lengths) + extra
+        """Attention bound: the longest row plus ``extra`` slots; in a captured or compiled round
+        (``whole_cache``), the round's ``kv_bucket`` (None: the whole cache)."""
+        return self._kv_cap if whole_cache else max(self.lengths) + extra
+
+    def kv_bucket(self) -> int | None:
+        """The attention bound for a compiled round that starts now: the longest row plus the
+        most slots any phase of the round adds, rounded up to a power of two of at least
+        ``KV_BUCKET_MIN``; None when that reaches the smaller cache (attend over the whole cache).
+
+        A compiled round attends up to a fixed bound; over the whole cache it would pay for every
+        slot of ``max_seq_len`` (2.2x the compiled step of the demo target at 2,048 slots against
+        700). Rounding up keeps the compiled artefacts few: a request compiles one per power of two
+        it grows through. Host-side lengths: no device read."""
+        s = self.spec
+        if self.speculative:
+            extra = max((s.num_speculative_tokens - 1) * s.top_k, s.num_draft_tokens, s.num_speculative_tokens + 2)
+        else:
+            extra = 2
+        need = max(self.lengths, default=0) + extra
+        bucket = max(KV_BUCKET_MIN, 1 << (need - 1).bit_length())
+        caps = [self.target.k_cache.shape[2]]  # [L, B, S, H, D]
+        if self.speculative and self.draft_cache is not None:
+            caps.append(self.draft_cache.k.shape[1])  # [B, S, H, D]
+        return None if bucket >= min(caps) else bucket
 
     # ================================================================== prefill
     def prefill(
@@ -618,16 +644,23 @@ class Decoder:
         _add_time(timings, "commit", t0)
 
     # ================================================================== round
-    def round(self, *, whole_cache: bool = False, timings: dict[str, float] | None = None) -> None:
+    def round(
+        self, *, whole_cache: bool = False, kv_cap: int | None = None, timings: dict[str, float] | None = None
+    ) -> None:
         """One decode round on the static tensors: draft -> verify -> commit. No host
         synchronisation, fixed shapes (what a CUDA graph captures).
 
         ``whole_cache``: attend over the whole cache (a captured graph cannot know the lengths)
-        instead of up to the host-known longest row; the visible slots, and so the math, are the same.
+        instead of up to the host-known longest row, or up to ``kv_cap`` slots when given (a
+        compiled round's ``kv_bucket``, part of its key); the visible slots, and so the math, are the same.
         """
-        tree = self.draft(whole_cache=whole_cache, timings=timings) if self.speculative else self.root_tree()
-        v = self.verify(tree, whole_cache=whole_cache, timings=timings)
-        self.commit(tree, v, whole_cache=whole_cache, timings=timings)
+        self._kv_cap = kv_cap
+        try:
+            tree = self.draft(whole_cache=whole_cache, timings=timings) if self.speculative else self.root_tree()
+            v = self.verify(tree, whole_cache=whole_cache, timings=timings)
+            self.commit(tree, v, whole_cache=whole_cache, timings=timings)
+        finally:
+            self._kv_cap = None
 
 
 def not_finite(rows: list[int], phase: str, dtype: torch.dtype) -> UserError:

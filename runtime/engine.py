@@ -179,7 +179,9 @@ class SpeculativeRuntime:
         instead of on first use (a no-op eager).
 
         Runs a short dummy generation per batch-size bucket with these sampling settings (graphs
-        are keyed by bucket, tree shape and sampling settings). Returns the buckets captured.
+        are keyed by bucket, tree shape and sampling settings; compiled CPU rounds also by their
+        attention bound, ``Decoder.kv_bucket``: this compiles the smallest, and a request that
+        grows past it compiles the next on first use). Returns the buckets captured.
 
         Examples
         --------
@@ -581,9 +583,12 @@ class SpeculativeRuntime:
                 g.reset()
                 self._graph_cache_at = where
             sp = dec.sampling
-            key = (dec.rows, dec.speculative, self.spec, sp.temperature, sp.top_p, sp.top_k)
+            # a compiled CPU round attends up to a power-of-two bound of the lengths (part of its key);
+            # a CUDA graph over the whole cache (its attention kernel skips the slots past each row)
+            kv = dec.kv_bucket() if g.backend == "compile" else None
+            key = (dec.rows, dec.speculative, self.spec, sp.temperature, sp.top_p, sp.top_k, kv)
             t0 = time.perf_counter()
-            if g.run(key, lambda: dec.round(whole_cache=True), dec.bufs.tensors()):
+            if g.run(key, lambda: dec.round(whole_cache=True, kv_cap=kv), dec.bufs.tensors()):
                 stats.time_split_s["graph"] = stats.time_split_s.get("graph", 0.0) + time.perf_counter() - t0
                 return
         dec.round(timings=stats.time_split_s)

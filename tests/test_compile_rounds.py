@@ -59,6 +59,47 @@ def test_compiled_rounds_equal_eager_over_buckets_and_sampling(pair, compiled):
     assert not compiled._graphs.failed and {k[0] for k in compiled._graphs.graphs} == {1, 2}
 
 
+def test_kv_bucket_rounds_the_attention_bound_up(pair, monkeypatch):
+    """A compiled round's attention bound: longest row + the most slots a round adds, to a power
+    of two of at least KV_BUCKET_MIN; None (the whole cache) once that reaches a cache's end."""
+    from tritonspec.runtime import decode
+
+    monkeypatch.setattr(decode, "KV_BUCKET_MIN", 8)
+    rt = runtime(*pair, spec=SPEC, max_seq_len=48, max_batch_size=2)
+    dec = rt.decoder
+    with torch.inference_mode():
+        dec.prefill(random_prompts(24, [5, 2], seed=1), speculative=True)
+    extra = max((SPEC.num_speculative_tokens - 1) * SPEC.top_k, SPEC.num_draft_tokens, SPEC.num_speculative_tokens + 2)
+    assert dec.lengths == [5, 2] and extra == 6
+    assert dec.kv_bucket() == 16  # 5 + 6 = 11 -> 16
+    dec.lengths = [1, 1]
+    assert dec.kv_bucket() == 8  # 7 -> the minimum
+    dec.lengths = [10, 2]
+    assert dec.kv_bucket() == 16  # 16 exactly
+    dec.lengths = [11, 30]
+    assert dec.kv_bucket() is None  # 36 -> 64, past the 55-slot target cache: the whole cache
+    dec.speculative = False
+    dec.lengths = [20, 3]
+    assert dec.kv_bucket() == 32  # plain rounds add 2 slots at most: 22 -> 32
+
+
+def test_compiled_rounds_over_growing_kv_buckets_equal_eager(pair, monkeypatch):
+    """A request that grows through several attention bounds compiles one round per bound, and
+    its tokens equal eager rounds' (which attend up to the exact lengths). Compiled without the C++
+    wrapper (what is tested here is the bound, and it compiles three keys 5x faster)."""
+    from tritonspec.runtime import decode, graphs
+
+    monkeypatch.setattr(decode, "KV_BUCKET_MIN", 8)
+    monkeypatch.setattr(graphs, "COMPILE_OPTIONS", {})
+    rt = runtime(*pair, spec=SPEC, compile=True, max_seq_len=48, max_batch_size=1)
+    eager = runtime(*pair, spec=SPEC, compile=False, max_seq_len=48, max_batch_size=1)
+    prompt = random_prompts(24, [5], seed=4)
+    a = eager.generate(prompt, max_new_tokens=36)
+    b = rt.generate(prompt, max_new_tokens=36)
+    assert b.token_ids == a.token_ids and b.finish_reasons == a.finish_reasons
+    assert {k[-1] for k in rt._graphs.graphs} == {16, 32, None} and not rt._graphs.failed
+
+
 def test_compile_failure_warns_once_and_runs_eager(pair, monkeypatch):
     def broken(*a, **kw):
         raise RuntimeError("no C++ compiler")
