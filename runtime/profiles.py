@@ -127,8 +127,16 @@ def profile_name(target_fp: str, drafter_fp: str, device_key: str, dtype: str, b
 
 def own_profile_names(target: Any, drafter: Any, backend: str) -> list[str]:
     """The profile file names for this pair on this exact device, then on this kind of device."""
-    t, d, dt = target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
-    return [profile_name(t, d, key, dt, backend) for key in (device_key(target.device), device_kind(target.device))]
+    return _own_names(*_pair_key(target, drafter), target.device, backend)
+
+
+def _pair_key(target: Any, drafter: Any) -> tuple[str, str, str]:
+    """(target fingerprint, drafter fingerprint, dtype name): what a profile name is keyed on besides the device."""
+    return target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
+
+
+def _own_names(t: str, d: str, dt: str, device: Any, backend: str) -> list[str]:
+    return [profile_name(t, d, key, dt, backend) for key in (device_key(device), device_kind(device))]
 
 
 def candidate_profiles(target: Any, drafter: Any, backend: str) -> list[Path]:
@@ -136,9 +144,9 @@ def candidate_profiles(target: Any, drafter: Any, backend: str) -> list[Path]:
     then this kind of device's, then (a CPU) one of the same architecture with another vector ISA
     (e.g. an ``avx2`` profile on an ``avx512`` CPU: the cost ratios that pick a shape carry over
     better than the rule's); user folders (``store.search_dirs()``) before ``SHIPPED_DIR``."""
-    t, d, dt = target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
+    t, d, dt = _pair_key(target, drafter)  # fingerprinted once for every name below
     kind = device_kind(target.device)
-    names = own_profile_names(target, drafter, backend)
+    names = _own_names(t, d, dt, target.device, backend)
     dirs = [*store.search_dirs(), SHIPPED_DIR]
     found = [folder / name for name in names for folder in dirs if (folder / name).is_file()]
     if kind.startswith("cpu-"):
