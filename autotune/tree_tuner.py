@@ -9,11 +9,19 @@
 5. optionally, the chosen shape, two neighbours and the default ``SpecConfig()`` generated and
    compared with their predictions (``tree_measure.measure_generation``)
 6. optionally, per batch size and sampling mode (``batch_sizes``, ``sampled``; batch 1 greedy
-   included): the chosen shape, a few candidates around it (the rule of ``runtime/spec_policy.py``
-   at several row budgets, short chains) and plain decoding generated side by side at that batch
-   size; the fastest is that row of the profile's ``shapes`` table (None: plain decoding wins).
-   Without it, a chosen shape that measured slower than plain decoding gets a plain batch-1 row
+   included; always with ``compile``): the chosen shape, a few candidates around it (the rule of
+   ``runtime/spec_policy.py`` at several row budgets, short chains) and plain decoding generated
+   side by side at that batch size; the fastest is that row of the profile's ``shapes`` table
+   (None: plain decoding wins). Without it, a chosen shape that measured slower than plain
+   decoding gets a plain batch-1 row
 7. the profile written for the runtime to pick up (``runtime/profiles.write_profile``)
+
+``compile=True`` (CPU) measures steps 5-6 with compiled rounds (``SpeculativeRuntime(compile=True)``;
+each shape compiles once, untimed) and writes a ``rounds=compiled`` profile, which runtimes with
+``compile=True`` read first. Compiled rounds shed the per-op overhead that eager rounds pay per
+drafter step, so their best chains run deeper (demo pair, batch 1 greedy: (6,1,7) 1.58x over
+compiled plain decoding where the eager-tuned (2,1,3) gave 0.94x end to end); steps 2-4 (the cost
+model) still time eager pieces and only seed the candidates.
 """
 
 from __future__ import annotations
@@ -114,6 +122,7 @@ def tune_tree(
     sampled: bool = False,
     temperature: float = 1.0,
     device_kind: bool = False,
+    compile: bool = False,
     log=None,
 ) -> TreeTuneResult:
     """Measure costs and the acceptance profile, pick the best shape, check it, write the profile.
@@ -125,7 +134,8 @@ def tune_tree(
     the best shape per batch size, greedy and (``sampled``) at ``temperature``, for the profile's
     ``shapes`` table. ``device_kind``: name the profile for this kind of device
     (``profiles.device_kind``: any CPU of the same architecture and vector ISA) instead of this
-    exact one, as the profiles shipped with the package are.
+    exact one, as the profiles shipped with the package are. ``compile``: measure with compiled CPU
+    rounds and write a ``rounds=compiled`` profile (module docstring).
     """
     from ..runtime.drafter import Eagle3Drafter
     from ..runtime.engine import SpeculativeRuntime
@@ -152,12 +162,17 @@ def tune_tree(
         spec=big,
         max_batch_size=max(batch_sizes),
         max_seq_len=min(longest + max_new_tokens + 2 * max_depth + 8, tm.max_position_embeddings),
+        compile=True if compile else "auto",
     )
+    if compile and not rt.compiled:
+        raise ValueError("compile=True tunes compiled CPU rounds; this runtime's rounds are not compiled (a GPU?)")
     device = prof.device_kind(rt.device) if device_kind else prof.device_key(rt.device)
     key.update(device=device, dtype=store.dtype_name(tm.dtype), backend=rt.backend)
+    if compile:
+        key["rounds"] = "compiled"
     say(
         f"[autotune tree] target={key['target']} drafter={key['drafter']} device={key['device']} "
-        f"backend={rt.backend} prompts={len(ids)}"
+        f"backend={rt.backend} rounds={key.get('rounds', 'eager')} prompts={len(ids)}"
     )
 
     measure_generation(rt, ids, max_new_tokens, [None])  # warm-up pass: first runs at each prompt length are slow
@@ -216,10 +231,10 @@ def tune_tree(
             )
     shapes = []
     modes = [("greedy", 0.0)] + ([("sampled", temperature)] if sampled else [])
-    if len(batch_sizes) > 1 or sampled:  # every row measured, batch 1 greedy included (the model's choice competes)
+    if len(batch_sizes) > 1 or sampled or compile:  # every row measured, batch 1 greedy included
         for mode, temp in modes:
-            for b in sorted(set(batch_sizes)):
-                shapes.append(_best_at(rt, ids, max_new_tokens, b, mode, temp, best.spec, big, say))
+            for b in sorted(set(batch_sizes) | {1}):
+                shapes.append(_best_at(rt, ids, max_new_tokens, b, mode, temp, best.spec, big, say, compile))
     else:
         chosen = next((c for c in checks if c.role == "chosen"), None)
         if chosen is not None and chosen.measured_speedup < 1:  # measured slower than plain decoding at batch 1
@@ -231,13 +246,21 @@ def tune_tree(
 
 
 def candidates_at(
-    batch_size: int, greedy: bool, chosen: SpecConfig, largest: SpecConfig, device_type: str = "cpu"
+    batch_size: int,
+    greedy: bool,
+    chosen: SpecConfig,
+    largest: SpecConfig,
+    device_type: str = "cpu",
+    compiled: bool = False,
 ) -> list[SpecConfig]:
     """Shapes worth measuring at ``batch_size``: the rule at row budgets around the batch-1 choice's
-    (its ``num_draft_tokens``, half, double), short chains, and the batch-1 choice itself."""
+    (its ``num_draft_tokens``, half, double), short chains, and the batch-1 choice itself.
+    ``compiled``: chains of 2, 4 and 6 instead of 1, 2 and 4 (a compiled drafter step costs far less
+    than an eager one, so deeper chains pay)."""
     budget = chosen.num_draft_tokens
     shapes = [rule_shape(batch_size, greedy, r, device_type) for r in (budget, 2 * budget, budget // 2)]
-    shapes += [SpecConfig.chain(k) for k in (1, 2, 4)] + ([chosen] if greedy else [])
+    chains = (2, 4, 6) if compiled else (1, 2, 4)
+    shapes += [SpecConfig.chain(k) for k in chains] + ([chosen] if greedy else [])
     fits = [
         s
         for s in shapes
@@ -249,9 +272,9 @@ def candidates_at(
     return list(dict.fromkeys(fits))  # distinct, in order
 
 
-def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say) -> dict:
+def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compiled=False) -> dict:
     """The fastest of the candidate shapes and plain decoding at batch size ``b`` (a ``shapes`` row)."""
-    cands = candidates_at(b, mode == "greedy", chosen, largest, rt.device.type)
+    cands = candidates_at(b, mode == "greedy", chosen, largest, rt.device.type, compiled)
     plain, *ms = measure_generation(rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp)
     rates = [m.decode_tokens_per_s for m in ms]
     i = max(range(len(cands)), key=rates.__getitem__)

@@ -109,6 +109,13 @@ checks it, two neighbours and the default shape by generating (measured vs predi
         action="store_true",
         help="name the profile for this kind of device (e.g. cpu-x86_64-avx512) instead of this exact one",
     )
+    t.add_argument(
+        "--compile",
+        action="store_true",
+        help="CPU: measure compiled decode rounds (compile=True) and write a rounds=compiled profile, which "
+        "runtimes with compile=True read first; each measured shape compiles once (about a minute each for "
+        "the demo pair; pair with --no-validate)",
+    )
     _common(t)
     t.set_defaults(fn=cmd_tree)
     return a
@@ -202,6 +209,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
         sampled=args.sampled,
         temperature=args.temperature,
         device_kind=args.device_kind,
+        compile=args.compile,
         log=lambda m: print(m, file=sys.stderr),
     )
     b = res.best
@@ -225,6 +233,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
         print(f"batch {row['batch_size']} {row['sampling']}: {shape}  (decode tok/s: {why})")
     print(
         f"device={res.key['device']} backend={res.key['backend']} dtype={res.key['dtype']} "
+        f"rounds={res.key.get('rounds', 'eager')} "
         f"acceptance roots={res.n_roots} prompts={len(prompts)}"
     )
     print(f"wrote {res.profile_path}" if res.profile_path else "dry run: nothing written")

@@ -99,7 +99,10 @@ class SpeculativeRuntime:
         if spec is not None and not isinstance(spec, SpecConfig):
             raise TypeError(f"spec must be a tritonspec.SpecConfig, got {type(spec).__name__}")
         # the shape per request: the caller's, a tuned profile's per batch size and mode, or the rule
-        self._policy = ShapePolicy.caller(spec) if spec is not None else shape_policy(target, drafter, self.backend)
+        compiled = compile is True and self.device.type != "cuda"  # compiled CPU rounds: their own tuned profiles
+        self._policy = (
+            ShapePolicy.caller(spec) if spec is not None else shape_policy(target, drafter, self.backend, compiled)
+        )
         if max_batch_size < 1:
             raise UserError(f"max_batch_size={max_batch_size} must be >= 1")
         self.max_batch_size = max_batch_size

@@ -1,13 +1,18 @@
 """Tuned draft-tree profiles: which shapes a target + drafter pair runs on this device.
 
-``tritonspec autotune tree`` writes one JSON file per (target, drafter, device, dtype, backend)
-into the tuned-config folder (``store.user_dir()``, or ``--out``)::
+``tritonspec autotune tree`` writes one JSON file per (target, drafter, device, dtype, backend,
+rounds) into the tuned-config folder (``store.user_dir()``, or ``--out``)::
 
     tree_shape,target=3f2a9c01d4e7,drafter=91b0c2aa5e13,device_name=NVIDIA_H200,dtype=bfloat16,backend=triton.json
+    tree_shape,target=...,device_name=cpu-x86_64-avx512,dtype=float32,backend=torch,rounds=compiled.json
+
+``rounds=compiled`` (``autotune tree --compile``): measured with compiled CPU rounds
+(``compile=True``), whose costs differ from eager rounds' (per-op overhead gone, so deeper chains
+pay); a runtime with ``compile=True`` looks those up first and falls back to the eager ones.
 
 This module owns the file's schema for both sides: ``write_profile`` (called by the tuner,
 ``autotune/tree_tuner.py``) and ``read_profile``. A profile holds ``kind``, the identity it was
-tuned for (``target``, ``drafter``, ``device_name``, ``dtype``, ``backend``), provenance
+tuned for (``target``, ``drafter``, ``device_name``, ``dtype``, ``backend``, ``rounds``), provenance
 (``versions``, ``threads``, ``created``), ``spec`` (the batch-1 greedy shape), optionally
 ``shapes`` (the measured best shape per batch size and sampling mode: rows ``{"batch_size",
 "sampling": "greedy"|"sampled", "spec": {...} or null for plain decoding}``) and the tuner's
@@ -46,6 +51,7 @@ from .config import SpecConfig
 from .spec_policy import ShapePolicy
 
 KIND = "tree_shape"
+ROUNDS = ("eager", "compiled")  # how the decode rounds ran when a profile was measured
 SHIPPED_DIR = Path(__file__).resolve().parent / "tuned"  # profiles shipped with the package
 MODES = ("greedy", "sampled")
 
@@ -119,15 +125,22 @@ def device_kind(device: torch.device | str) -> str:
     return re.sub(r"[^a-z0-9_-]+", "_", f"cpu-{platform.machine().lower()}-{isa}")
 
 
-def profile_name(target_fp: str, drafter_fp: str, device_key: str, dtype: str, backend: str) -> str:
-    """The profile file name (one spelling for the writer, ``write_profile``, and the reader)."""
+def profile_name(
+    target_fp: str, drafter_fp: str, device_key: str, dtype: str, backend: str, rounds: str = "eager"
+) -> str:
+    """The profile file name (one spelling for the writer, ``write_profile``, and the reader).
+    ``rounds``: ``"eager"`` (no suffix: the names of earlier releases) or ``"compiled"``."""
+    if rounds not in ROUNDS:
+        raise ValueError(f"rounds={rounds!r} is not one of {ROUNDS}")
     shape = {"target": target_fp, "drafter": drafter_fp}
-    return store.config_filename(KIND, device_key, dtype, shape)[:-5] + f",backend={backend}.json"
+    suffix = "" if rounds == "eager" else f",rounds={rounds}"
+    return store.config_filename(KIND, device_key, dtype, shape)[:-5] + f",backend={backend}{suffix}.json"
 
 
-def own_profile_names(target: Any, drafter: Any, backend: str) -> list[str]:
-    """The profile file names for this pair on this exact device, then on this kind of device."""
-    return _own_names(*_pair_key(target, drafter), target.device, backend)
+def own_profile_names(target: Any, drafter: Any, backend: str, compiled: bool = False) -> list[str]:
+    """The profile file names for this pair on this exact device, then on this kind of device
+    (``compiled``: the compiled-rounds names first, then the eager ones)."""
+    return _own_names(*_pair_key(target, drafter), target.device, backend, compiled)
 
 
 def _pair_key(target: Any, drafter: Any) -> tuple[str, str, str]:
@@ -135,25 +148,31 @@ def _pair_key(target: Any, drafter: Any) -> tuple[str, str, str]:
     return target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
 
 
-def _own_names(t: str, d: str, dt: str, device: Any, backend: str) -> list[str]:
-    return [profile_name(t, d, key, dt, backend) for key in (device_key(device), device_kind(device))]
+def _own_names(t: str, d: str, dt: str, device: Any, backend: str, compiled: bool = False) -> list[str]:
+    modes = ("compiled", "eager") if compiled else ("eager",)
+    return [profile_name(t, d, key, dt, backend, m) for m in modes for key in (device_key(device), device_kind(device))]
 
 
-def candidate_profiles(target: Any, drafter: Any, backend: str) -> list[Path]:
+def candidate_profiles(target: Any, drafter: Any, backend: str, compiled: bool = False) -> list[Path]:
     """Every existing profile file for this pair/dtype/backend, in lookup order: this exact device's,
     then this kind of device's, then (a CPU) one of the same architecture with another vector ISA
     (e.g. an ``avx2`` profile on an ``avx512`` CPU: the cost ratios that pick a shape carry over
-    better than the rule's); user folders (``store.search_dirs()``) before ``SHIPPED_DIR``."""
+    better than the rule's); user folders (``store.search_dirs()``) before ``SHIPPED_DIR``.
+    ``compiled`` (a runtime with compiled CPU rounds): that whole order for ``rounds=compiled``
+    profiles first, then for the eager ones."""
     t, d, dt = _pair_key(target, drafter)  # fingerprinted once for every name below
     kind = device_kind(target.device)
-    names = _own_names(t, d, dt, target.device, backend)
+    names = _own_names(t, d, dt, target.device, backend, compiled)
     dirs = [*store.search_dirs(), SHIPPED_DIR]
-    found = [folder / name for name in names for folder in dirs if (folder / name).is_file()]
-    if kind.startswith("cpu-"):
-        family = kind.rsplit("-", 1)[0] + "-"  # cpu-<arch>-
-        pattern = profile_name(t, d, family + "*", dt, backend)
-        for folder in dirs:
-            found += sorted(p for p in folder.glob(pattern) if p not in found and p.name not in names)
+    found: list[Path] = []
+    for mode in ("compiled", "eager") if compiled else ("eager",):
+        own = [n for n in names if n.endswith(",rounds=compiled.json") == (mode == "compiled")]
+        found += [folder / name for name in own for folder in dirs if (folder / name).is_file()]
+        if kind.startswith("cpu-"):
+            family = kind.rsplit("-", 1)[0] + "-"  # cpu-<arch>-
+            pattern = profile_name(t, d, family + "*", dt, backend, mode)
+            for folder in dirs:
+                found += sorted(p for p in folder.glob(pattern) if p not in found and p.name not in names)
     return found
 
 
@@ -181,12 +200,14 @@ def write_profile(
     """Write the profile that runs ``spec`` for ``key`` into ``out_dir`` (default ``store.user_dir()``).
 
     ``key``: ``target`` and ``drafter`` fingerprints, ``device`` (``device_key``), ``dtype`` and
-    ``backend`` names. ``shapes``: rows ``{"batch_size", "sampling", "spec": SpecConfig | None,
-    ...evidence}`` (the measured best shape per batch size and mode). The other arguments are the
-    tuner's evidence (JSON-serialisable), stored as given. Returns the file's path."""
+    ``backend`` names, optionally ``rounds`` (``"compiled"``; default ``"eager"``). ``shapes``: rows
+    ``{"batch_size", "sampling", "spec": SpecConfig | None, ...evidence}`` (the measured best shape
+    per batch size and mode). The other arguments are the tuner's evidence (JSON-serialisable),
+    stored as given. Returns the file's path."""
     out = Path(out_dir) if out_dir is not None else store.user_dir()
     out.mkdir(parents=True, exist_ok=True)
-    name = profile_name(key["target"], key["drafter"], key["device"], key["dtype"], key["backend"])
+    rounds = key.get("rounds", "eager")
+    name = profile_name(key["target"], key["drafter"], key["device"], key["dtype"], key["backend"], rounds)
     data = {
         "kind": KIND,
         "target": key["target"],
@@ -194,6 +215,7 @@ def write_profile(
         "device_name": key["device"],
         "dtype": key["dtype"],
         "backend": key["backend"],
+        "rounds": rounds,
         "versions": store.versions(),
         "threads": torch.get_num_threads(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -249,17 +271,18 @@ def policy_from_profile(data: dict, source: str, device: torch.device | str, pat
     return ShapePolicy(source, spec.num_draft_tokens, kind, table, path=path)
 
 
-def shape_policy(target: Any, drafter: Any, backend: str) -> ShapePolicy:
+def shape_policy(target: Any, drafter: Any, backend: str, compiled: bool = False) -> ShapePolicy:
     """How ``SpeculativeRuntime(spec=None)`` picks shapes for this pair on this device: the first
-    usable profile (module docstring), else the rule of ``runtime/spec_policy.py``."""
+    usable profile (module docstring; ``compiled``: compiled-rounds profiles first), else the rule
+    of ``runtime/spec_policy.py``."""
     if drafter is None:
         return ShapePolicy.heuristic(target.device)
     try:
-        paths = candidate_profiles(target, drafter, backend)
+        paths = candidate_profiles(target, drafter, backend, compiled)
     except Exception as e:  # noqa: BLE001 - a lookup must never break model loading
         _warn(f"tuned tree profile lookup failed ({e}); using the default shapes")
         return ShapePolicy.heuristic(target.device)
-    own_names = own_profile_names(target, drafter, backend)
+    own_names = own_profile_names(target, drafter, backend, compiled)
     for path in paths:
         shipped = path.parent == SHIPPED_DIR
         try:
@@ -272,6 +295,8 @@ def shape_policy(target: Any, drafter: Any, backend: str) -> ShapePolicy:
                 )
                 continue
             source = "shipped profile" if shipped else "profile"
+            if path.name.endswith(",rounds=compiled.json"):
+                source += " (compiled rounds)"
             if path.name not in own_names:
                 source += f" ({data.get('device_name')})"  # another vector ISA of this architecture
             return policy_from_profile(data, source, target.device, str(path))

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import tritonspec as ts
+from tritonspec.autotune import tree_tuner
 from tritonspec.autotune.tree_model import AcceptanceProfile, CostModel, _monotone, neighbours, predict, search
 from tritonspec.autotune.tree_tuner import tune_tree
 from tritonspec.kernels import store
@@ -246,3 +247,43 @@ def test_measure_generation_repeats_alternate_the_order():
         assert b.token_ids == a.token_ids * 2
     with pytest.raises(ValueError, match="repeats=0"):
         tree_measure.measure_generation(rt, prompts, 6, specs, repeats=0)
+
+
+def test_candidates_for_compiled_rounds_run_deeper_chains():
+    big = ts.SpecConfig(8, 2, 16)
+    chains = lambda cands: sorted(s.num_speculative_tokens for s in cands if s.top_k == 1)  # noqa: E731
+    eager = tree_tuner.candidates_at(1, True, ts.SpecConfig(3, 2, 7), big)
+    compiled = tree_tuner.candidates_at(1, True, ts.SpecConfig(3, 2, 7), big, compiled=True)
+    assert {1, 2, 4} <= set(chains(eager)) and 6 not in chains(eager)
+    assert {2, 4, 6} <= set(chains(compiled)) and 1 not in chains(compiled)
+
+
+def test_compiled_rounds_tune_into_their_own_profile(tuned_dir, monkeypatch):
+    """``compile=True``: shapes measured with compiled rounds, a ``rounds=compiled`` profile whose
+    batch-1 greedy row a compiled runtime then runs, and which an eager runtime ignores. Compiled
+    without the C++ wrapper (what is tested is the tuner's flow; it compiles each key 5x faster)."""
+    from tritonspec.runtime import graphs
+
+    monkeypatch.setattr(graphs, "COMPILE_OPTIONS", {})
+    seen = []
+
+    def one_candidate(b, greedy, chosen, largest, device_type="cpu", compiled=False):  # two compiles, not five
+        seen.append(compiled)
+        return [ts.SpecConfig.chain(2)]
+
+    monkeypatch.setattr(tree_tuner, "candidates_at", one_candidate)
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    prompts = random_prompts(24, [5, 7], seed=1)
+    res = tune_tree(
+        model, drafter, prompts, max_new_tokens=8, max_depth=2, top_ks=(1,), max_draft_tokens=3, reps=1,
+        out_dir=tuned_dir, validate=False, compile=True,
+    )  # fmt: skip
+    assert res.profile_path.name.endswith(",backend=torch,rounds=compiled.json")
+    data = json.loads(res.profile_path.read_text())
+    assert seen == [True] and data["rounds"] == "compiled"
+    assert [(r["batch_size"], r["sampling"]) for r in data["shapes"]] == [(1, "greedy")]
+    row = data["shapes"][0]["spec"]
+    want = ts.SpecConfig(**row) if row else None
+    rt = runtime(model, drafter, spec=None, compile=True)
+    assert rt.shape_policy.choose(1, True).spec == want and rt.shape_policy.source == "profile (compiled rounds)"
+    assert runtime(model, drafter, spec=None).shape_policy.source == "heuristic"  # eager rounds: not theirs

@@ -223,3 +223,36 @@ def test_a_profile_of_another_vector_isa_of_this_architecture_is_the_fallback(fr
     (shipped / prof.profile_name(tfp, dfp, prof.device_kind("cpu"), "float32", "torch")).write_text(json.dumps(own))
     rt = ts.SpeculativeRuntime.from_pretrained(t, d, max_seq_len=512)
     assert rt.shape_policy.source == "shipped profile" and rt.spec == C(3)  # this kind's own wins
+
+
+def test_compiled_rounds_read_their_own_profile_first(fresh_cache, tmp_path, monkeypatch):
+    """A runtime with compiled CPU rounds (``compile=True``) takes a ``rounds=compiled`` profile
+    before the eager one; an eager runtime never reads a compiled one; with no compiled profile a
+    compiled runtime falls back to the eager profile."""
+    t, d, shipped, tm = _shipped_here(monkeypatch, tmp_path, "eagle3.1")
+    data = prof.read_profile(shipped)
+    tfp, dfp, dev = data["target"], data["drafter"], prof.device_key("cpu")
+    fresh_cache.mkdir(parents=True)
+    eager_name = prof.profile_name(tfp, dfp, dev, "float32", "torch")
+    compiled_name = prof.profile_name(tfp, dfp, dev, "float32", "torch", "compiled")
+    assert compiled_name.endswith(",backend=torch,rounds=compiled.json") and eager_name.endswith(",backend=torch.json")
+
+    def profile(depth):
+        spec = {"num_speculative_tokens": depth, "top_k": 1, "num_draft_tokens": depth + 1}
+        return json.dumps(dict(data, device_name=dev, spec=spec, shapes=[]))
+
+    (fresh_cache / compiled_name).write_text(profile(5))
+
+    def build(compile):
+        return ts.SpeculativeRuntime.from_pretrained(t, d, max_batch_size=1, max_seq_len=256, compile=compile)
+
+    rt = build(True)
+    assert rt.spec == C(5) and rt.shape_policy.source == "profile (compiled rounds)"
+    assert build(False).shape_policy.source == "shipped profile"  # eager rounds never read it
+    (fresh_cache / eager_name).write_text(profile(2))
+    assert build(False).spec == C(2) and build(True).spec == C(5)
+    (fresh_cache / compiled_name).unlink()
+    rt = build(True)  # no compiled profile: the eager one
+    assert rt.spec == C(2) and rt.shape_policy.source == "profile"
+    with pytest.raises(ValueError, match="rounds="):
+        prof.profile_name(tfp, dfp, dev, "float32", "torch", "graphs")
