@@ -1,9 +1,10 @@
-"""SmolLM2 float32, 2 threads, batch 1, 2 chat prompts x 48 tokens twice: eager against compiled
-rounds, plain and EAGLE-3.1 (the shipped drafter on its tuned shape), and the weights-read-once
-bound measured in the same run with ``bench_cpu_decode.py``'s helpers. The quick form of that
-benchmark's compiled rows (``perf/CPU_DECODE.md``):
+"""SmolLM2, 2 threads, batch 1, 2 chat prompts x 48 tokens twice: eager against compiled rounds,
+plain and EAGLE-3.1 (the shipped drafter on the shipped profile's shape for the dtype), and the
+weights-read-once bound measured in the same run with ``bench_cpu_decode.py``'s helpers. The quick
+form of that benchmark's compiled rows (``perf/CPU_DECODE.md``):
 
-    python perf/compiled_smollm2.py     # ~10 min on 2 cores, most of it compiling two keys
+    python perf/compiled_smollm2.py              # float32 (kn weights); ~10 min on 2 cores, most of it compiling
+    python perf/compiled_smollm2.py bfloat16     # bfloat16 (nk weights, the dtype's default layout)
 """
 
 import sys
@@ -25,7 +26,9 @@ torch.set_num_threads(2)
 t = resolve_target("smollm2")
 d = shipped_drafter("smollm2", "eagle3.1")
 tok = load_tokenizer(t)
-tm = ts.TargetModel.from_pretrained(t, dtype=torch.float32, weight_layout="kn")
+dtype = getattr(torch, sys.argv[1]) if len(sys.argv) > 1 else torch.float32
+tm = ts.TargetModel.from_pretrained(t, dtype=dtype)  # the dtype's default layout: kn for float32, nk for bfloat16
+print("dtype", dtype, "weight layout", tm.weight_layout, flush=True)
 dr = ts.Eagle3Drafter.from_pretrained(d)
 rts = {}
 for comp in (False, True):
