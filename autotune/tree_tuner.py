@@ -10,7 +10,8 @@
    compared with their predictions (``tree_measure.measure_generation``)
 6. optionally, per batch size and sampling mode (``batch_sizes``, ``sampled``; batch 1 greedy
    included; always with ``compile``): the chosen shape, a few candidates around it (the rule of
-   ``runtime/spec_policy.py`` at several row budgets, short chains) and plain decoding generated
+   ``runtime/spec_policy.py`` at several row budgets, short chains; at batch 1 greedy also the
+   shapes step 5 checked) and plain decoding generated
    side by side at that batch size; the fastest is that row of the profile's ``shapes`` table
    (None: plain decoding wins). Without it, a chosen shape that measured slower than plain
    decoding gets a plain batch-1 row
@@ -234,7 +235,8 @@ def tune_tree(
     if len(batch_sizes) > 1 or sampled or compile:  # every row measured, batch 1 greedy included
         for mode, temp in modes:
             for b in sorted(set(batch_sizes) | {1}):
-                shapes.append(_best_at(rt, ids, max_new_tokens, b, mode, temp, best.spec, big, say, compile))
+                checked = [c.spec for c in checks] if (b, mode) == (1, "greedy") else []  # the check pass's shapes too
+                shapes.append(_best_at(rt, ids, max_new_tokens, b, mode, temp, best.spec, big, say, compile, checked))
     else:
         chosen = next((c for c in checks if c.role == "chosen"), None)
         if chosen is not None and chosen.measured_speedup < 1:  # measured slower than plain decoding at batch 1
@@ -272,9 +274,11 @@ def candidates_at(
     return list(dict.fromkeys(fits))  # distinct, in order
 
 
-def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compiled=False) -> dict:
-    """The fastest of the candidate shapes and plain decoding at batch size ``b`` (a ``shapes`` row)."""
+def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compiled=False, extra=()) -> dict:
+    """The fastest of the candidate shapes (and ``extra`` ones) and plain decoding at batch size ``b``
+    (a ``shapes`` row)."""
     cands = candidates_at(b, mode == "greedy", chosen, largest, rt.device.type, compiled)
+    cands += [s for s in extra if s not in cands]
     plain, *ms = measure_generation(rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp)
     rates = [m.decode_tokens_per_s for m in ms]
     i = max(range(len(cands)), key=rates.__getitem__)

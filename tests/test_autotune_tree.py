@@ -287,3 +287,19 @@ def test_compiled_rounds_tune_into_their_own_profile(tuned_dir, monkeypatch):
     rt = runtime(model, drafter, spec=None, compile=True)
     assert rt.shape_policy.choose(1, True).spec == want and rt.shape_policy.source == "profile (compiled rounds)"
     assert runtime(model, drafter, spec=None).shape_policy.source == "heuristic"  # eager rounds: not theirs
+
+
+def test_batch_one_greedy_row_also_measures_the_checked_shapes(tuned_dir, monkeypatch):
+    """The check pass's neighbours compete in the batch-1 greedy row (a neighbour that measured best
+    there must be able to win the row); other rows keep their candidates."""
+    monkeypatch.setattr(tree_tuner, "candidates_at", lambda *a, **k: [ts.SpecConfig.chain(1)])
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    prompts = random_prompts(24, [5, 7], seed=1)
+    res = tune_tree(
+        model, drafter, prompts, max_new_tokens=8, max_depth=3, top_ks=(1, 2), max_draft_tokens=8, reps=1,
+        out_dir=tuned_dir, batch_sizes=(1, 2),
+    )  # fmt: skip
+    rows = {(r["batch_size"], r["sampling"]): set(r["decode_tokens_per_s"]) - {"plain"} for r in res.shapes}
+    checked = {f"({s.num_speculative_tokens},{s.top_k},{s.num_draft_tokens})" for s in (c.spec for c in res.checks)}
+    assert len(checked) >= 3 and rows[1, "greedy"] == {"(1,1,2)"} | checked
+    assert rows[2, "greedy"] == {"(1,1,2)"}
