@@ -313,3 +313,21 @@ def test_warm_start_begins_from_the_given_drafter(target_dir, greedy_data, tmp_p
 def first_loss(out_dir) -> float:
     hist = json.loads((out_dir / "training_args.json").read_text())["history"]
     return hist[0]["loss"]
+
+
+def test_autocast_bfloat16_trains_with_float32_weights(target_dir, greedy_data, tmp_path):
+    """``autocast="bfloat16"``: the forwards run with bfloat16 matmuls, so the same seeded run ends at
+    other weights than float32's (the inverse: autocast ignored would give identical ones); the loss
+    still falls, the weights stay float32; anything else is refused by name."""
+    quiet = dict(log=lambda m: None)
+    runs = {}
+    for ac in (None, "bfloat16"):
+        cfg = TrainConfig(steps=30, autocast=ac, **{**SMALL, "lr": 1e-2})
+        res = train_drafter(target_dir, greedy_data, tmp_path / str(ac), cfg, **quiet)
+        losses = [h["loss"] for h in res.history]
+        assert all(torch.isfinite(torch.tensor(losses))) and sum(losses[-5:]) < sum(losses[:5]), (ac, losses)
+        runs[ac] = ts.Eagle3Drafter.from_pretrained(res.out_dir).fc.weight
+    assert runs["bfloat16"].dtype == torch.float32
+    assert not torch.equal(runs[None], runs["bfloat16"])
+    with pytest.raises(ValueError, match="autocast='float8'"):
+        TrainConfig(autocast="float8")

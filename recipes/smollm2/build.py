@@ -65,6 +65,7 @@ class RecipeConfig:
     eval_new_tokens: int = 96
     seed: int = 0
     warm_start: str | None = None  # a folder holding smollm2-eagle3{,.1}: continue from those drafters
+    autocast: str | None = None  # "bfloat16": TrainConfig.autocast (AMX CPUs: ~1.45x faster steps)
 
     def __post_init__(self) -> None:
         if self.budget_minutes <= 0:
@@ -125,6 +126,7 @@ def stage_train(cfg: RecipeConfig, work: Path, target: Path, data: Path, budget_
             seed=cfg.seed,
             checkpoint_every=50,
             init_from=None if cfg.warm_start is None else str(Path(cfg.warm_start) / f"{MODEL}-{name}"),
+            autocast=cfg.autocast,
         )
         runs.append((work / name, tc))
     train = work / "train.jsonl"  # held-out ids never train, whoever wrote the distilled file
@@ -258,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stdlib-code-tokens", type=int, default=RecipeConfig.stdlib_code_tokens)
     p.add_argument("--lr", type=float, default=RecipeConfig.lr)
     p.add_argument("--ttt-depth", type=int, default=RecipeConfig.ttt_depth)
+    p.add_argument("--autocast", default=None, choices=["bfloat16"], help="train with bfloat16 matmuls (AMX CPUs)")
     args = p.parse_args(argv)
     from ...runtime.gguf import cache_root
 
@@ -270,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         stdlib_code_tokens=args.stdlib_code_tokens,
         lr=args.lr,
         ttt_depth=args.ttt_depth,
+        autocast=args.autocast,
     )
     report = run(cfg, work, Path(args.out), args.until)
     print(json.dumps({k: report[k] for k in report if k != "config"}, indent=1))
