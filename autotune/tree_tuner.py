@@ -11,18 +11,16 @@
 6. optionally, per batch size and sampling mode (``batch_sizes``, ``sampled``; batch 1 greedy
    included; always with ``compile``): the chosen shape, a few candidates around it (the rule of
    ``runtime/spec_policy.py`` at several row budgets, short chains; at batch 1 greedy also the
-   shapes step 5 checked) and plain decoding generated
-   side by side at that batch size; the fastest is that row of the profile's ``shapes`` table
-   (None: plain decoding wins). Without it, a chosen shape that measured slower than plain
-   decoding gets a plain batch-1 row
+   shapes step 5 checked) and plain decoding generated side by side at that batch size; the
+   fastest is that row of the profile's ``shapes`` table (None: plain decoding wins). Without it,
+   a chosen shape that measured slower than plain decoding gets a plain batch-1 row
 7. the profile written for the runtime to pick up (``runtime/profiles.write_profile``)
 
 ``compile=True`` (CPU) measures steps 5-6 with compiled rounds (``SpeculativeRuntime(compile=True)``;
 each shape compiles once, untimed) and writes a ``rounds=compiled`` profile, which runtimes with
 ``compile=True`` read first. Compiled rounds shed the per-op overhead that eager rounds pay per
-drafter step, so their best chains run deeper (demo pair, batch 1 greedy: (6,1,7) 1.58x over
-compiled plain decoding where the eager-tuned (2,1,3) gave 0.94x end to end); steps 2-4 (the cost
-model) still time eager pieces and only seed the candidates.
+op, so their costs, and possibly their best shape, differ from eager rounds'; steps 2-4 (the cost
+model) still time eager pieces, so only measured rows decide (they only seed the candidates).
 """
 
 from __future__ import annotations
@@ -258,7 +256,7 @@ def candidates_at(
     """Shapes worth measuring at ``batch_size``: the rule at row budgets around the batch-1 choice's
     (its ``num_draft_tokens``, half, double), short chains, and the batch-1 choice itself.
     ``compiled``: chains of 2, 4 and 6 instead of 1, 2 and 4 (a compiled drafter step costs far less
-    than an eager one, so deeper chains pay)."""
+    than an eager one, so deeper chains may pay)."""
     budget = chosen.num_draft_tokens
     shapes = [rule_shape(batch_size, greedy, r, device_type) for r in (budget, 2 * budget, budget // 2)]
     chains = (2, 4, 6) if compiled else (1, 2, 4)
