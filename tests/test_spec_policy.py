@@ -231,6 +231,10 @@ def test_compiled_rounds_read_their_own_profile_first(fresh_cache, tmp_path, mon
     compiled runtime falls back to the eager profile."""
     t, d, shipped, tm = _shipped_here(monkeypatch, tmp_path, "eagle3.1")
     data = prof.read_profile(shipped)
+    only_eager = tmp_path / "only_eager"  # the shipped eager profile alone (whatever else ships)
+    only_eager.mkdir()
+    shutil.copy(shipped, only_eager / shipped.name)
+    monkeypatch.setattr(prof, "SHIPPED_DIR", only_eager)
     tfp, dfp, dev = data["target"], data["drafter"], prof.device_key("cpu")
     fresh_cache.mkdir(parents=True)
     eager_name = prof.profile_name(tfp, dfp, dev, "float32", "torch")
