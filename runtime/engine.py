@@ -98,17 +98,17 @@ class SpeculativeRuntime:
             self.ops = DeterministicOps(self.ops, self.device)
         if spec is not None and not isinstance(spec, SpecConfig):
             raise TypeError(f"spec must be a tritonspec.SpecConfig, got {type(spec).__name__}")
-        # the shape per request: the caller's, a tuned profile's per batch size and mode, or the rule
-        compiled = compile is True and self.device.type != "cuda"  # compiled CPU rounds: their own tuned profiles
-        self._policy = (
-            ShapePolicy.caller(spec) if spec is not None else shape_policy(target, drafter, self.backend, compiled)
-        )
         if max_batch_size < 1:
             raise UserError(f"max_batch_size={max_batch_size} must be >= 1")
         self.max_batch_size = max_batch_size
         self.cuda_graphs = cuda_graphs
         self.compile = compile
         self._graphs = graph_runner(cuda_graphs, self.device, max_batch_size, cuda_graph_sizes, compile)  # None: eager
+        # the shape per request: the caller's, a tuned profile's per batch size and mode (compiled CPU
+        # rounds read their own profiles first), or the rule
+        self._policy = (
+            ShapePolicy.caller(spec) if spec is not None else shape_policy(target, drafter, self.backend, self.compiled)
+        )
         self._graph_cache_at: tuple[int, ...] | None = None  # addresses the captured graphs point at
         limit = target.max_position_embeddings
         self.max_seq_len = max_seq_len if max_seq_len is not None else min(limit, 4096)

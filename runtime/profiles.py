@@ -149,8 +149,17 @@ def _pair_key(target: Any, drafter: Any) -> tuple[str, str, str]:
 
 
 def _own_names(t: str, d: str, dt: str, device: Any, backend: str, compiled: bool = False) -> list[str]:
-    modes = ("compiled", "eager") if compiled else ("eager",)
-    return [profile_name(t, d, key, dt, backend, m) for m in modes for key in (device_key(device), device_kind(device))]
+    return [n for m in _modes(compiled) for n in _names_for(t, d, dt, device, backend, m)]
+
+
+def _names_for(t: str, d: str, dt: str, device: Any, backend: str, rounds: str) -> list[str]:
+    """This exact device's name, then this kind of device's, for one ``rounds`` mode."""
+    return [profile_name(t, d, key, dt, backend, rounds) for key in (device_key(device), device_kind(device))]
+
+
+def _modes(compiled: bool) -> tuple[str, ...]:
+    """The ``rounds`` modes a runtime reads, in lookup order."""
+    return ("compiled", "eager") if compiled else ("eager",)
 
 
 def candidate_profiles(target: Any, drafter: Any, backend: str, compiled: bool = False) -> list[Path]:
@@ -165,8 +174,8 @@ def candidate_profiles(target: Any, drafter: Any, backend: str, compiled: bool =
     names = _own_names(t, d, dt, target.device, backend, compiled)
     dirs = [*store.search_dirs(), SHIPPED_DIR]
     found: list[Path] = []
-    for mode in ("compiled", "eager") if compiled else ("eager",):
-        own = [n for n in names if n.endswith(",rounds=compiled.json") == (mode == "compiled")]
+    for mode in _modes(compiled):
+        own = _names_for(t, d, dt, target.device, backend, mode)
         found += [folder / name for name in own for folder in dirs if (folder / name).is_file()]
         if kind.startswith("cpu-"):
             family = kind.rsplit("-", 1)[0] + "-"  # cpu-<arch>-
