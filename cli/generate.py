@@ -112,6 +112,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="row-invariant ops: output independent of speculation and batch, bit for bit (see tritonspec audit)",
     )
+    g.add_argument(
+        "--cpu-linear",
+        default="auto",
+        choices=["auto", "kernel", "torch"],
+        help="CPU linear layers: auto (the row-invariant AVX-512 kernel, kernels/cpu_linear.py, where it builds; "
+        "else F.linear; $TRITONSPEC_CPU_LINEAR), kernel (required), torch (F.linear)",
+    )
     g.add_argument("--quiet-stats", action="store_true", help="print the stats line on stderr")
     g.set_defaults(fn=cmd_generate)
     return g
@@ -151,6 +158,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         cuda_graphs=GRAPH_MODES[args.cuda_graphs],
         compile=True if args.compile else "auto",
         deterministic=args.deterministic,
+        cpu_linear=args.cpu_linear,
     )
     speculative = not args.no_speculative and rt.drafter is not None
     kw = flag_values(args, "max_new_tokens temperature top_p top_k seed")

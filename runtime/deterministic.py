@@ -14,9 +14,12 @@ cache. Two consequences hold by construction:
 
 Why the default mode is not row-invariant, and what this module does about it, op by op:
 
-* **Linear layers.** CPU BLAS picks kernels by the row count M: on this project's CPU (torch 2.13,
-  MKL, one thread) a 1-row call takes a GEMV path that rounds differently from M >= 2 for weights
-  stored ``[K, N]`` (the CPU layout), and M < 5..16 differ for ``[N, K]`` weights (the drafter's).
+* **Linear layers.** Where ``kernels.cpu_linear`` runs (an AVX-512 CPU with a C compiler, float32
+  or bfloat16, the torch backend) every linear call of every row count goes through it: each output
+  element is one fixed instruction sequence, so rows are invariant by construction and nothing is
+  probed or padded (probe method ``"kernel"``). Elsewhere: CPU BLAS picks kernels by the row count M:
+  on this project's CPU (torch 2.13, MKL, one thread) a 1-row call takes a GEMV path that rounds
+  differently from M >= 2 for weights stored ``[K, N]``, and M < 5..16 differ for ``[N, K]`` weights.
   ``probe_min_rows`` finds, per weight shape, layout, dtype and thread count, the smallest M0 from
   which every call is row-invariant (rows drawn at random, 1..64 rows and a few larger counts),
   caches it, and ``linear`` pads smaller calls with zero rows up to M0. An ``[N, K]`` weight whose
@@ -77,6 +80,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import cpu_linear
 from .errors import UserError
 from .sampling import mix32
 
@@ -112,7 +116,8 @@ class Probe:
     fallback: str | None = None  # None, "fixed-chunks" or "per-row" (linear), "fixed-order" (attention)
     skip: tuple[int, ...] = ()  # row counts above min_rows that are not invariant (SDPA: q blocks of one row)
     counts: tuple[int, ...] = ()  # attention: the row counts that are (probed up to SDPA_ROWS; the others are not used)
-    method: str = "pad"  # linear: "pad" (to min_rows), "kn" (pad, on a [K, N]-stored copy), "rows" (one-row products)
+    method: str = "pad"  # linear: "pad" (to min_rows), "kn" (pad, on a [K, N]-stored copy), "rows" (one-row
+    # products), "kernel" (kernels.cpu_linear: every row count, invariant by construction, not probed)
     block: int = 0  # attention: key counts are rounded up to a multiple of this
 
     def describe(self) -> str:
@@ -123,6 +128,8 @@ class Probe:
             how += f", keys in blocks of {self.block}"
         if self.method == "rows":
             how = f"{how if self.min_rows is not None else 'no invariant row count'}; runs one-row products"
+        if self.method == "kernel":
+            how = "kernels.cpu_linear (row-invariant by construction, not probed)"
         if self.skip:
             how += f", avoiding {_ranges(self.skip)}"
         lay = f" {self.layout}" if self.layout else ""
@@ -555,6 +562,7 @@ class DeterministicOps:
         self._used: dict[tuple, Probe] = {}  # the probes this runtime relies on
         self._fast: dict[Any, tuple] = {}  # per weight / norm shape: what the probe decided (hot-path lookups)
         self._warned: set[tuple] = set()
+        self._kernel_threads = torch.get_num_threads()  # kernels.cpu_linear's (``threads()`` keeps the caller's)
         if self.device.type == "cuda":
             try:
                 from ..kernels.batch_invariant_matmul import batch_invariant_linear, batch_invariant_matmul
@@ -602,9 +610,14 @@ class DeterministicOps:
     def _linear_probe(self, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> Probe:
         layout = _weight_layout(weight) + ("+bias" if bias is not None else "")
         shape = (weight.shape[0], k)  # [N, K] whatever the storage layout
+        kernel = self._kernel_linear(weight, bias)
         key = ("linear", tuple(weight.shape), weight.stride(), bias is not None, k, weight.dtype, self.device.type)
+        key += (kernel,)
 
         def run() -> Probe:
+            p = Probe("linear", shape, layout, _dt(weight.dtype), self.device.type, _threads(self.device), 1)
+            if kernel:  # kernels.cpu_linear: row-invariant by construction
+                return replace(p, method="kernel")
             inner = self.ops.linear
             probe = dict(dtype=weight.dtype, device=weight.device, max_rows=self.max_rows)
             found = probe_min_rows(lambda x: inner(x, weight, bias), k, **probe)
@@ -626,6 +639,18 @@ class DeterministicOps:
             return replace(p, fallback=how, method=how)
 
         return self._probe(key, run)
+
+    def _kernel_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+        """Whether ``kernels.cpu_linear`` runs this weight: the torch backend on a CPU where it builds
+        for the dtype (the runtime's ``cpu_linear``), a contiguous ``[N, K]`` weight."""
+        return (
+            self.device.type == "cpu"
+            and self.name == "torch"
+            and weight.dtype in (torch.float32, torch.bfloat16)
+            and weight.is_contiguous()
+            and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()))
+            and self.ops._cpu_kernel(weight.dtype)  # the runtime's cpu_linear choice
+        )
 
     def _norm_probe(self, hidden: int, dtype: torch.dtype, residual: bool) -> Probe:
         key = ("rms_norm", hidden, residual, dtype, self.device.type)
@@ -736,11 +761,14 @@ class DeterministicOps:
     @contextlib.contextmanager
     def threads(self) -> Iterator[None]:
         """Run the block with one intra-op thread on a CPU (restored after): several threads split
-        large elementwise and reduction kernels at points that depend on the tensor's size."""
+        large elementwise and reduction kernels at points that depend on the tensor's size. The
+        linear layers on ``kernels.cpu_linear`` keep the caller's thread count (its results do not
+        depend on it)."""
         n = torch.get_num_threads()
         if self.device.type != "cpu" or n == FORWARD_THREADS:
             yield
             return
+        self._kernel_threads = n  # kernels.cpu_linear keeps the caller's threads: its rows do not depend on them
         torch.set_num_threads(FORWARD_THREADS)
         try:
             yield
@@ -783,6 +811,9 @@ class DeterministicOps:
             hit = self._fast[id(weight)] = (*hit[:6], weight.t().contiguous().t(), weight._version)
         rows, aligned, w = hit[3], hit[4], hit[6]
         m = x.numel() // max(k, 1)
+        if hit[5] == "kernel":  # every row count, prefill included, through the one row-invariant kernel
+            out = cpu_linear.cpu_linear(x, weight, bias, threads=self._kernel_threads)
+            return out if aligned or m <= 1 else _aligned(out.reshape(m, -1)).view(out.shape)
         if rows and m >= rows:  # already a row-invariant call
             out = self.ops.linear(x, w, bias)
             return out if aligned or m <= 1 else _aligned(out.reshape(m, -1)).view(out.shape)

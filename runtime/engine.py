@@ -52,7 +52,7 @@ from .requests import (
 )
 from .sampling import SamplingParams
 from .spec_policy import ShapeChoice, ShapePolicy
-from .target import TargetModel, default_aux_layer_ids
+from .target import TargetModel, default_aux_layer_ids, resolve_layout
 from .weights import load_tokenizer
 
 
@@ -81,13 +81,14 @@ class SpeculativeRuntime:
         cuda_graph_sizes: Sequence[int] | None = None,
         deterministic: bool = False,
         compile: str | bool = "auto",
+        cpu_linear: str = "auto",
     ):
         self.target = target
         self.tokenizer = resolve_tokenizer(tokenizer)
         self.device = target.device
         self._lock = target.decode_lock  # one request at a time per target: runtimes sharing it share its cache
         self.backend = resolve_backend(backend, self.device)
-        self.ops = get_ops(self.backend)
+        self.ops = get_ops(self.backend, cpu_linear)
         self.deterministic = bool(deterministic)  # every op row-invariant (runtime/deterministic.py)
         if self.deterministic:
             if compile is True:
@@ -262,6 +263,7 @@ class SpeculativeRuntime:
         tokenizer: Any = None,
         deterministic: bool = False,
         compile: str | bool = "auto",
+        cpu_linear: str = "auto",
     ) -> SpeculativeRuntime:
         """Build a runtime from a target (HF directory or ``PreTrainedModel``) and an optional drafter.
 
@@ -292,6 +294,10 @@ class SpeculativeRuntime:
             and sampling setting; lazily or by ``warmup()``); ``"auto"``/``False`` run eager there.
             Compiling takes seconds (tiny models) to minutes (a 30-layer target) per key; a failure
             warns once and runs that key eagerly. The tokens are those of eager rounds.
+        cpu_linear : the CPU linear layers (torch backend): ``"auto"`` (``$TRITONSPEC_CPU_LINEAR``,
+            default: ``kernels/cpu_linear.py``, a row-invariant AVX-512 / AVX512-BF16 kernel that
+            reads weights at memory speed, where it builds; else ``F.linear``), ``"kernel"`` (an
+            error when it cannot run) or ``"torch"`` (``F.linear``, weights stored ``[K, N]`` in float32).
 
         A drafter object already on ``device`` in the target's dtype is used as is; otherwise the
         runtime runs a converted copy and the caller's module is left untouched. Bad arguments,
@@ -299,7 +305,8 @@ class SpeculativeRuntime:
         ``tritonspec.UserError``.
         """
         target = resolve_target(target)
-        tm = TargetModel.from_pretrained(target, device=device, dtype=dtype)
+        layout = "auto" if cpu_linear != "torch" else resolve_layout("auto", torch.device(device), dtype, "torch")
+        tm = TargetModel.from_pretrained(target, device=device, dtype=dtype, weight_layout=layout)
         d = drafter
         if isinstance(drafter, (str, Path)):
             d = Eagle3Drafter.from_pretrained(drafter)
@@ -319,6 +326,7 @@ class SpeculativeRuntime:
             cuda_graph_sizes=cuda_graph_sizes,
             deterministic=deterministic,
             compile=compile,
+            cpu_linear=cpu_linear,
         )
 
     # ================================================================== public API

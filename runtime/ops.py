@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_linear as _cpu_linear
 from ..kernels.aux_gather import aux_gather_reference
 from ..kernels.kv_compact import kv_compact_reference
 from ..kernels.kv_write import kv_write_reference
@@ -152,14 +153,29 @@ class TorchOps:
     name = "torch"
 
     def linear(self, x, weight, bias=None):
-        """``F.linear`` (the weight may be stored ``[K, N]``: ``TargetModel.weight_layout``)."""
+        """``F.linear``; on the CPU, ``kernels.cpu_linear`` (row-invariant, weights read at memory
+        speed) for float32/bfloat16 where it builds (``TRITONSPEC_CPU_LINEAR``). The weight may be
+        stored ``[K, N]`` (``TargetModel.weight_layout``); such a weight runs ``F.linear``."""
+        if x.is_cpu and self._cpu_kernel(x.dtype):
+            return _cpu_linear.linear(x, weight, bias)
         return F.linear(x, weight, bias)
+
+    def _cpu_kernel(self, dtype: torch.dtype) -> bool:
+        on = self._kernel_for.get(dtype)
+        if on is None:
+            ok = dtype in (torch.float32, torch.bfloat16)
+            on = self._kernel_for[dtype] = ok and _cpu_linear.enabled(dtype, self.cpu_linear)
+        return on
 
     rms_norm = staticmethod(rms_norm_reference)
     aux_gather = staticmethod(aux_gather_reference)
     kv_write = staticmethod(kv_write_reference)
 
-    def __init__(self) -> None:
+    def __init__(self, cpu_linear: str = "auto") -> None:
+        if cpu_linear not in _cpu_linear.MODES:
+            raise UserError(f"cpu_linear={cpu_linear!r} is not one of {_cpu_linear.MODES}")
+        self.cpu_linear = cpu_linear  # "auto" ($TRITONSPEC_CPU_LINEAR; default: the kernel where it runs)
+        self._kernel_for: dict[torch.dtype, bool] = {}  # dtype -> CPU linear runs kernels.cpu_linear
         self._vis: tuple | None = None  # (prefix_lens, tree_mask, kv_len, visibility) of this forward
 
     def begin_forward(self) -> None:
@@ -209,10 +225,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "torch"
 
 
-def get_ops(backend: str) -> Ops:
-    """The ``Ops`` object for a resolved backend name (``torch`` or ``triton``)."""
+def get_ops(backend: str, cpu_linear: str = "auto") -> Ops:
+    """The ``Ops`` object for a resolved backend name (``torch`` or ``triton``); ``cpu_linear``: the
+    torch backend's CPU linear layers (``TorchOps``)."""
     if backend == "torch":
-        return TorchOps()
+        return TorchOps(cpu_linear)
     if backend == "triton":
         try:
             from ..kernels.triton_ops import TritonOps

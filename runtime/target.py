@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_linear as _cpu_linear
 from .errors import UserError
 from .metadata import AttentionMetadata
 from .rope import Rope, rope_parameters
@@ -172,8 +173,11 @@ def cpu_has_bf16() -> bool | None:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_layout(layout: str, device: torch.device, dtype: torch.dtype = torch.float32) -> str:
-    """``auto``: ``kn`` for float32 on a CPU, ``nk`` otherwise. Measured in the model (SmolLM2, 2
+def resolve_layout(
+    layout: str, device: torch.device, dtype: torch.dtype | None = torch.float32, cpu_linear: str = "auto"
+) -> str:
+    """``auto``: ``nk`` where the CPU linear kernel runs the dtype (``kernels.cpu_linear``), else
+    ``kn`` for float32 on a CPU and ``nk`` otherwise. Measured in the model (SmolLM2, 2
     threads, ``perf/bench_cpu_decode.py``): float32 plain steps cost the same in both layouts
     (30.1 vs 30.6 ms) and ``kn`` makes one-row-vs-many rounding differ only at 1 row (the
     deterministic mode pads less); bfloat16 is faster as loaded (33.9 vs 39.9 ms)."""
@@ -181,6 +185,9 @@ def resolve_layout(layout: str, device: torch.device, dtype: torch.dtype = torch
         raise UserError(f"weight_layout={layout!r} is not one of {WEIGHT_LAYOUTS}")
     if layout != "auto":
         return layout
+    dtype = dtype or torch.float32
+    if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _cpu_linear.enabled(dtype, cpu_linear):
+        return "nk"  # kernels.cpu_linear streams [N, K] rows (and is row-invariant)
     return "kn" if device.type == "cpu" and dtype == torch.float32 else "nk"
 
 

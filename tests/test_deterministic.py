@@ -311,7 +311,7 @@ def test_linear_fallbacks_are_row_invariant_and_warn(monkeypatch):
     fixed block of rows, or each row alone at row 0 of it) and a DeterminismWarning names the shape."""
     import tritonspec.runtime.deterministic as det
 
-    ops = DeterministicOps(TorchOps(), "cpu", max_rows=8)
+    ops = DeterministicOps(TorchOps("torch"), "cpu", max_rows=8)  # BLAS, not kernels.cpu_linear
     w = _weight(40, 24, "nk", 3)
     x = torch.randn(20, 24, generator=torch.Generator().manual_seed(4))
     for how in ("fixed-chunks", "per-row"):

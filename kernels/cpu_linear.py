@@ -1,0 +1,270 @@
+"""Row-invariant linear layer for the CPU decode path (issue 21, and issue 16's row invariance).
+
+Math, for x of shape ``[..., K]`` and a weight ``w [N, K]`` stored as loaded (row-major):
+
+    y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n])        accumulated in float32, rounded once to x's dtype
+
+Why a kernel of our own: decoding reads every weight once per step, so a one-row matmul should run
+at memory speed. PyTorch's CPU one-row bfloat16 ``F.linear`` is compute-bound (5-9 GB/s of weights
+on this machine's two cores, against ~25 GB/s for a plain read), and its float32 one-row and
+many-row calls round the same row differently (MKL picks another kernel for M = 1 and 2). The C
+kernel in ``kernels/cpu/linear.c`` (AVX-512 FMA for float32, AVX512-BF16 ``VDPBF16PS`` for
+bfloat16) streams the weight rows with the next block prefetched, shares each weight load among
+up to four rows of x, and computes every output element with the same instruction sequence
+whatever the number of rows, the other rows or the thread count: a row's result is bit-identical
+in a one-row decode step and in a 64-row verify forward, so speculative greedy output equals plain
+greedy output by construction.
+
+It is a C kernel, not Triton, because Triton has no CPU target here. It is built on first use with
+the system C compiler (``$CC``, else ``gcc``, else ``cc``; ``-O3 -march=native -fopenmp``, about a
+second), cached under ``$TRITONSPEC_CACHE/cpu_kernels`` keyed by the source, the compiler and the
+CPU's flags, and loaded with ctypes. OpenMP threads come from the libgomp PyTorch already loaded
+(same soname), so the kernel and PyTorch share one pool; the call uses ``torch.get_num_threads()``.
+
+Selection: a runtime's ``cpu_linear`` option (``SpeculativeRuntime(cpu_linear=...)``, ``--cpu-linear``),
+whose ``"auto"`` defers to the environment variable ``TRITONSPEC_CPU_LINEAR`` (default ``auto``):
+``auto`` uses the kernel where it builds and the CPU has the instructions, else ``F.linear``;
+``kernel`` requires it (an error names what is missing); ``torch`` never uses it.
+``cpu_linear_status()`` says what ``auto`` chooses here and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+SOURCE = Path(__file__).parent / "cpu" / "linear.c"
+MODES = ("auto", "kernel", "torch")
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
+# Largest row count routed to the kernel by the torch backend: every decode-round call (verify of
+# batch x tree rows, drafter steps, plain steps) fits; prefill chunks above it run F.linear.
+MAX_ROWS = 256
+_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+_NEEDS = {torch.float32: ("avx512f",), torch.bfloat16: ("avx512f", "avx512_bf16")}
+
+
+class CpuLinearUnavailable(RuntimeError):
+    """The kernel cannot run here (no compiler, no AVX-512, ...); the message says why and what to do."""
+
+
+def cpu_linear_reference(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N], dtype of x
+    """``x @ weight.T + bias`` accumulated in float32 (PyTorch), rounded once to ``x``'s dtype."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
+
+
+def mode() -> str:
+    """``TRITONSPEC_CPU_LINEAR``: ``auto`` (default), ``kernel`` or ``torch``."""
+    m = os.environ.get("TRITONSPEC_CPU_LINEAR", "auto").strip().lower() or "auto"
+    if m not in MODES:
+        raise ValueError(f"TRITONSPEC_CPU_LINEAR={m!r} is not one of {MODES}")
+    return m
+
+
+@functools.cache
+def _cpu_flags() -> frozenset[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return frozenset()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return frozenset(line.split(":", 1)[1].split())
+    return frozenset()
+
+
+def _compiler() -> str | None:
+    for cc in (os.environ.get("CC"), "gcc", "cc"):
+        if cc and shutil.which(cc):
+            return cc
+    return None
+
+
+def cache_dir() -> Path:
+    """Where built kernels live: ``$TRITONSPEC_CACHE/cpu_kernels`` (default ``~/.cache/tritonspec``)."""
+    base = os.environ.get("TRITONSPEC_CACHE") or Path.home() / ".cache" / "tritonspec"
+    return Path(base) / "cpu_kernels"
+
+
+@functools.cache
+def _library() -> ctypes.CDLL:
+    """Build (once per source, compiler and CPU) and load the kernel library."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        raise CpuLinearUnavailable(f"the CPU linear kernel is written for x86-64 AVX-512, not {platform.machine()}")
+    if "avx512f" not in _cpu_flags():
+        raise CpuLinearUnavailable("this CPU has no AVX-512 (avx512f missing from /proc/cpuinfo)")
+    cc = _compiler()
+    if cc is None:
+        raise CpuLinearUnavailable("no C compiler found (set CC, or install gcc) to build kernels/cpu/linear.c")
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + repr((version, CFLAGS, sorted(_cpu_flags()), platform.processor())).encode()
+    ).hexdigest()[:16]
+    out = cache_dir() / f"linear-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if r.returncode != 0:
+            os.unlink(tmp)
+            raise CpuLinearUnavailable(f"building {SOURCE.name} with {cc} failed:\n{r.stderr[-2000:]}")
+        os.replace(tmp, out)  # atomic: a concurrent build writes the same bytes
+    lib = ctypes.CDLL(str(out))
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    for name in ("tritonspec_linear_f32", "tritonspec_linear_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
+        fn.restype = None
+    return lib
+
+
+@functools.cache
+def available(dtype: torch.dtype = torch.float32) -> str | None:
+    """None when the kernel runs ``dtype`` here, else why not."""
+    if dtype not in _DTYPES:
+        return f"dtype {dtype} is not float32 or bfloat16"
+    missing = [f for f in _NEEDS[dtype] if f not in _cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    try:
+        _library()
+    except CpuLinearUnavailable as e:
+        return str(e)
+    return None
+
+
+def enabled(dtype: torch.dtype, choice: str = "auto") -> bool:
+    """Whether the torch backend routes CPU ``linear`` calls of ``dtype`` to the kernel. ``choice``:
+    a runtime's ``cpu_linear`` option; ``"auto"`` defers to ``TRITONSPEC_CPU_LINEAR`` (``mode()``)."""
+    if choice not in MODES:
+        raise ValueError(f"cpu_linear={choice!r} is not one of {MODES}")
+    m = mode() if choice == "auto" else choice
+    if m == "torch":
+        return False
+    why = available(dtype)
+    if why is not None and m == "kernel":
+        raise CpuLinearUnavailable(
+            f"cpu_linear='kernel' (or TRITONSPEC_CPU_LINEAR=kernel) but {why}; use 'auto' to fall back to F.linear"
+        )
+    return why is None
+
+
+def cpu_linear_status() -> dict[str, str]:
+    """Per dtype: ``"kernel"`` or ``"torch (<why>)"`` under the current ``TRITONSPEC_CPU_LINEAR``."""
+    m = mode()
+    out = {}
+    for dt, name in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+        why = "TRITONSPEC_CPU_LINEAR=torch" if m == "torch" else available(name)
+        out[dt] = "kernel" if why is None else f"torch ({why})"
+    return out
+
+
+def cpu_linear(
+    x: torch.Tensor,  # [..., K] float32 or bfloat16, CPU
+    weight: torch.Tensor,  # [N, K] contiguous, dtype of x
+    bias: torch.Tensor | None = None,  # [N] contiguous, dtype of x
+    threads: int | None = None,
+) -> torch.Tensor:  # [..., N]
+    """``x @ weight.T + bias`` with the row-invariant CPU kernel (see the module docstring);
+    ``threads`` defaults to ``torch.get_num_threads()`` (the result does not depend on it).
+
+    Example
+    -------
+    >>> w, x = torch.randn(7, 99), torch.randn(3, 99)
+    >>> torch.allclose(cpu_linear(x, w), x @ w.T, atol=1e-4)  # doctest: +SKIP
+    True
+    """
+    K = x.shape[-1]
+    N = weight.shape[0]
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+        raise ValueError(
+            f"cpu_linear takes float32 or bfloat16 x, weight and bias of one dtype, got "
+            f"{x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
+        raise ValueError(
+            f"cpu_linear needs a contiguous [N, K={K}] weight, got {tuple(weight.shape)} with strides {weight.stride()}"
+        )
+    if bias is not None and (bias.shape != (N,) or not bias.is_contiguous()):
+        raise ValueError(f"bias must be a contiguous [{N}] tensor, got {tuple(bias.shape)}")
+    if x.device.type != "cpu" or weight.device.type != "cpu":
+        raise ValueError("cpu_linear runs on CPU tensors")
+    return _launch(x, weight, bias, threads)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None) -> torch.Tensor:
+    """The call itself, arguments already checked (the decode path's per-call cost is ~7 us)."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    y = torch.empty((*x.shape[:-1], N), dtype=x.dtype)
+    if not x.is_contiguous():  # rows at one stride, unit stride along K
+        x = x.reshape(-1, K)
+        if K and x.stride(-1) != 1:
+            x = x.contiguous()
+        ldx = x.stride(0)
+    else:
+        ldx = K
+    M = y.numel() // N if N else 0
+    if M == 0 or N == 0:
+        return y
+    if K == 0:
+        return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
+    lib = _library()
+    fn = lib.tritonspec_linear_f32 if x.dtype == torch.float32 else lib.tritonspec_linear_bf16
+    fn(
+        x.data_ptr(), M, ldx, weight.data_ptr(), N, K,
+        None if bias is None else bias.data_ptr(), y.data_ptr(), N,
+        threads if threads is not None else torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+@torch.library.custom_op("tritonspec::cpu_linear", mutates_args=())
+def _cpu_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return _launch(x, weight.contiguous(), None if bias is None else bias.contiguous(), None)
+
+
+@_cpu_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def linear(
+    x: torch.Tensor,  # [..., K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [..., N]
+    """The CPU kernel where it applies (``x`` and ``weight`` of one dtype, a contiguous ``[N, K]``
+    weight, no autograd, at most ``MAX_ROWS`` rows), else ``F.linear``. The caller has checked that
+    ``x`` is a float32/bfloat16 CPU tensor and ``enabled(x.dtype)``. While a graph is traced
+    (``torch.compile``, ``make_fx``) the kernel is the opaque custom op ``tritonspec::cpu_linear``,
+    so compiled and eager rounds compute the same bits."""
+    if (
+        weight.dtype != x.dtype
+        or x.numel() > MAX_ROWS * x.shape[-1]
+        or not weight.is_contiguous()
+        or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        or (bias is not None and bias.requires_grad and torch.is_grad_enabled())
+    ):
+        return F.linear(x, weight, bias)
+    if torch.compiler.is_compiling() or get_proxy_mode() is not None or isinstance(x, FakeTensor):
+        return _cpu_linear_op(x, weight, bias)
+    return _launch(x, weight, bias, None)

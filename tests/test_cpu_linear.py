@@ -1,0 +1,207 @@
+"""The row-invariant CPU linear kernel (``kernels/cpu_linear.py``, issues 21 and 16): close to the
+float32 reference, every row bit-identical whatever shares the call, fallbacks that say why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tritonspec.kernels import cpu_linear as cl
+from tritonspec.runtime.ops import TorchOps
+
+WHY = {dt: cl.available(dt) for dt in (torch.float32, torch.bfloat16)}
+needs = {
+    dt: pytest.mark.skipif(WHY[dt] is not None, reason=f"CPU linear kernel unavailable for {dt}: {WHY[dt]}")
+    for dt in WHY
+}
+DTYPES = [pytest.param(dt, marks=needs[dt], id=str(dt).split(".")[-1]) for dt in WHY]
+
+
+def _violations(fn, x: torch.Tensor, seed: int = 0) -> int:
+    """Rows of ``fn`` over random subsets of ``x`` that differ, bit for bit, from the same row in
+    ``fn(x)``: 0 for a row-invariant ``fn``."""
+    full = fn(x)
+    g = torch.Generator().manual_seed(seed)
+    bad = 0
+    for m in (1, 2, 3, 4, 5, 7, 8, 16, x.shape[0]):
+        idx = torch.randperm(x.shape[0], generator=g)[: min(m, x.shape[0])]
+        bad += int((fn(x[idx]) != full[idx]).any(-1).sum())
+    return bad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("nk", [(1, 1), (7, 13), (99, 33), (64, 576), (5, 1000), (33, 32), (17, 47)])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 7, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(dtype, nk, m, bias):
+    n, k = nk
+    g = torch.Generator().manual_seed(n * 1000 + k + m)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    y = cl.cpu_linear(x, w, b)
+    ref = cl.cpu_linear_reference(x, w, b)
+    assert y.dtype == dtype and y.shape == (m, n)
+    if dtype == torch.float32:
+        assert torch.allclose(y, ref, rtol=1e-5, atol=1e-5 * k**0.5)
+    else:  # the float32 sum is the reference's up to order; the bfloat16 rounding at most one step apart
+        exact = F.linear(x.float(), w.float(), None if b is None else b.float())
+        step = exact.abs().clamp_min(1e-30) * 2.0**-7
+        assert ((y.float() - exact).abs() <= step + 1e-4 * k**0.5).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=25, deadline=None)
+@given(
+    n=st.integers(1, 80),
+    k=st.integers(1, 300),
+    rows=st.integers(1, 40),
+    seed=st.integers(0, 2**31 - 1),
+    threads=st.sampled_from([1, 2, 3]),
+)
+def test_rows_are_invariant(dtype, n, k, rows, seed, threads):
+    """A row's result is the same bit for bit alone, among any other rows, in any order, at any thread count."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, k, generator=g) * 3).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    assert _violations(lambda t: cl.cpu_linear(t, w, b), x, seed) == 0
+    alone = torch.cat([cl.cpu_linear(x[i : i + 1], w, b, threads=1) for i in range(rows)])
+    assert torch.equal(cl.cpu_linear(x, w, b, threads=threads), alone)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_invariance_check_detects_a_row_dependent_product(dtype):
+    """Inverse: the same check flags a product that computes one row differently from many (the
+    kernel for one row, the float32 reference for more), so the invariance test is not vacuous."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(24, 576, generator=g).to(dtype)
+    w = torch.randn(200, 576, generator=g).to(dtype)
+
+    def row_dependent(t):
+        return cl.cpu_linear(t, w) if t.shape[0] == 1 else cl.cpu_linear_reference(t, w)
+
+    assert _violations(row_dependent, x) > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_and_batched_inputs(dtype):
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(3, 4, 70, generator=g).to(dtype)
+    x = big[..., 3:67]  # [3, 4, 64], rows at stride 70
+    w = torch.randn(9, 64, generator=g).to(dtype)
+    y = cl.cpu_linear(x, w)
+    assert y.shape == (3, 4, 9)
+    assert torch.equal(y, cl.cpu_linear(x.contiguous(), w))
+    assert torch.equal(y[1, 2], cl.cpu_linear(x[1, 2:3], w)[0])
+    empty = cl.cpu_linear(torch.zeros(0, 64, dtype=dtype), w)
+    assert empty.shape == (0, 9)
+
+
+@needs[torch.float32]
+def test_bad_inputs_are_named():
+    w = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="one dtype"):
+        cl.cpu_linear(torch.randn(2, 8, dtype=torch.float64), w)
+    with pytest.raises(ValueError, match="one dtype"):
+        cl.cpu_linear(torch.randn(2, 8), w.bfloat16())
+    with pytest.raises(ValueError, match=r"contiguous \[N, K=8\] weight"):
+        cl.cpu_linear(torch.randn(2, 8), torch.randn(8, 4).t())
+    with pytest.raises(ValueError, match=r"contiguous \[N, K=8\] weight"):
+        cl.cpu_linear(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match=r"bias must be a contiguous \[4\]"):
+        cl.cpu_linear(torch.randn(2, 8), w, torch.randn(5))
+
+
+@needs[torch.float32]
+def test_dispatch_falls_back_where_the_kernel_does_not_apply():
+    """``linear``: a [K, N]-stored weight, autograd, or more than MAX_ROWS rows run F.linear exactly."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(6, 10, generator=g)
+    x = torch.randn(3, 10, generator=g)
+    kn = w.t().contiguous().t()
+    assert torch.equal(cl.linear(x, kn), F.linear(x, kn))
+    xg = x.clone().requires_grad_()
+    y = cl.linear(xg, w)
+    y.sum().backward()
+    assert torch.allclose(xg.grad, w.sum(0).expand(3, 10))
+    many = torch.randn(cl.MAX_ROWS + 1, 10, generator=g)
+    assert torch.equal(cl.linear(many, w), F.linear(many, w))
+    assert torch.equal(cl.linear(x, w), cl.cpu_linear(x, w))
+
+
+@needs[torch.float32]
+def test_backend_mode(monkeypatch):
+    """``TRITONSPEC_CPU_LINEAR``: ``torch`` gives F.linear bit for bit, ``auto`` the kernel; a bad value is named."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(96, 576, generator=g)
+    x = torch.randn(1, 576, generator=g)
+    monkeypatch.setenv("TRITONSPEC_CPU_LINEAR", "torch")
+    assert torch.equal(TorchOps().linear(x, w), F.linear(x, w))
+    assert cl.cpu_linear_status()["float32"].startswith("torch (TRITONSPEC_CPU_LINEAR=torch")
+    monkeypatch.setenv("TRITONSPEC_CPU_LINEAR", "auto")
+    assert torch.equal(TorchOps().linear(x, w), cl.cpu_linear(x, w))
+    assert cl.cpu_linear_status()["float32"] == "kernel"
+    monkeypatch.setenv("TRITONSPEC_CPU_LINEAR", "fast")
+    with pytest.raises(ValueError, match="TRITONSPEC_CPU_LINEAR='fast' is not one of"):
+        TorchOps().linear(x, w)
+
+
+def test_build_failure_falls_back_or_is_named(monkeypatch, tmp_path):
+    """A compiler that fails: ``auto`` runs F.linear and says why; ``kernel`` raises with the reason."""
+    monkeypatch.setenv("TRITONSPEC_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # exists, always fails
+    cl._library.cache_clear()
+    cl.available.cache_clear()
+    try:
+        why = cl.available(torch.float32)
+        assert why is not None
+        if "avx512f" not in cl._cpu_flags():
+            assert "AVX-512" in why
+        else:
+            assert "building linear.c with false failed" in why
+        monkeypatch.setenv("TRITONSPEC_CPU_LINEAR", "auto")
+        assert not cl.enabled(torch.float32)
+        x, w = torch.randn(2, 8), torch.randn(3, 8)
+        assert torch.equal(TorchOps().linear(x, w), F.linear(x, w))
+        monkeypatch.setenv("TRITONSPEC_CPU_LINEAR", "kernel")
+        with pytest.raises(cl.CpuLinearUnavailable, match="use 'auto' to fall back"):
+            cl.enabled(torch.float32)
+    finally:
+        cl._library.cache_clear()
+        cl.available.cache_clear()
+
+
+@needs[torch.float32]
+def test_compiled_call_is_the_same_kernel():
+    """Under torch.compile the kernel runs as the custom op ``tritonspec::cpu_linear``: same bits as eager."""
+    g = torch.Generator().manual_seed(13)
+    w = torch.randn(40, 64, generator=g)
+    x = torch.randn(3, 64, generator=g)
+
+    def f(t):
+        return torch.nn.functional.silu(cl.linear(t, w)) * 2
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(x), f(x))
+
+
+@needs[torch.float32]
+def test_deterministic_mode_runs_the_kernel_for_every_row_count():
+    """Deterministic mode's linear layers run the kernel unprobed, prompts above MAX_ROWS included."""
+    from tritonspec.runtime.deterministic import DeterministicOps
+
+    ops = DeterministicOps(TorchOps(), "cpu")
+    g = torch.Generator().manual_seed(17)
+    w = torch.randn(40, 24, generator=g)
+    x = torch.randn(cl.MAX_ROWS + 44, 24, generator=g)
+    full = ops.linear(x, w)
+    assert torch.equal(full, cl.cpu_linear(x, w))
+    assert torch.equal(ops.linear(x[7:8], w), full[7:8])
+    assert [p.method for p in ops.probes if p.op == "linear"] == ["kernel"]
+    blas = DeterministicOps(TorchOps("torch"), "cpu", max_rows=8)
+    blas.linear(x[:3], w)
+    assert [p.method for p in blas.probes if p.op == "linear"] != ["kernel"]
