@@ -51,6 +51,16 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # Largest row count routed to the kernel by the torch backend: every decode-round call (verify of
 # batch x tree rows, drafter steps, plain steps) fits; prefill chunks above it run F.linear.
 MAX_ROWS = 256
+# Weights with fewer elements or columns run F.linear in the default mode: small ones sit in cache,
+# so streaming speed buys nothing, and the kernel's per-call cost (~7 us from Python) and its
+# per-output horizontal sum over a short K lose to MKL there (the demo target, hidden size 128:
+# plain decoding 17% slower through the kernel). SmolLM2's projections (K = 576, 1536; at least
+# 576 x 576) are above both. Deterministic mode runs the kernel for every weight.
+MIN_WEIGHT = 1 << 18
+MIN_K = 256
+# Calls with fewer multiply-adds run on one thread (waking a second costs more than it saves; the
+# result does not depend on the thread count): the demo target's one-row projections, not SmolLM2's.
+SMALL = 1 << 17
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _NEEDS = {torch.float32: ("avx512f",), torch.bfloat16: ("avx512f", "avx512_bf16")}
 
@@ -183,7 +193,8 @@ def cpu_linear(
     threads: int | None = None,
 ) -> torch.Tensor:  # [..., N]
     """``x @ weight.T + bias`` with the row-invariant CPU kernel (see the module docstring);
-    ``threads`` defaults to ``torch.get_num_threads()`` (the result does not depend on it).
+    ``threads`` defaults to ``torch.get_num_threads()`` (one below ``SMALL`` multiply-adds); the
+    result does not depend on it.
 
     Example
     -------
@@ -231,7 +242,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, th
     fn(
         x.data_ptr(), M, ldx, weight.data_ptr(), N, K,
         None if bias is None else bias.data_ptr(), y.data_ptr(), N,
-        threads if threads is not None else torch.get_num_threads(),
+        threads if threads is not None else (torch.get_num_threads() if M * N * K >= SMALL else 1),
     )  # fmt: skip
     return y
 
@@ -252,12 +263,15 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [..., N]
     """The CPU kernel where it applies (``x`` and ``weight`` of one dtype, a contiguous ``[N, K]``
-    weight, no autograd, at most ``MAX_ROWS`` rows), else ``F.linear``. The caller has checked that
-    ``x`` is a float32/bfloat16 CPU tensor and ``enabled(x.dtype)``. While a graph is traced
+    weight of at least ``MIN_WEIGHT`` elements and ``MIN_K`` columns, no autograd, at most ``MAX_ROWS``
+    rows), else ``F.linear``. The caller has checked that ``x`` is a float32/bfloat16 CPU tensor and
+    ``enabled(x.dtype)``. While a graph is traced
     (``torch.compile``, ``make_fx``) the kernel is the opaque custom op ``tritonspec::cpu_linear``,
     so compiled and eager rounds compute the same bits."""
     if (
         weight.dtype != x.dtype
+        or weight.numel() < MIN_WEIGHT
+        or x.shape[-1] < MIN_K
         or x.numel() > MAX_ROWS * x.shape[-1]
         or not weight.is_contiguous()
         or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))

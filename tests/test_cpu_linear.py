@@ -118,7 +118,8 @@ def test_bad_inputs_are_named():
 
 @needs[torch.float32]
 def test_dispatch_falls_back_where_the_kernel_does_not_apply():
-    """``linear``: a [K, N]-stored weight, autograd, or more than MAX_ROWS rows run F.linear exactly."""
+    """``linear``: a [K, N]-stored weight, autograd, more than MAX_ROWS rows or a weight below
+    MIN_WEIGHT elements or MIN_K columns run F.linear exactly; the rest the kernel."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(6, 10, generator=g)
     x = torch.randn(3, 10, generator=g)
@@ -130,14 +131,19 @@ def test_dispatch_falls_back_where_the_kernel_does_not_apply():
     assert torch.allclose(xg.grad, w.sum(0).expand(3, 10))
     many = torch.randn(cl.MAX_ROWS + 1, 10, generator=g)
     assert torch.equal(cl.linear(many, w), F.linear(many, w))
-    assert torch.equal(cl.linear(x, w), cl.cpu_linear(x, w))
+    assert torch.equal(cl.linear(x, w), F.linear(x, w))  # below MIN_WEIGHT: in cache, MKL is faster
+    xk = torch.randn(3, cl.MIN_K, generator=g)
+    big = torch.randn(cl.MIN_WEIGHT // cl.MIN_K + 1, cl.MIN_K, generator=g)
+    assert torch.equal(cl.linear(xk, big), cl.cpu_linear(xk, big))
+    narrow = torch.randn(cl.MIN_WEIGHT // 10 + 1, 10, generator=g)  # many elements, K below MIN_K
+    assert torch.equal(cl.linear(x, narrow), F.linear(x, narrow))
 
 
 @needs[torch.float32]
 def test_backend_mode(monkeypatch):
     """``TRITONSPEC_CPU_LINEAR``: ``torch`` gives F.linear bit for bit, ``auto`` the kernel; a bad value is named."""
     g = torch.Generator().manual_seed(11)
-    w = torch.randn(96, 576, generator=g)
+    w = torch.randn(cl.MIN_WEIGHT // 576 + 1, 576, generator=g)
     x = torch.randn(1, 576, generator=g)
     monkeypatch.setenv("TRITONSPEC_CPU_LINEAR", "torch")
     assert torch.equal(TorchOps().linear(x, w), F.linear(x, w))
@@ -179,8 +185,8 @@ def test_build_failure_falls_back_or_is_named(monkeypatch, tmp_path):
 def test_compiled_call_is_the_same_kernel():
     """Under torch.compile the kernel runs as the custom op ``tritonspec::cpu_linear``: same bits as eager."""
     g = torch.Generator().manual_seed(13)
-    w = torch.randn(40, 64, generator=g)
-    x = torch.randn(3, 64, generator=g)
+    w = torch.randn(cl.MIN_WEIGHT // cl.MIN_K, cl.MIN_K, generator=g)  # the smallest weight the kernel runs
+    x = torch.randn(3, cl.MIN_K, generator=g)
 
     def f(t):
         return torch.nn.functional.silu(cl.linear(t, w)) * 2
