@@ -211,3 +211,28 @@ def test_deterministic_mode_runs_the_kernel_for_every_row_count():
     blas = DeterministicOps(TorchOps("torch"), "cpu", max_rows=8)
     blas.linear(x[:3], w)
     assert [p.method for p in blas.probes if p.op == "linear"] != ["kernel"]
+
+
+@needs[torch.float32]
+def test_native_operator_equals_the_ctypes_path():
+    """``torch.ops.tritonspec_cpu.linear`` (built where a C++ compiler and torch's headers are) runs
+    the same kernel as the ctypes path: same bits, any thread count."""
+    import shutil
+
+    why = cl.native_op()
+    if why is not None:
+        assert shutil.which("g++") is None and shutil.which("c++") is None, why  # only a missing compiler excuses it
+        pytest.skip(f"native operator not built: {why}")
+    g = torch.Generator().manual_seed(19)
+    for dtype in [dt for dt in WHY if WHY[dt] is None]:
+        for m, n, k in ((1, 7, 13), (5, 99, 300), (17, 64, 576)):
+            x = torch.randn(2, m, k, generator=g).to(dtype)
+            w = torch.randn(n, k, generator=g).to(dtype)
+            b = torch.randn(n, generator=g).to(dtype)
+            ref = cl._launch_ctypes(x, w, b, None)
+            for threads in (-1, 1, 3):
+                assert torch.equal(torch.ops.tritonspec_cpu.linear(x, w, b, threads), ref)
+            one = x[:, :1]  # strided rows
+            assert torch.equal(torch.ops.tritonspec_cpu.linear(one, w, None), cl._launch_ctypes(one, w, None, 1))
+    with pytest.raises(RuntimeError, match="contiguous \\[N, K\\] weight"):
+        torch.ops.tritonspec_cpu.linear(torch.randn(2, 8), torch.randn(8, 4).t(), None)
