@@ -1,12 +1,14 @@
-"""SmolLM2 in bfloat16 on the CPU: speculative decoding where verifying many rows costs about one.
+"""SmolLM2 in float32 and bfloat16 on the CPU: plain and speculative decoding side by side.
 
-On a CPU with AMX (Intel Sapphire Rapids and later; this machine's Xeon), PyTorch runs bfloat16
-matmuls of two or more rows through oneDNN's AMX kernels: a verify forward of 16 rows costs ~1.1x a
-one-row step, where float32 costs ~2.5x (``perf/SMOLLM2.md``, "bfloat16"). Wide draft trees then
-pay even with our weak SmolLM2 drafters. This benchmark measures it side by side in one run, per
-prompt set, interleaved per prompt so that load drifts hit every system alike:
+Written when PyTorch ran bfloat16 matmuls of two or more rows on AMX (a 16-row verify cost ~1.1
+one-row steps, ``perf/SMOLLM2.md``) and its one-row bf16 GEMV was compute-bound. Since the CPU
+linear kernel (``kernels/cpu_linear.py``, the default ``cpu_linear="auto"``) every linear call runs
+one row-invariant kernel that reads weights at memory speed, so bfloat16 plain decoding is the
+fast path and each dtype's shipped profile was re-tuned on it (``autotune/RESULTS.md``). This
+benchmark measures the four systems side by side in one run, per prompt set, interleaved per
+prompt so that load drifts hit every system alike:
 
-* ``plain-f32``: our plain decoding in float32 (the default dtype, ``kn`` weights);
+* ``plain-f32``: our plain decoding in float32 (the default dtype);
 * ``plain-bf16``: our plain decoding in bfloat16;
 * ``eagle3.1-bf16``: EAGLE-3.1 (the shipped drafter) in bfloat16, ``spec=None`` (the shipped
   bfloat16 profile, ``autotune/RESULTS.md``);
@@ -20,10 +22,10 @@ prompt set, interleaved per prompt so that load drifts hit every system alike:
 end-to-end ms/token per system, τ, the shape each speculative system ran, the speedups over both
 plain rows, whether each speculative row reproduced its plain row's tokens, and how many prompts'
 bfloat16 output equals the float32 one. Float32 speculative output must equal plain (asserted). In
-bfloat16 a one-row step (PyTorch's GEMV) and a many-row verify (AMX) round apart in bfloat16's
-8-bit mantissa, so greedy outputs may part at a near-tie: ``bf16_speculative_differs`` lists each
-such prompt with the step and transformers' bfloat16 top-2 logit gap there, and a gap above
-``BF16_TIE`` fails the test (that would be a bug, not rounding).
+bfloat16 the attention of a one-row step and of a many-row verify round apart in bfloat16's 8-bit
+mantissa (the linear layers no longer do), so greedy outputs may part at a near-tie:
+``bf16_speculative_differs`` lists each such prompt with the step and transformers' bfloat16 top-2
+logit gap there, and a gap above ``BF16_TIE`` fails the test (that would be a bug, not rounding).
 """
 
 from __future__ import annotations
