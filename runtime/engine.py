@@ -88,6 +88,8 @@ class SpeculativeRuntime:
         self.device = target.device
         self._lock = target.decode_lock  # one request at a time per target: runtimes sharing it share its cache
         self.backend = resolve_backend(backend, self.device)
+        if cpu_linear not in ("auto", "kernel", "torch"):
+            raise UserError(f"cpu_linear={cpu_linear!r} is not one of ('auto', 'kernel', 'torch')")
         self.ops = get_ops(self.backend, cpu_linear)
         self.deterministic = bool(deterministic)  # every op row-invariant (runtime/deterministic.py)
         if self.deterministic:

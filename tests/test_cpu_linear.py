@@ -236,3 +236,45 @@ def test_native_operator_equals_the_ctypes_path():
             assert torch.equal(torch.ops.tritonspec_cpu.linear(one, w, None), cl._launch_ctypes(one, w, None, 1))
     with pytest.raises(RuntimeError, match="contiguous \\[N, K\\] weight"):
         torch.ops.tritonspec_cpu.linear(torch.randn(2, 8), torch.randn(8, 4).t(), None)
+
+
+@needs[torch.float32]
+@pytest.mark.parametrize("spec", [(3, 1, 4), (3, 2, 7)], ids=["chain", "tree"])
+def test_speculative_equals_plain_through_the_kernel(monkeypatch, spec):
+    """End to end, every linear layer on the kernel: greedy speculative output equals plain output
+    in the default mode (the kernel's size floors lowered to the tiny targets'), and in deterministic
+    mode (the kernel for every weight) seeded sampling too, batch 1 and 4."""
+    import tritonspec as ts
+
+    from _util import perm_pair, random_prompts, runtime
+
+    monkeypatch.setattr(cl, "MIN_WEIGHT", 1)
+    monkeypatch.setattr(cl, "MIN_K", 1)
+    calls = []
+    real = cl.linear
+    monkeypatch.setattr(cl, "linear", lambda *a: calls.append(1) or real(*a))
+    model, drafter = perm_pair("llama", vocab=24, seed=5, alpha=0.4)
+    prompts = random_prompts(24, [3, 7, 12, 5], seed=1)
+    for deterministic in (False, True):
+        rt = runtime(model, drafter, ts.SpecConfig(*spec), max_batch_size=4, deterministic=deterministic)
+        sampled = [dict(temperature=1.0, seed=[3, 1, 4, 1])] if deterministic else []
+        for kw in [dict(), *sampled]:
+            for batch in (prompts[:1], prompts):
+                kw_b = {k: (v[: len(batch)] if k == "seed" else v) for k, v in kw.items()}
+                a = rt.generate(batch, max_new_tokens=32, **kw_b)
+                b = rt.generate(batch, max_new_tokens=32, speculative=False, **kw_b)
+                assert a.token_ids == b.token_ids, (deterministic, kw)
+                assert a.stats.num_drafts > 0
+        assert rt.ops._kernel_for[torch.float32]
+        if deterministic:
+            assert {p.method for p in rt.ops.probes if p.op == "linear"} == {"kernel"}
+    assert len(calls) > 1000  # the default mode's calls went through the kernel's dispatch
+
+
+def test_runtime_option_is_checked():
+    import tritonspec as ts
+
+    from _util import tiny_target
+
+    with pytest.raises(ts.UserError, match="cpu_linear='fast' is not one of"):
+        ts.SpeculativeRuntime.from_pretrained(tiny_target("llama", seed=0), cpu_linear="fast")
