@@ -152,6 +152,7 @@ def _convert(path: Path, out: Path, digest: str) -> None:
         config = model.config.to_dict()
         config.pop("quantization_config", None)
         config["dtype"] = "float32"
+        config["architectures"] = config.get("architectures") or [type(model).__name__]  # tools read it
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         tokenizer.save_pretrained(str(tmp))
         meta = {"source": str(path.resolve()), "sha256": digest, "size": path.stat().st_size}

@@ -159,6 +159,7 @@ def test_converted_directory_is_a_model_directory(either):
     assert cfg["vocab_size"] == 256 + len(MERGES) + len(SPECIALS)
     assert cfg["tie_word_embeddings"] == (path.name == "tiny-tied.gguf")
     assert "quantization_config" not in cfg and cfg["dtype"] == "float32"
+    assert cfg["architectures"] == ["LlamaForCausalLM"]  # llama.cpp's convert_hf_to_gguf.py needs it
     meta = json.loads((d / gg.COMPLETE).read_text())
     assert meta["sha256"] == gg.file_sha256(path) and d.name == meta["sha256"][:16]
     assert list(d.parent.glob(".convert-*")) == []  # no temporary directory left behind
