@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
+from .store import cache_base
+
 SOURCE = Path(__file__).parent / "cpu" / "linear.c"
 OP_SOURCE = Path(__file__).parent / "cpu" / "linear_op.cpp"
 MODES = ("auto", "kernel", "torch")
@@ -109,27 +111,25 @@ def _compiler() -> str | None:
 
 def cache_dir() -> Path:
     """Where built kernels live: ``$TRITONSPEC_CACHE/cpu_kernels`` (default ``~/.cache/tritonspec``)."""
-    base = os.environ.get("TRITONSPEC_CACHE") or Path.home() / ".cache" / "tritonspec"
-    return Path(base) / "cpu_kernels"
+    return cache_base() / "cpu_kernels"
 
 
-def _build(out: Path, cmds: list[list[str]], what: str) -> None:
-    """Run ``cmds`` (the last one writes ``{tmp}``) and move the result to ``out`` atomically."""
+def _build(out: Path, cmds: list[list[str]], what: str, temps: tuple[str, ...] = ()) -> None:
+    """Run ``cmds`` (the last one writes ``{tmp}``), move the result to ``out`` atomically, and
+    remove ``{tmp}`` and the intermediate ``temps`` whatever happens."""
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=out.suffix, dir=out.parent)
     os.close(fd)
-    objs = []
     try:
         for cmd in cmds:
             cmd = [a.replace("{tmp}", tmp) for a in cmd]
-            objs += [a for a in cmd if a.endswith(".o") and a.startswith(str(out.parent))]
             r = subprocess.run(cmd, capture_output=True, text=True)
             if r.returncode != 0:
                 raise CpuLinearUnavailable(f"building {what} with {cmd[0]} failed:\n{r.stderr[-2000:]}")
         os.replace(tmp, out)  # atomic: a concurrent build writes the same bytes
     finally:
-        for f in [tmp, *objs]:
-            if os.path.exists(f) and f != str(out):
+        for f in (tmp, *temps):
+            if os.path.exists(f):
                 os.unlink(f)
 
 
@@ -185,7 +185,7 @@ def native_op() -> str | None:
             cxx_cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
             cxx_cmd += [*(f"-I{p}" for p in include_paths()), str(OP_SOURCE), obj, "-o", "{tmp}"]
             cxx_cmd += [f"-L{lib_dir}", "-lc10", "-ltorch_cpu"]
-            _build(out, [c_cmd, cxx_cmd], OP_SOURCE.name)
+            _build(out, [c_cmd, cxx_cmd], OP_SOURCE.name, temps=(obj,))
         torch.ops.load_library(str(out))
         torch.library.register_fake("tritonspec_cpu::linear")(_fake)
     except (CpuLinearUnavailable, OSError, RuntimeError) as e:
@@ -343,12 +343,10 @@ def linear(
         or x.numel() > MAX_ROWS * x.shape[-1]
         or not weight.is_contiguous()
         or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))
-        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-        or (bias is not None and bias.requires_grad and torch.is_grad_enabled())
+        or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))
     ):
         return F.linear(x, weight, bias)
-    if _native_ready():  # an operator: traced and compiled as one
-        return torch.ops.tritonspec_cpu.linear(x, weight, bias, -1)
-    if torch.compiler.is_compiling() or get_proxy_mode() is not None or isinstance(x, FakeTensor):
+    tracing = torch.compiler.is_compiling() or get_proxy_mode() is not None or isinstance(x, FakeTensor)
+    if tracing and not _native_ready():  # ctypes cannot be traced: the Python custom op stands in
         return _cpu_linear_op(x, weight, bias)
-    return _launch(x, weight, bias, None)
+    return _launch(x, weight, bias, None)  # the native operator is traced and compiled as one

@@ -115,13 +115,19 @@ def search_dirs() -> list[Path]:
     return [user_dir(), SHIPPED_DIR]
 
 
+def cache_base() -> Path:
+    """The user cache every tritonspec cache lives under: ``$TRITONSPEC_CACHE``, else
+    ``~/.cache/tritonspec`` (tuned configs, converted GGUF targets, built CPU kernels)."""
+    cache = os.environ.get("TRITONSPEC_CACHE")
+    return Path(cache) if cache else Path.home() / ".cache" / "tritonspec"
+
+
 def user_dir() -> Path:
     """Where ``tritonspec autotune`` writes by default (``$TRITONSPEC_TUNED_DIR`` when set)."""
     env = os.environ.get(ENV_DIR)
     if env:
         return Path(env)
-    cache = os.environ.get("TRITONSPEC_CACHE")
-    return (Path(cache) if cache else Path.home() / ".cache" / "tritonspec") / "tuned"
+    return cache_base() / "tuned"
 
 
 # ------------------------------------------------------------------------------------------ files

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.cpu_linear import MODES as CPU_LINEAR_MODES
 from .config import GenerationOutput, SpecConfig, SpecStats, StreamPiece
 from .decode import Decoder, DraftObserver
 from .deterministic import DeterministicOps
@@ -88,8 +89,8 @@ class SpeculativeRuntime:
         self.device = target.device
         self._lock = target.decode_lock  # one request at a time per target: runtimes sharing it share its cache
         self.backend = resolve_backend(backend, self.device)
-        if cpu_linear not in ("auto", "kernel", "torch"):
-            raise UserError(f"cpu_linear={cpu_linear!r} is not one of ('auto', 'kernel', 'torch')")
+        if cpu_linear not in CPU_LINEAR_MODES:  # checked for every backend, not only the torch one
+            raise UserError(f"cpu_linear={cpu_linear!r} is not one of {CPU_LINEAR_MODES}")
         self.ops = get_ops(self.backend, cpu_linear)
         self.deterministic = bool(deterministic)  # every op row-invariant (runtime/deterministic.py)
         if self.deterministic:

@@ -25,6 +25,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from ..kernels.store import cache_base
 from .errors import UserError
 
 GGUF_MAGIC = b"GGUF"
@@ -43,8 +44,7 @@ COMPLETE = "tritonspec-gguf.json"  # written last: a cache directory without it 
 
 def cache_root() -> Path:
     """Where converted GGUF files are cached (``$TRITONSPEC_CACHE/gguf`` or ``~/.cache/tritonspec/gguf``)."""
-    base = os.environ.get("TRITONSPEC_CACHE") or Path.home() / ".cache" / "tritonspec"
-    return Path(base) / "gguf"
+    return cache_base() / "gguf"
 
 
 def known_model_file(name: str) -> Path:
