@@ -48,6 +48,9 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 from .store import cache_base
 
 SOURCE = Path(__file__).parent / "cpu" / "linear.c"
+# the C sources built into one library: the linear kernel, the decode attention and RMSNorm
+# (kernels/cpu_attention.py, kernels/cpu_norm.py)
+SOURCES = (SOURCE, Path(__file__).parent / "cpu" / "attention.c", Path(__file__).parent / "cpu" / "norm.c")
 OP_SOURCE = Path(__file__).parent / "cpu" / "linear_op.cpp"
 MODES = ("auto", "kernel", "torch")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -135,7 +138,8 @@ def _build(out: Path, cmds: list[list[str]], what: str, temps: tuple[str, ...] =
 
 def _key(*parts: object) -> str:
     cpu = (sorted(_cpu_flags()), platform.processor())
-    return hashlib.sha256(SOURCE.read_bytes() + repr((parts, CFLAGS, cpu)).encode()).hexdigest()[:16]
+    src = b"".join(f.read_bytes() for f in SOURCES)
+    return hashlib.sha256(src + repr((parts, CFLAGS, cpu)).encode()).hexdigest()[:16]
 
 
 @functools.cache
@@ -151,12 +155,21 @@ def _library() -> ctypes.CDLL:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout.splitlines()[:1]
     out = cache_dir() / f"linear-{_key(version)}.so"
     if not out.exists():
-        _build(out, [[cc, *CFLAGS, "-o", "{tmp}", str(SOURCE)]], SOURCE.name)
+        _build(out, [[cc, *CFLAGS, "-o", "{tmp}", *map(str, SOURCES)]], ", ".join(f.name for f in SOURCES))
     lib = ctypes.CDLL(str(out))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     for name in ("tritonspec_linear_f32", "tritonspec_linear_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
+        fn.restype = None
+    for name in ("tritonspec_tree_attention_f32", "tritonspec_tree_attention_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, *[i64] * 7, p, p, *[i64] * 5, ctypes.c_float, p]
+        fn.argtypes += [ctypes.c_int]
+        fn.restype = ctypes.c_int
+    for name in ("tritonspec_rms_norm_f32", "tritonspec_rms_norm_bf16"):
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, p, i64, p, i64, i64, ctypes.c_float, p, p, ctypes.c_int]
         fn.restype = None
     return lib
 
@@ -177,17 +190,21 @@ def native_op() -> str | None:
         abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
         out = cache_dir() / f"linear_op-{_key(version, OP_SOURCE.read_bytes(), torch.__version__, abi)}.so"
         if not out.exists():
-            obj = str(out.with_suffix(f".{os.getpid()}.o"))
+            objs = [str(out.with_suffix(f".{f.stem}.{os.getpid()}.o")) for f in SOURCES]
             lib_dir = str(Path(torch.__file__).parent / "lib")
-            c_cmd = [_compiler(), "-O3", "-march=native", "-fopenmp", "-std=gnu11", "-fPIC", "-c", str(SOURCE)]
-            c_cmd += ["-o", obj]
+            c_cmds = [
+                [_compiler(), "-O3", "-march=native", "-fopenmp", "-std=gnu11", "-fPIC", "-c", str(f), "-o", o]
+                for f, o in zip(SOURCES, objs)
+            ]
             cxx_cmd = [cxx, "-O2", "-std=c++17", "-w", "-shared", "-fPIC", "-fopenmp"]
             cxx_cmd += [f"-D_GLIBCXX_USE_CXX11_ABI={abi}"]
-            cxx_cmd += [*(f"-I{p}" for p in include_paths()), str(OP_SOURCE), obj, "-o", "{tmp}"]
+            cxx_cmd += [*(f"-I{p}" for p in include_paths()), str(OP_SOURCE), *objs, "-o", "{tmp}"]
             cxx_cmd += [f"-L{lib_dir}", "-lc10", "-ltorch_cpu"]
-            _build(out, [c_cmd, cxx_cmd], OP_SOURCE.name, temps=(obj,))
+            _build(out, [*c_cmds, cxx_cmd], OP_SOURCE.name, temps=tuple(objs))
         torch.ops.load_library(str(out))
         torch.library.register_fake("tritonspec_cpu::linear")(_fake)
+        torch.library.register_fake("tritonspec_cpu::tree_attention")(_fake_attention)
+        torch.library.register_fake("tritonspec_cpu::rms_norm")(_fake_norm)
     except (CpuLinearUnavailable, OSError, RuntimeError) as e:
         return str(e)
     return None
@@ -201,6 +218,15 @@ def _native_ready() -> bool:
 
 def _fake(x, weight, bias=None, threads=-1):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _fake_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len, threads=-1):
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _fake_norm(x, weight, eps, residual=None, threads=-1):
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, (torch.empty_like(y) if residual is not None else x.new_empty((0,)))
 
 
 @functools.cache

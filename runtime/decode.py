@@ -168,6 +168,7 @@ class Decoder:
         self.rng: RowRandom | None = None
         self.speculative = False
         self.deterministic = False  # sample by position_race (runtime/deterministic.py); set by the engine
+        self.pad_root = False  # plain rounds verify root + a padding node (deterministic mode on probed ops)
         self._kv_cap: int | None = None  # attention bound of a whole-cache round (``round(kv_cap=)``)
 
     def _fit(self, spec: SpecConfig) -> None:
@@ -552,10 +553,11 @@ class Decoder:
         return tree
 
     def root_tree(self) -> DraftTree:
-        """The tree of plain decoding: the root alone. Deterministic mode appends a padding node
-        (parent -1, never accepted) so that every op of the forward runs on the two rows from which
-        a CPU's matmuls are row-invariant, instead of padding op by op (``runtime/deterministic.py``)."""
-        if not self.deterministic:
+        """The tree of plain decoding: the root alone. Deterministic mode on probed ops (``pad_root``)
+        appends a padding node (parent -1, never accepted) so that every op of the forward runs on the
+        two rows from which a CPU's matmuls are row-invariant, instead of padding op by op
+        (``runtime/deterministic.py``); on the CPU kernels, row-invariant at any count, it does not."""
+        if not self.pad_root:
             return self.chain_tree(self.root[:, None])
         B = self.root.shape[0]
         c = self._chains.get((B, 0))

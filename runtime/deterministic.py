@@ -25,16 +25,21 @@ Why the default mode is not row-invariant, and what this module does about it, o
   caches it, and ``linear`` pads smaller calls with zero rows up to M0. An ``[N, K]`` weight whose
   ``[K, N]`` copy needs fewer rows runs on that copy; one with no M0 runs one-row products (every
   row a GEMV) or the fixed-order fallbacks (every call exactly ``max_rows`` rows, else one row at a
-  time at row 0 of a fixed block), with a ``DeterminismWarning`` naming the shape. Plain decoding
-  verifies the root plus a never-accepted padding node (``Decoder.root_tree``), so its forward runs
-  two rows and needs no padding at all. On a GPU the linear layers run
+  time at row 0 of a fixed block), with a ``DeterminismWarning`` naming the shape. Plain decoding on
+  probed ops verifies the root plus a never-accepted padding node (``Decoder.root_tree``,
+  ``pad_root``), so its forward runs two rows and needs no padding at all; on the CPU kernels, which
+  are row-invariant at one row too (``one_row_invariant``), it runs the root alone. On a GPU the linear layers run
   ``kernels.batch_invariant_matmul`` (one tile configuration, no split-K) instead.
 * **Attention.** A query's result must depend only on its sequence of visible keys, but the
   default kernels reduce over cache slots: a verify forward sees its ancestors at scattered tree
   slots, a decode step the same keys contiguous, and SDPA's blocking (and online-softmax
   rescaling) follows the slot layout and the ``kv_len`` bound. Here each query reads its
   *canonical sequence* (the committed prefix, then its visible tree slots in order, as positions
-  0..n-1). On a CPU that is PyTorch's SDPA (``sdpa_rows``) over keys rounded up to whole key
+  0..n-1). Where the CPU kernels run (the torch backend, float32/bfloat16, ``cpu_linear``) that is
+  ``kernels.cpu_attention``: it reads exactly each query's visible keys, in order, in blocks of 64
+  visible keys, so it is row-invariant by construction (probe method ``"kernel"``, still checked end
+  to end at load by ``_check_attention``), and prompts run it too as a causal tree after an empty
+  prefix. Elsewhere on a CPU it is PyTorch's SDPA (``sdpa_rows``) over keys rounded up to whole key
   blocks (its results then do not depend on the bound) with a row-invariant number of query rows
   (probed: one row alone, or a last block of one row, rounds differently): it reads the cache
   itself when every sequence is a prefix of the slots (one token, a chain, a prompt) and a
@@ -49,13 +54,15 @@ Why the default mode is not row-invariant, and what this module does about it, o
 
   with the chunks wholly inside the committed prefix shared by a row's queries and the rest
   gathered per query; both go through the same fixed-shape chunk products.
-* **RMSNorm** is a per-row reduction; its probe found it row-invariant at any count here
+* **RMSNorm** runs ``kernels.cpu_norm`` where the CPU kernels run (one fixed order per row).
+  Elsewhere it is a per-row reduction whose probe found it row-invariant at any count here
   (otherwise it is padded like ``linear``). The Triton kernel is row-invariant by design.
 * **Elementwise ops outside the op layer** (``F.silu`` in the MLP): vectorised CPU kernels
   compute a tensor's last ``n mod 32`` elements in a scalar tail that may round differently, so
   ``linear`` returns rows at a stride padded to a multiple of ``ALIGN`` when N is not one: every
   row is then processed alike. Intra-op threads split large tensors at size-dependent points, so
-  the runtime runs the forwards with one thread on a CPU (``DeterministicOps.threads``).
+  the runtime runs the forwards with one thread on a CPU (``DeterministicOps.threads``); the CPU
+  kernels keep the caller's thread count (their results do not depend on it).
 * **Sampling** (temperature > 0): the token at absolute position t of a request is the
   exponential race ``argmax_v z_v - log xi_v`` of the processed logits z with noise
   xi ~ Exp(1) hashed from (the request's seed, t, v) (``position_race``). Verification accepts a
@@ -80,7 +87,7 @@ from typing import Any
 
 import torch
 
-from ..kernels import cpu_linear
+from ..kernels import cpu_attention, cpu_linear
 from .errors import UserError
 from .sampling import mix32
 
@@ -129,7 +136,10 @@ class Probe:
         if self.method == "rows":
             how = f"{how if self.min_rows is not None else 'no invariant row count'}; runs one-row products"
         if self.method == "kernel":
-            how = "kernels.cpu_linear (row-invariant by construction, not probed)"
+            kernel = {"linear": "cpu_linear", "rms_norm": "cpu_norm", "attention": "cpu_attention"}.get(
+                self.op, self.op
+            )
+            how = f"kernels.{kernel} (row-invariant by construction" + (", checked)" if self.op == "attention" else ")")
         if self.skip:
             how += f", avoiding {_ranges(self.skip)}"
         lay = f" {self.layout}" if self.layout else ""
@@ -652,10 +662,31 @@ class DeterministicOps:
             and self.ops._cpu_kernel(weight.dtype)  # the runtime's cpu_linear choice
         )
 
+    def _cpu_kernels(self, dtype: torch.dtype) -> bool:
+        """Whether the CPU kernels (``kernels.cpu_linear``/``cpu_norm``/``cpu_attention``) run ``dtype``
+        here: the torch backend on a CPU where they build (the runtime's ``cpu_linear``)."""
+        return (
+            self._gpu is None
+            and self.name == "torch"
+            and dtype in (torch.float32, torch.bfloat16)
+            and self.ops._cpu_kernel(dtype)
+        )
+
+    @property
+    def one_row_invariant(self) -> bool:
+        """Every probed op gives a one-row call the bits of the same row in a larger call (the CPU
+        kernels): plain rounds then need no padding node (``Decoder.pad_root``)."""
+        return self._gpu is None and all(
+            p.method == "kernel" or (p.min_rows == 1 and p.fallback is None) for p in self._used.values()
+        )
+
     def _norm_probe(self, hidden: int, dtype: torch.dtype, residual: bool) -> Probe:
-        key = ("rms_norm", hidden, residual, dtype, self.device.type)
+        key = ("rms_norm", hidden, residual, dtype, self.device.type, self._cpu_kernels(dtype))
 
         def run() -> Probe:
+            if self._cpu_kernels(dtype):  # kernels.cpu_norm: row-invariant by construction
+                lay = "+residual" if residual else ""
+                return Probe("rms_norm", (hidden,), lay, _dt(dtype), "cpu", _threads(self.device), 1, method="kernel")
             if self.name == "triton":  # one program per row (kernels/rms_norm.py): invariant by design
                 found = 1
             else:
@@ -709,9 +740,15 @@ class DeterministicOps:
         (``min_rows`` and ``skip``), then an end-to-end check of the canonical-sequence attention
         (one token, a chain, a branching tree among other rows, a prompt) against itself; a
         failure selects the fixed-order fallback (``chunked_attention``)."""
-        key = ("attention", hq, hkv, d, dtype, self.device.type)
+        kernel = self._cpu_kernels(dtype) and hkv > 0 and hq % hkv == 0
+        kernel = kernel and hq // hkv <= cpu_attention.MAX_GROUP and d <= cpu_attention.MAX_HEAD_DIM
+        key = ("attention", hq, hkv, d, dtype, self.device.type, kernel)
 
         def run() -> Probe:
+            if kernel:  # kernels.cpu_attention: each query's visible keys in order, checked end to end
+                p = Probe("attention", (hq, hkv, d), "", _dt(dtype), "cpu", _threads(self.device), 1, method="kernel")
+                if _check_attention(self, p, hq, hkv, d, dtype):
+                    return p
             counts = list(range(1, self.max_rows + 1)) + [m for m in (96, SDPA_ROWS) if m > self.max_rows]
             good = _sdpa_counts(hkv, d, dtype, self.device, counts)
             probe = Probe("attention", (hq, hkv, d), "sdpa", _dt(dtype), self.device.type, _threads(self.device), None)
@@ -885,6 +922,9 @@ class DeterministicOps:
         return self._tree_attention(self._attention(q), q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len)
 
     def _tree_attention(self, plan, q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len):
+        if isinstance(plan, Probe) and plan.method == "kernel":  # the caller's threads: results do not depend on them
+            args = (q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len)
+            return cpu_attention.cpu_tree_attention(*args, threads=self._kernel_threads)
         S = k_cache.shape[1] if kv_len is None else kv_len
         B, Q, Hq, D = q.shape
         G = Hq // k_cache.shape[2]
@@ -922,6 +962,10 @@ class DeterministicOps:
 
     def _prefill_attention(self, plan, q, k, v, scale):
         B, P, Hq, D = q.shape
+        if isinstance(plan, Probe) and plan.method == "kernel":  # causal = a tree of P nodes after an empty prefix
+            causal = torch.ones(P, P, dtype=torch.bool, device=q.device).tril().expand(B, P, P)
+            prefix = torch.zeros(B, dtype=torch.int64, device=q.device)
+            return cpu_attention.cpu_tree_attention(q, k, v, prefix, causal, scale, threads=self._kernel_threads)
         if not isinstance(plan, Probe):
             step = max(CHUNK, (_PREFILL_SCORES // max(B * Hq * -(-P // CHUNK) * CHUNK, 1)) // CHUNK * CHUNK)
             outs = [

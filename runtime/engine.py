@@ -143,6 +143,7 @@ class SpeculativeRuntime:
         self.decoder.deterministic = self.deterministic
         if self.deterministic:
             self.ops.prepare(target, drafter)  # probe every shape at load: warnings now, not mid-request
+            self.decoder.pad_root = not self.ops.one_row_invariant  # plain rounds: a padding node unless not needed
 
     @property
     def spec(self) -> SpecConfig:
@@ -172,6 +173,14 @@ class SpeculativeRuntime:
     def compiled(self) -> bool:
         """Whether decode rounds run compiled on the CPU (``compile=True``; ``runtime/graphs.py``)."""
         return self._graphs is not None and self._graphs.backend == "compile"
+
+    @property
+    def cpu_kernels(self) -> bool:
+        """Whether the target's linear layers (above ``kernels.cpu_linear``'s size floors), attention
+        and RMSNorm run this project's row-invariant CPU kernels (``cpu_linear``: the torch backend on
+        an AVX-512 CPU where they build); False on a GPU or with ``cpu_linear="torch"``."""
+        ops = getattr(self.ops, "ops", self.ops)  # DeterministicOps wraps the backend's ops
+        return self.device.type == "cpu" and ops.name == "torch" and ops._cpu_kernel(self.target.dtype)
 
     def warmup(
         self,

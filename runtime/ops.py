@@ -15,7 +15,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_attention as _cpu_attention
 from ..kernels import cpu_linear as _cpu_linear
+from ..kernels import cpu_norm as _cpu_norm
 from ..kernels.aux_gather import aux_gather_reference
 from ..kernels.kv_compact import kv_compact_reference
 from ..kernels.kv_write import kv_write_reference
@@ -167,7 +169,15 @@ class TorchOps:
             on = self._kernel_for[dtype] = ok and _cpu_linear.enabled(dtype, self.cpu_linear)
         return on
 
-    rms_norm = staticmethod(rms_norm_reference)
+    def rms_norm(self, x, weight, eps, residual=None):
+        """``kernels.rms_norm.rms_norm_reference``; on the CPU, ``kernels.cpu_norm`` where the CPU
+        kernels run (the ``cpu_linear`` switch): one op a call, each row's sum in one fixed order."""
+        if x.is_cpu and self._cpu_kernel(x.dtype):
+            out = _cpu_norm.rms_norm(x, weight, eps, residual)
+            if out is not None:
+                return out
+        return rms_norm_reference(x, weight, eps, residual)
+
     aux_gather = staticmethod(aux_gather_reference)
     kv_write = staticmethod(kv_write_reference)
 
@@ -184,10 +194,15 @@ class TorchOps:
         self._vis = None
 
     def tree_attention(self, q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None):
-        """``kernels.tree_attention.tree_attention_reference``, with two CPU speed-ups that do not
-        change the math: the visibility mask is built once per forward (every layer passes the same
-        ``prefix_lens``/``tree_mask`` objects; ``begin_forward`` clears it) and GQA heads are
-        broadcast, not copied."""
+        """``kernels.tree_attention.tree_attention_reference``. On the CPU, ``kernels.cpu_attention``
+        where the CPU kernels run (the ``cpu_linear`` switch): row-invariant, each query's visible
+        keys only. Otherwise SDPA with two speed-ups that do not change the math: the visibility mask
+        is built once per forward (every layer passes the same ``prefix_lens``/``tree_mask`` objects;
+        ``begin_forward`` clears it) and GQA heads are broadcast, not copied."""
+        if q.is_cpu and self._cpu_kernel(q.dtype):
+            out = _cpu_attention.tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len)
+            if out is not None:
+                return out
         B = q.shape[0]
         S = k_cache.shape[1] if kv_len is None else kv_len
         c = self._vis

@@ -52,6 +52,19 @@ def test_generate_cuda_graphs_flag(pair_dirs, capsys):
         main(args + ["--cuda-graphs", "maybe"])
 
 
+def test_stats_line_names_the_cpu_kernels(pair_dirs, capsys):
+    """The stats line says whether the row-invariant CPU kernels ran (``--cpu-linear``)."""
+    from tritonspec.kernels import cpu_linear
+
+    t, d = pair_dirs
+    args = ["generate", "--target", str(t), "--drafter", str(d), "--max-new-tokens", "4", "def f(x):"]
+    assert main(args + ["--cpu-linear", "torch"]) == 0
+    assert "cpu_kernels=off" in capsys.readouterr().out
+    assert main(args) == 0
+    want = "on" if cpu_linear.available(torch.float32) is None else "off"
+    assert f"cpu_kernels={want}" in capsys.readouterr().out
+
+
 def test_generate_reads_stdin_and_runs_plain(pair_dirs, capsys, monkeypatch):
     t, _ = pair_dirs
     monkeypatch.setattr(sys, "stdin", io.StringIO("import os\n"))

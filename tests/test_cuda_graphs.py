@@ -357,7 +357,8 @@ def test_cuda_branch_against_a_fake_torch_cuda(monkeypatch):
 
 def test_torch_ops_mask_cache_is_per_forward():
     """The round updates the lengths in place; a new forward must not reuse the old mask
-    (inverse: without ``begin_forward`` the stale mask is served)."""
+    (inverse: without ``begin_forward`` the stale mask is served). The SDPA path (the CPU attention
+    kernel reads the lengths at each call and caches nothing)."""
     from tritonspec.kernels.tree_attention import tree_attention_reference
     from tritonspec.runtime.ops import TorchOps
 
@@ -365,7 +366,7 @@ def test_torch_ops_mask_cache_is_per_forward():
     q = torch.randn(1, 2, 2, 8, generator=g)
     k, v = torch.randn(1, 12, 2, 8, generator=g), torch.randn(1, 12, 2, 8, generator=g)
     lens, mask = torch.tensor([3]), torch.ones(1, 2, 2, dtype=torch.bool).tril()
-    ops = TorchOps()
+    ops = TorchOps("torch")
     ops.begin_forward()
     ops.tree_attention(q, k, v, lens, mask, 0.3, 10)
     lens.add_(4)

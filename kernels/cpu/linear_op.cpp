@@ -1,8 +1,11 @@
-// torch.ops.tritonspec_cpu.linear: linear.c's row-invariant kernel as a PyTorch operator, so eager calls
-// and compiled rounds (inductor calls it from C++) reach it without a Python frame (~4.6 us a call
-// against ~6 through ctypes and ~24 through a Python custom op). Built beside linear.c by
-// kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are there; otherwise the ctypes
-// path runs the same kernel.
+// torch.ops.tritonspec_cpu.linear, .tree_attention and .rms_norm: linear.c's, attention.c's and norm.c's row-invariant kernels
+// as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
+// without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
+// Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
+// there; otherwise the ctypes path runs the same kernels.
+#include <algorithm>
+#include <tuple>
+
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -14,6 +17,18 @@ void tritonspec_linear_f32(const float*, int64_t, int64_t, const float*, int64_t
                            int64_t, int);
 void tritonspec_linear_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*,
                             uint16_t*, int64_t, int);
+int tritonspec_tree_attention_f32(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                  const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                  int64_t, const int64_t*, const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                  float, float*, int);
+int tritonspec_tree_attention_bf16(const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                   const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                                   int64_t, int64_t, const int64_t*, const uint8_t*, int64_t, int64_t, int64_t, int64_t,
+                                   int64_t, float, uint16_t*, int);
+void tritonspec_rms_norm_f32(const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, float, float*,
+                             float*, int);
+void tritonspec_rms_norm_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
+                              float, uint16_t*, uint16_t*, int);
 }
 
 namespace {
@@ -51,8 +66,97 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   return y;
 }
 
+// attention.c: q [B, Q, Hq, D], caches [>=B, >=S, Hkv, D] (unit stride along D, D-strided heads), prefix_lens
+// [B] int64, tree_mask [B, Q, T] bool; slots >= kv_len are never read. Returns [B, Q, Hq, D] contiguous.
+at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& prefix_lens,
+                          const at::Tensor& tree_mask, double scale, int64_t kv_len, int64_t threads) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16,
+              "tritonspec_cpu::tree_attention takes float32 or bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "tritonspec_cpu::tree_attention: q and the caches must share one dtype");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes(), "tritonspec_cpu::tree_attention: q [B, Q, Hq, D], "
+              "k_cache and v_cache [B_max, S, Hkv, D]");
+  const int64_t B = q.size(0), Q = q.size(1), Hq = q.size(2), D = q.size(3), Hkv = k.size(2), T = tree_mask.size(-1);
+  TORCH_CHECK(k.size(3) == D && k.size(0) >= B && Hkv > 0 && Hq % Hkv == 0 && Hq / Hkv <= 16 && D <= 256,
+              "tritonspec_cpu::tree_attention: shapes q ", q.sizes(), " k_cache ", k.sizes(), " not supported");
+  TORCH_CHECK(q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1 && k.stride(2) == D && v.stride(2) == D,
+              "tritonspec_cpu::tree_attention: unit stride along D and D-strided heads needed");
+  TORCH_CHECK(prefix_lens.scalar_type() == at::kLong && prefix_lens.numel() == B && prefix_lens.is_contiguous(),
+              "tritonspec_cpu::tree_attention: prefix_lens must be a contiguous int64 [B] tensor");
+  TORCH_CHECK(tree_mask.scalar_type() == at::kBool && tree_mask.dim() == 3 && tree_mask.size(0) == B &&
+                  tree_mask.size(1) == Q,
+              "tritonspec_cpu::tree_attention: tree_mask must be a bool [B, Q, T] tensor");
+  at::Tensor out = at::empty({B, Q, Hq, D}, q.options());
+  if (out.numel() == 0) return out;
+  const int64_t S = std::min<int64_t>(kv_len >= 0 ? kv_len : k.size(1), k.size(1));
+  const int nt = threads > 0 ? int(threads) : at::get_num_threads();
+  const auto* pl = prefix_lens.const_data_ptr<int64_t>();
+  const auto* tm = reinterpret_cast<const uint8_t*>(tree_mask.const_data_ptr<bool>());
+  int rc;
+  if (q.scalar_type() == at::kFloat) {
+    rc = tritonspec_tree_attention_f32(q.const_data_ptr<float>(), B, Q, Hq, D, q.stride(0), q.stride(1), q.stride(2),
+                                       k.const_data_ptr<float>(), v.const_data_ptr<float>(), Hkv, k.stride(0),
+                                       k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), pl, tm,
+                                       tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2), T, S,
+                                       float(scale), out.mutable_data_ptr<float>(), nt);
+  } else {
+    auto u16 = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<c10::BFloat16>()); };
+    rc = tritonspec_tree_attention_bf16(u16(q), B, Q, Hq, D, q.stride(0), q.stride(1), q.stride(2), u16(k), u16(v), Hkv,
+                                        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2), pl,
+                                        tm, tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2), T, S,
+                                        float(scale),
+                                        reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>()), nt);
+  }
+  TORCH_CHECK(rc == 0, "tritonspec_cpu::tree_attention: unsupported head shape");
+  return out;
+}
+
+// norm.c: (y, s) with s = x + residual (an empty tensor without residual) and y = RMSNorm(s) * weight.
+std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tensor& w, double eps,
+                                            const std::optional<at::Tensor>& r, int64_t threads) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "tritonspec_cpu::rms_norm takes float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == x.scalar_type() && (!r || r->scalar_type() == x.scalar_type()),
+              "tritonspec_cpu::rms_norm: x, weight and residual must share one dtype");
+  const int64_t H = x.size(-1);
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == H && w.is_contiguous(), "tritonspec_cpu::rms_norm: weight must be [H]");
+  TORCH_CHECK(!r || r->sizes() == x.sizes(), "tritonspec_cpu::rms_norm: residual must have x's shape");
+  at::Tensor y = at::empty(x.sizes(), x.options());
+  at::Tensor s = r ? at::empty(x.sizes(), x.options()) : at::empty({0}, x.options());
+  const int64_t M = H ? x.numel() / H : 0;
+  if (M == 0 || H == 0) return {y, s};
+  at::Tensor xc = x.reshape({M, H});
+  if (xc.stride(1) != 1) xc = xc.contiguous();
+  at::Tensor rc;
+  if (r) {
+    rc = r->reshape({M, H});
+    if (rc.stride(1) != 1) rc = rc.contiguous();
+  }
+  const int nt = threads > 0 ? int(threads) : at::get_num_threads();
+  if (x.scalar_type() == at::kFloat) {
+    tritonspec_rms_norm_f32(xc.const_data_ptr<float>(), xc.stride(0), r ? rc.const_data_ptr<float>() : nullptr,
+                            r ? rc.stride(0) : 0, w.const_data_ptr<float>(), M, H, float(eps),
+                            y.mutable_data_ptr<float>(), r ? s.mutable_data_ptr<float>() : nullptr, nt);
+  } else {
+    auto c16 = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<c10::BFloat16>()); };
+    auto m16 = [](at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr<c10::BFloat16>()); };
+    tritonspec_rms_norm_bf16(c16(xc), xc.stride(0), r ? c16(rc) : nullptr, r ? rc.stride(0) : 0, c16(w), M, H,
+                             float(eps), m16(y), r ? m16(s) : nullptr, nt);
+  }
+  return {y, s};
+}
+
 }  // namespace
 
-TORCH_LIBRARY(tritonspec_cpu, m) { m.def("linear(Tensor x, Tensor weight, Tensor? bias, int threads=-1) -> Tensor"); }
+TORCH_LIBRARY(tritonspec_cpu, m) {
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias, int threads=-1) -> Tensor");
+  m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor prefix_lens, Tensor tree_mask, float scale, "
+        "int kv_len, int threads=-1) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual, int threads=-1) -> (Tensor, Tensor)");
+}
 
-TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) { m.impl("linear", &linear); }
+TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
+  m.impl("linear", &linear);
+  m.impl("tree_attention", &tree_attention);
+  m.impl("rms_norm", &rms_norm);
+}

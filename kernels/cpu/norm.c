@@ -1,0 +1,69 @@
+/* Row-invariant RMSNorm for x86-64 CPUs with AVX-512 (float32 and bfloat16 storage).
+ *
+ *     s = x (+ residual)                         rounded to the storage dtype, as PyTorch's add
+ *     y = w * round(s * rsqrt(mean(s^2) + eps))  the sum of squares in float32, y rounded once
+ *
+ * Each row's sum of squares is one 16-lane float32 accumulator walked over H in order, then
+ * _mm512_reduce_add_ps: the same sequence whatever the number of rows or threads (rows are split over
+ * threads whole), so a row's result never depends on the call it sits in, eager or compiled (inductor
+ * sees an opaque operator and cannot re-associate the reduction by row count).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+
+#define SMALL_ROWS 64 /* calls with fewer rows run on one thread */
+
+static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
+static inline __m512 ld_f32(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+static inline __m512 ld_bf16(const uint16_t* p, __mmask16 m) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+static inline __m512 rnd_f32(__m512 v) { return v; }
+static inline __m512 rnd_bf16(__m512 v) { /* round to nearest even to bfloat16, kept as float32 (NaN quiet) */
+    __m512i u = _mm512_castps_si512(v);
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                     _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+    __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+}
+static inline void st_f32(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+static inline void st_bf16(uint16_t* p, __m512 v, __mmask16 m) { /* v already bfloat16-exact */
+    _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16)));
+}
+
+/* x, residual: rows at strides ldx, ldr (unit stride along H); y, s: [M, H] contiguous (s written when
+ * residual is given). */
+#define RMS(NAME, T, LD, RND, ST)                                                                            \
+    void NAME(const T* x, int64_t ldx, const T* r, int64_t ldr, const T* w, int64_t M, int64_t H, float eps,  \
+              T* y, T* s, int threads) {                                                                      \
+        if (M < SMALL_ROWS) threads = 1;                                                                      \
+        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
+        for (int64_t m = 0; m < M; m++) {                                                                     \
+            const T* xr = x + m * ldx;                                                                        \
+            const T* rr = r ? r + m * ldr : 0;                                                                \
+            T* sr = s + m * H;                                                                                \
+            T* yr = y + m * H;                                                                                \
+            __m512 acc = _mm512_setzero_ps();                                                                 \
+            for (int64_t h = 0; h < H; h += 16) {                                                             \
+                __mmask16 mk = tail16(H - h);                                                                 \
+                __m512 v = LD(xr + h, mk);                                                                    \
+                if (rr) {                                                                                     \
+                    v = RND(_mm512_add_ps(v, LD(rr + h, mk)));                                                \
+                    ST(sr + h, v, mk);                                                                        \
+                }                                                                                             \
+                acc = _mm512_fmadd_ps(v, v, acc);                                                             \
+            }                                                                                                 \
+            const float rstd = 1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)H + eps);                      \
+            const T* src = rr ? sr : xr;                                                                      \
+            for (int64_t h = 0; h < H; h += 16) {                                                             \
+                __mmask16 mk = tail16(H - h);                                                                 \
+                __m512 n = RND(_mm512_mul_ps(LD(src + h, mk), _mm512_set1_ps(rstd)));                         \
+                ST(yr + h, RND(_mm512_mul_ps(LD(w + h, mk), n)), mk);                                         \
+            }                                                                                                 \
+        }                                                                                                     \
+    }
+
+RMS(tritonspec_rms_norm_f32, float, ld_f32, rnd_f32, st_f32)
+RMS(tritonspec_rms_norm_bf16, uint16_t, ld_bf16, rnd_bf16, st_bf16)

@@ -1,0 +1,322 @@
+"""The row-invariant CPU attention and RMSNorm kernels (``kernels/cpu_attention.py``,
+``kernels/cpu_norm.py``; issues 21 and 16): close to the references, a tree node's attention equal
+bit for bit to the same token decoded alone after its ancestors, rows independent of the batch and
+the thread count, the same bits compiled, and speculative = plain end to end in bfloat16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tritonspec.kernels import cpu_attention as ca
+from tritonspec.kernels import cpu_linear as cl
+from tritonspec.kernels import cpu_norm as cn
+from tritonspec.kernels.rms_norm import rms_norm_reference
+from tritonspec.kernels.tree_attention import tree_attention_reference
+from tritonspec.runtime.ops import TorchOps
+
+WHY = cl.available(torch.float32)
+needs_kernels = pytest.mark.skipif(WHY is not None, reason=f"CPU kernels unavailable here: {WHY}")
+pytestmark = needs_kernels
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16")]
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    """float32: to float32 rounding; bfloat16: within two bfloat16 steps of the float32 result."""
+    if dtype == torch.float32:
+        return torch.allclose(out, ref, rtol=1e-5, atol=1e-5)
+    return bool(((out.float() - ref).abs() <= ref.abs() * 2.0**-7 + 2e-3).all())
+
+
+def _random_case(g, dtype, B, Q, Hq, Hkv, D, S, T, p_mask=0.5):
+    q = torch.randn(B, Q, Hq, D, generator=g).to(dtype)
+    kc = torch.randn(B + 1, S, Hkv, D, generator=g).to(dtype)  # one spare batch row, as B_max > B
+    vc = torch.randn(B + 1, S, Hkv, D, generator=g).to(dtype)
+    pl = torch.randint(0, S - T + 1, (B,), generator=g)
+    tm = torch.rand(B, Q, T, generator=g) < p_mask
+    return q, kc, vc, pl, tm
+
+
+# ------------------------------------------------------------------------------------------ attention
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "shape",  # B, Q, Hq, Hkv, D, S, T
+    [(1, 1, 9, 3, 64, 300, 1), (2, 5, 4, 2, 32, 130, 5), (3, 7, 6, 3, 20, 99, 7), (1, 3, 1, 1, 17, 200, 3),
+     (4, 1, 8, 8, 16, 1, 1), (1, 11, 16, 1, 128, 77, 11), (2, 2, 2, 1, 7, 65, 2)],
+)  # fmt: skip
+def test_attention_matches_reference(dtype, shape):
+    B, Q, Hq, Hkv, D, S, T = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    q, kc, vc, pl, tm = _random_case(g, dtype, *shape)
+    out = ca.cpu_tree_attention(q, kc, vc, pl, tm, D**-0.5)
+    ref = tree_attention_reference(q.float(), kc.float(), vc.float(), pl, tm, D**-0.5)
+    assert out.dtype == dtype and out.shape == (B, Q, Hq, D)
+    assert _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_edges(dtype):
+    """No visible slot gives zeros; kv_len bounds the slots read; a non-contiguous mask is read at its
+    strides; prefix_lens past the cache end reads the cache only."""
+    g = torch.Generator().manual_seed(3)
+    q, kc, vc, pl, tm = _random_case(g, dtype, 2, 3, 4, 2, 16, 40, 3)
+    pl = torch.tensor([0, 10])
+    tm[0] = False
+    out = ca.cpu_tree_attention(q, kc, vc, pl, tm, 0.25)
+    assert (out[0] == 0).all() and (out[1] != 0).any()
+    ref = tree_attention_reference(q.float(), kc.float(), vc.float(), pl, tm, 0.25, kv_len=12)
+    assert _close(ca.cpu_tree_attention(q, kc, vc, pl, tm, 0.25, kv_len=12), ref, dtype)
+    wide = torch.rand(2, 3, 7, generator=g) < 0.5
+    assert torch.equal(
+        ca.cpu_tree_attention(q, kc, vc, pl, wide[:, :, 1:4], 0.25),
+        ca.cpu_tree_attention(q, kc, vc, pl, wide[:, :, 1:4].contiguous(), 0.25),
+    )
+    far = ca.cpu_tree_attention(q, kc, vc, torch.tensor([500, 500]), tm, 0.25)
+    assert _close(
+        far, tree_attention_reference(q.float(), kc.float(), vc.float(), torch.tensor([40, 40]), tm, 0.25), dtype
+    )
+
+
+def _tree(parents: list[int]) -> torch.Tensor:
+    """[N, N] ancestor-or-self mask of a tree given by parent ids (parent < child)."""
+    n = len(parents)
+    m = torch.zeros(n, n, dtype=torch.bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            m[i, j] = True
+            j = parents[j]
+    return m
+
+
+def _verify_vs_decode_mismatches(attn, q, kc, vc, prefix: int, parents: list[int]) -> int:
+    """Nodes whose attention in one tree call differs, bit for bit, from the same query decoded alone
+    after its ancestors were committed (their K/V copied to consecutive slots after the prefix)."""
+    N = len(parents)
+    mask = _tree(parents)
+    full = attn(q, kc, vc, torch.tensor([prefix]), mask[None], q.shape[-1] ** -0.5)
+    bad = 0
+    for i in range(N):
+        path = [j for j in range(N) if mask[i, j]]  # ancestors then i, ascending
+        k2, v2 = kc.clone(), vc.clone()
+        k2[0, prefix : prefix + len(path)] = kc[0, [prefix + j for j in path]]
+        v2[0, prefix : prefix + len(path)] = vc[0, [prefix + j for j in path]]
+        one = attn(
+            q[:, i : i + 1],
+            k2,
+            v2,
+            torch.tensor([prefix + len(path) - 1]),
+            torch.ones(1, 1, 1, dtype=torch.bool),
+            q.shape[-1] ** -0.5,
+        )
+        bad += int(not torch.equal(one[:, 0], full[:, i]))
+    return bad
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=20, deadline=None)
+@given(
+    parents_seed=st.integers(0, 10**6),
+    n=st.integers(1, 12),
+    prefix=st.integers(0, 200),
+    heads=st.sampled_from([(9, 3, 64), (4, 4, 16), (6, 1, 20), (2, 2, 7)]),
+)
+def test_tree_node_equals_its_decode_step(dtype, parents_seed, n, prefix, heads):
+    """The property speculative = plain rests on: a verified tree node's attention is the attention
+    of the same token decoded alone after its accepted ancestors, bit for bit (any prefix length,
+    with the 64-key block edges falling anywhere)."""
+    g = torch.Generator().manual_seed(parents_seed)
+    parents = [-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, n)]
+    Hq, Hkv, D = heads
+    q = torch.randn(1, n, Hq, D, generator=g).to(dtype)
+    kc = torch.randn(1, prefix + n + 1, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(1, prefix + n + 1, Hkv, D, generator=g).to(dtype)
+    assert _verify_vs_decode_mismatches(ca.cpu_tree_attention, q, kc, vc, prefix, parents) == 0
+
+
+def test_tree_node_check_detects_sdpa():
+    """Inverse: the same check on PyTorch's SDPA path (float32, where one query and many round
+    differently on this CPU) finds mismatches, so the property above is not vacuous."""
+    ops = TorchOps("torch")
+
+    def sdpa(*a):
+        ops.begin_forward()
+        return ops.tree_attention(*a)
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 7, 8, 32, generator=g)
+    kc, vc = torch.randn(1, 260, 2, 32, generator=g), torch.randn(1, 260, 2, 32, generator=g)
+    assert _verify_vs_decode_mismatches(sdpa, q, kc, vc, 200, [-1, 0, 1, 1, 0, 4, 2]) > 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_attention_rows_independent_of_batch_and_threads(dtype):
+    g = torch.Generator().manual_seed(7)
+    q, kc, vc, pl, tm = _random_case(g, dtype, 4, 5, 9, 3, 64, 300, 5)
+    full = ca.cpu_tree_attention(q, kc, vc, pl, tm, 0.125)
+    for b in range(4):
+        for threads in (1, 2, 3):
+            one = ca.cpu_tree_attention(
+                q[b : b + 1], kc[b : b + 1], vc[b : b + 1], pl[b : b + 1], tm[b : b + 1], 0.125, threads=threads
+            )
+            assert torch.equal(one[0], full[b])
+
+
+def test_attention_bad_inputs_are_named():
+    q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 9, 3, 16)
+    with pytest.raises(ValueError, match="Hq a multiple of Hkv"):
+        ca.cpu_tree_attention(q, k, k, torch.tensor([7]), torch.ones(1, 2, 2, dtype=torch.bool), 0.25)
+    k = torch.randn(1, 9, 2, 16)
+    with pytest.raises(ValueError, match="tree_mask must be"):
+        ca.cpu_tree_attention(q, k, k, torch.tensor([7]), torch.ones(1, 3, 2, dtype=torch.bool), 0.25)
+    assert (
+        ca.tree_attention(q.half(), k.half(), k.half(), torch.tensor([7]), torch.ones(1, 2, 2, dtype=torch.bool), 0.25)
+        is None
+    )
+
+
+# ---------------------------------------------------------------------------------------------- norm
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("mh", [(1, 576), (7, 99), (70, 576), (3, 17), (1, 1), (130, 33)])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_matches_reference(dtype, mh, residual):
+    m, h = mh
+    g = torch.Generator().manual_seed(m * 7 + h)
+    x, r = torch.randn(m, h, generator=g).to(dtype), torch.randn(m, h, generator=g).to(dtype)
+    w = torch.randn(h, generator=g).to(dtype)
+    out = cn.cpu_rms_norm(x, w, 1e-5, r if residual else None)
+    ref = rms_norm_reference(x, w, 1e-5, r if residual else None)
+    if residual:
+        assert torch.equal(out[1], ref[1])  # the residual sum is PyTorch's add, bit for bit
+        out, ref = out[0], ref[0]
+    assert out.dtype == dtype and out.shape == (m, h)
+    assert _close(out, ref.float(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 90), h=st.integers(1, 700), seed=st.integers(0, 10**6), threads=st.integers(1, 3))
+def test_norm_rows_are_invariant(dtype, rows, h, seed, threads):
+    g = torch.Generator().manual_seed(seed)
+    x, r = torch.randn(rows, h, generator=g).to(dtype), torch.randn(rows, h, generator=g).to(dtype)
+    w = torch.randn(h, generator=g).to(dtype)
+    y, s = cn.cpu_rms_norm(x, w, 1e-6, r)
+    for i in {0, rows // 2, rows - 1}:
+        yi, si = cn.cpu_rms_norm(x[i : i + 1], w, 1e-6, r[i : i + 1], threads=threads)
+        assert torch.equal(yi[0], y[i]) and torch.equal(si[0], s[i])
+    assert torch.equal(cn.cpu_rms_norm(x[None, :, :], w, 1e-6)[0], cn.cpu_rms_norm(x, w, 1e-6))  # 3-D = 2-D
+
+
+def test_norm_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="cpu_rms_norm takes"):
+        cn.cpu_rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
+    assert cn.rms_norm(torch.randn(2, 8).half(), torch.randn(8).half(), 1e-6) is None
+
+
+# ------------------------------------------------------------------------------------------- runtime
+def test_native_operators_equal_the_ctypes_path():
+    why = cl.native_op()
+    if why is not None:
+        import shutil
+
+        assert shutil.which("g++") is None and shutil.which("c++") is None, why
+        pytest.skip(f"native operator not built: {why}")
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        q, kc, vc, pl, tm = _random_case(g, dtype, 2, 3, 6, 3, 64, 90, 3)
+        a = torch.ops.tritonspec_cpu.tree_attention(q, kc, vc, pl, tm, 0.125, -1)
+        assert torch.equal(a, ca._launch_ctypes(q, kc, vc, pl, tm, 0.125, -1, None))
+        x, w = torch.randn(5, 576, generator=g).to(dtype), torch.randn(576, generator=g).to(dtype)
+        y, s = torch.ops.tritonspec_cpu.rms_norm(x, w, 1e-6, x)
+        y2, s2 = cn._launch_ctypes(x, w, 1e-6, x, None)
+        assert torch.equal(y, y2) and torch.equal(s, s2)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["native-op", "python-op"])
+def test_compiled_calls_are_the_same_kernels(monkeypatch, native):
+    """Under torch.compile both kernels are opaque operators: the same bits as eager (through the
+    native operators, and through the Python custom ops when those are missing)."""
+    if native and cl.native_op() is not None:
+        pytest.skip(f"native operator not built: {cl.native_op()}")
+    if not native:
+        monkeypatch.setattr(cl, "_native_ready", lambda: False)
+    torch._dynamo.reset()
+    ops = TorchOps("kernel")
+    g = torch.Generator().manual_seed(2)
+    q, kc, vc, pl, tm = _random_case(g, torch.bfloat16, 1, 4, 9, 3, 64, 70, 4)
+    x, w = torch.randn(4, 576, generator=g).bfloat16(), torch.randn(576, generator=g).bfloat16()
+
+    def f(q, x):
+        a = ops.tree_attention(q, kc, vc, pl, tm, 0.125, 70)
+        y, s = ops.rms_norm(x, w, 1e-6, x)
+        return a, y, s
+
+    eager = f(q, x)
+    compiled = torch.compile(f, fullgraph=True, dynamic=False)(q, x)
+    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
+    torch._dynamo.reset()
+
+
+def test_ops_route_through_the_kernels_only_when_enabled(monkeypatch):
+    calls = []
+    monkeypatch.setattr(ca, "_launch", lambda *a: calls.append("attention") or ca._launch_ctypes(*a[:6], -1, None))
+    monkeypatch.setattr(cn, "_launch", lambda *a: calls.append("norm"))
+    g = torch.Generator().manual_seed(4)
+    q, kc, vc, pl, tm = _random_case(g, torch.float32, 1, 2, 4, 2, 16, 30, 2)
+    TorchOps("torch").tree_attention(q, kc, vc, pl, tm, 0.25)
+    TorchOps("torch").rms_norm(q, torch.ones(16), 1e-6)
+    assert calls == []
+    TorchOps("kernel").tree_attention(q, kc, vc, pl, tm, 0.25)
+    TorchOps("kernel").rms_norm(q, torch.ones(16), 1e-6)
+    assert calls == ["attention", "norm"]
+
+
+@pytest.mark.skipif(cl.available(torch.bfloat16) is not None, reason=f"no bf16 kernels: {cl.available(torch.bfloat16)}")
+@pytest.mark.parametrize("spec", [(3, 1, 4), (3, 2, 7)], ids=["chain", "tree"])
+def test_bfloat16_speculative_equals_plain(monkeypatch, spec):
+    """End to end in bfloat16, default mode: with linear layers (size floors lowered to the tiny
+    targets'), attention and norms on the row-invariant kernels, greedy speculative output equals
+    plain output (before, PyTorch's attention rounded a row by how many shared the call and
+    bfloat16 outputs parted at near-ties), batch 1 and 4."""
+    import tritonspec as ts
+
+    from _util import perm_pair, random_prompts, runtime
+
+    monkeypatch.setattr(cl, "MIN_WEIGHT", 1)
+    monkeypatch.setattr(cl, "MIN_K", 1)
+
+    model, drafter = perm_pair("llama", vocab=24, seed=5, alpha=0.4)
+    prompts = random_prompts(24, [3, 7, 12, 5], seed=1)
+    rt = runtime(model, drafter, ts.SpecConfig(*spec), max_batch_size=4, dtype=torch.bfloat16)
+    assert rt.ops._cpu_kernel(torch.bfloat16)
+    for batch in (prompts[:1], prompts):
+        a = rt.generate(batch, max_new_tokens=32)
+        b = rt.generate(batch, max_new_tokens=32, speculative=False)
+        assert a.token_ids == b.token_ids
+        assert a.stats.num_drafts > 0
+
+
+def test_deterministic_mode_runs_the_kernels_and_drops_the_padding_node():
+    """Deterministic mode on the CPU kernels: attention and RMSNorm probes are ``kernel`` (attention
+    still checked end to end at load), and plain rounds verify the root alone; with
+    ``cpu_linear="torch"`` the probed path and its padding node come back. Both equal plain/spec."""
+    import tritonspec as ts
+
+    from _util import perm_pair, random_prompts, runtime
+
+    model, drafter = perm_pair("llama", vocab=24, seed=5, alpha=0.4)
+    prompts = random_prompts(24, [3, 7, 12], seed=2)
+    for choice, kernels in (("auto", True), ("torch", False)):
+        rt = runtime(model, drafter, ts.SpecConfig(3, 2, 7), max_batch_size=3, deterministic=True, cpu_linear=choice)
+        methods = {p.op: p.method for p in rt.ops.probes if p.op in ("attention", "rms_norm")}
+        if kernels:
+            assert methods == {"attention": "kernel", "rms_norm": "kernel"}
+            assert rt.ops.one_row_invariant and not rt.decoder.pad_root
+        else:
+            assert "kernel" not in methods.values() and rt.decoder.pad_root
+        a = rt.generate(prompts, max_new_tokens=24)
+        b = rt.generate(prompts, max_new_tokens=24, speculative=False)
+        assert a.token_ids == b.token_ids and a.stats.num_drafts > 0
+        assert rt.decoder.root_tree().tokens.shape[1] == (1 if kernels else 2)
