@@ -158,15 +158,17 @@ def tree_attention(
     tree_mask: torch.Tensor,  # [B, Q, T] bool
     scale: float,
     kv_len: int | None = None,
+    threads: int | None = None,
 ) -> torch.Tensor | None:  # [B, Q, Hq, D], or None: the kernel does not take these tensors
     """The CPU kernel for the torch backend (the caller checked ``kernels.cpu_linear.enabled``), or
     None when it does not apply (the caller then runs SDPA). While a graph is traced the kernel is an
     opaque operator (``tritonspec_cpu::tree_attention``, else the Python custom op
-    ``tritonspec::cpu_tree_attention``), so compiled and eager rounds compute the same bits."""
+    ``tritonspec::cpu_tree_attention``), so compiled and eager rounds compute the same bits.
+    ``threads``: as ``cpu_tree_attention`` (deterministic mode passes the caller's count)."""
     if not supported(q, k_cache, v_cache, prefix_lens, tree_mask):
         return None
     kv = -1 if kv_len is None else int(kv_len)
     tracing = torch.compiler.is_compiling() or get_proxy_mode() is not None or isinstance(q, FakeTensor)
     if tracing and not _lib._native_ready():
         return _cpu_attention_op(q, k_cache, v_cache, prefix_lens, tree_mask, float(scale), kv)
-    return _launch(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv, None)
+    return _launch(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv, threads)

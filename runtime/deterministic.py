@@ -849,7 +849,8 @@ class DeterministicOps:
         rows, aligned, w = hit[3], hit[4], hit[6]
         m = x.numel() // max(k, 1)
         if hit[5] == "kernel":  # every row count, prefill included, through the one row-invariant kernel
-            out = cpu_linear.cpu_linear(x, weight, bias, threads=self._kernel_threads)
+            # the weight passed _kernel_linear's checks at its probe; x is the model's activations (its dtype)
+            out = cpu_linear._launch(x, weight, bias, self._kernel_threads)
             return out if aligned or m <= 1 else _aligned(out.reshape(m, -1)).view(out.shape)
         if rows and m >= rows:  # already a row-invariant call
             out = self.ops.linear(x, w, bias)
@@ -862,6 +863,19 @@ class DeterministicOps:
         else:
             out = self._linear_fixed(x2, weight, bias, hit[5])
         return (out if aligned else _aligned(out)).view(*x.shape[:-1], out.shape[-1])
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:  # [..., V] -> [...]
+        """``logits.argmax(-1)`` on the caller's thread count (a max and its lowest index do not depend
+        on how the vocabulary is split): the verify's head argmax, ~1 ms a call on one thread."""
+        n = self._kernel_threads
+        if self._gpu is not None or n == torch.get_num_threads():
+            return logits.argmax(-1)
+        saved = torch.get_num_threads()
+        torch.set_num_threads(n)
+        try:
+            return logits.argmax(-1)
+        finally:
+            torch.set_num_threads(saved)
 
     def _linear_fixed(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, how: str) -> torch.Tensor:
         """The fallbacks: every call exactly ``max_rows`` rows ("fixed-chunks"), or each row alone at
@@ -923,8 +937,15 @@ class DeterministicOps:
 
     def _tree_attention(self, plan, q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len):
         if isinstance(plan, Probe) and plan.method == "kernel":  # the caller's threads: results do not depend on them
-            args = (q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len)
-            return cpu_attention.cpu_tree_attention(*args, threads=self._kernel_threads)
+            out = cpu_attention.tree_attention(
+                q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len, threads=self._kernel_threads
+            )
+            if out is None:
+                raise UserError(
+                    f"deterministic mode: the CPU attention kernel does not take q {tuple(q.shape)} {q.dtype} with a "
+                    f"{k_cache.dtype} cache of strides {k_cache.stride()}; pass cpu_linear='torch' for the probed path"
+                )
+            return out
         S = k_cache.shape[1] if kv_len is None else kv_len
         B, Q, Hq, D = q.shape
         G = Hq // k_cache.shape[2]

@@ -513,8 +513,11 @@ class TargetModel:
 
     def greedy(self, hidden: torch.Tensor, ops: Any = None) -> torch.Tensor:
         """``[..., H] -> [...]`` argmax of the logits, without their float32 copy (the widening is
-        exact, so the argmax and its lowest-id tie break are those of ``logits``)."""
-        return (ops.linear if ops is not None else F.linear)(hidden, self.lm_head).argmax(-1)
+        exact, so the argmax and its lowest-id tie break are those of ``logits``). An ``ops`` with an
+        ``argmax`` (deterministic mode: on the caller's threads, exact at any count) runs it."""
+        logits = (ops.linear if ops is not None else F.linear)(hidden, self.lm_head)
+        argmax = getattr(ops, "argmax", None)
+        return argmax(logits) if argmax is not None else logits.argmax(-1)
 
 
 def _config_dtype(config: Any, device: torch.device) -> torch.dtype:

@@ -320,3 +320,19 @@ def test_deterministic_mode_runs_the_kernels_and_drops_the_padding_node():
         b = rt.generate(prompts, max_new_tokens=24, speculative=False)
         assert a.token_ids == b.token_ids and a.stats.num_drafts > 0
         assert rt.decoder.root_tree().tokens.shape[1] == (1 if kernels else 2)
+
+
+def test_deterministic_argmax_keeps_the_lowest_tie_at_any_thread_count():
+    """The verify's head argmax runs on the caller's threads in deterministic mode: the same index
+    as one thread, ties to the lowest id (planted ties across the split points)."""
+    from tritonspec.runtime.deterministic import DeterministicOps
+
+    ops = DeterministicOps(TorchOps(), "cpu")
+    logits = torch.randn(3, 49152, generator=torch.Generator().manual_seed(0))
+    logits[:, [7, 30000, 49151]] = 100.0
+    with ops.threads():
+        ops._kernel_threads = 3
+        assert torch.get_num_threads() == 1
+        got = ops.argmax(logits)
+        assert torch.get_num_threads() == 1  # restored
+    assert got.tolist() == [7, 7, 7]
