@@ -850,7 +850,7 @@ class DeterministicOps:
         m = x.numel() // max(k, 1)
         if hit[5] == "kernel":  # every row count, prefill included, through the one row-invariant kernel
             # the weight passed _kernel_linear's checks at its probe; x is the model's activations (its dtype)
-            out = cpu_linear._launch(x, weight, bias, self._kernel_threads)
+            out = cpu_linear.cpu_linear_unchecked(x, weight, bias, self._kernel_threads)
             return out if aligned or m <= 1 else _aligned(out.reshape(m, -1)).view(out.shape)
         if rows and m >= rows:  # already a row-invariant call
             out = self.ops.linear(x, w, bias)

@@ -251,7 +251,7 @@ class Eagle3Drafter(nn.Module):
         val = ops.linear(z, a.v_proj.weight).view(B, Q, c.num_key_value_heads, c.head_dim)
         rope = self.rope()
         tables = rope.tables(meta.positions)  # gathered once for q and k
-        q, k = rope.apply(q, tables), rope.apply(k, tables)
+        q, k = ops.rope(q, *tables), ops.rope(k, *tables)
         ops.kv_write(cache.k, cache.v, meta.slots, k, val)
         if meta.prefill:
             o = ops.prefill_attention(q, k, val, c.head_dim**-0.5)

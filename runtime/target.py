@@ -482,7 +482,7 @@ class TargetModel:
             if L.q_norm is not None:
                 q = ops.rms_norm(q, L.q_norm, self.eps)
                 k = ops.rms_norm(k, L.k_norm, self.eps)
-            q, k = self.rope.apply(q, rope), self.rope.apply(k, rope)
+            q, k = ops.rope(q, *rope), ops.rope(k, *rope)
             kc, vc = self.k_cache[i], self.v_cache[i]
             if cache_row:  # an admitted row (continuous batching, eager): a view of its cache rows
                 kc, vc = kc[cache_row:], vc[cache_row:]

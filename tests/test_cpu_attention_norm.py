@@ -234,29 +234,52 @@ def test_native_operators_equal_the_ctypes_path():
         assert torch.equal(y, y2) and torch.equal(s, s2)
 
 
+_COMPILED_CHECK = """
+import sys, torch
+from tritonspec.kernels import cpu_linear as cl
+from tritonspec.runtime.ops import TorchOps
+if sys.argv[1] == "python-op":
+    cl._native_ready = lambda: False  # as where the C++ operator could not be built
+from test_cpu_attention_norm import _random_case
+ops = TorchOps("kernel")
+g = torch.Generator().manual_seed(2)
+q, kc, vc, pl, tm = _random_case(g, torch.bfloat16, 1, 4, 9, 3, 64, 70, 4)
+x, w = torch.randn(4, 576, generator=g).bfloat16(), torch.randn(576, generator=g).bfloat16()
+
+def f(q, x):
+    a = ops.tree_attention(q, kc, vc, pl, tm, 0.125, 70)
+    y, s = ops.rms_norm(x, w, 1e-6, x)
+    return a, y, s
+
+eager = f(q, x)
+compiled = torch.compile(f, fullgraph=True, dynamic=False)(q, x)
+assert all(torch.equal(a, b) for a, b in zip(eager, compiled)), "compiled bits differ"
+print("same bits")
+"""
+
+
 @pytest.mark.parametrize("native", [True, False], ids=["native-op", "python-op"])
-def test_compiled_calls_are_the_same_kernels(monkeypatch, native):
+def test_compiled_calls_are_the_same_kernels(native):
     """Under torch.compile both kernels are opaque operators: the same bits as eager (through the
-    native operators, and through the Python custom ops when those are missing)."""
+    native operators, and through the Python custom ops when those are missing). In a fresh process:
+    the compile must not depend on what earlier tests traced."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
     if native and cl.native_op() is not None:
         pytest.skip(f"native operator not built: {cl.native_op()}")
-    if not native:
-        monkeypatch.setattr(cl, "_native_ready", lambda: False)
-    torch._dynamo.reset()
-    ops = TorchOps("kernel")
-    g = torch.Generator().manual_seed(2)
-    q, kc, vc, pl, tm = _random_case(g, torch.bfloat16, 1, 4, 9, 3, 64, 70, 4)
-    x, w = torch.randn(4, 576, generator=g).bfloat16(), torch.randn(576, generator=g).bfloat16()
-
-    def f(q, x):
-        a = ops.tree_attention(q, kc, vc, pl, tm, 0.125, 70)
-        y, s = ops.rms_norm(x, w, 1e-6, x)
-        return a, y, s
-
-    eager = f(q, x)
-    compiled = torch.compile(f, fullgraph=True, dynamic=False)(q, x)
-    assert all(torch.equal(a, b) for a, b in zip(eager, compiled))
-    torch._dynamo.reset()
+    here = str(Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([here, os.environ.get("PYTHONPATH", "")])}
+    r = subprocess.run(
+        [sys.executable, "-c", _COMPILED_CHECK, "native-op" if native else "python-op"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert r.returncode == 0 and "same bits" in r.stdout, r.stderr[-3000:]
 
 
 def test_ops_route_through_the_kernels_only_when_enabled(monkeypatch):
@@ -336,3 +359,66 @@ def test_deterministic_argmax_keeps_the_lowest_tie_at_any_thread_count():
         got = ops.argmax(logits)
         assert torch.get_num_threads() == 1  # restored
     assert got.tolist() == [7, 7, 7]
+
+
+# ------------------------------------------------------------------------------------- rope, kv_write
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 1, 9, 64), (2, 3, 4, 16), (3, 7, 1, 2), (1, 5, 3, 128)])
+def test_rope_is_the_reference_bit_for_bit(dtype, shape):
+    """The C rope rounds as PyTorch's eager ops (each product, then the sum): identical bits, also
+    for a strided view (q out of the fused qkv projection)."""
+    from tritonspec.kernels import cpu_rope
+
+    B, Q, H, D = shape
+    g = torch.Generator().manual_seed(sum(shape))
+    wide = torch.randn(B, Q, H + 3, D, generator=g).to(dtype)
+    x = wide[:, :, 1 : H + 1]
+    cos, sin = (torch.randn(B, Q, 1, D, generator=g).to(dtype) for _ in range(2))
+    assert torch.equal(cpu_rope.rope(x, cos, sin), cpu_rope.rope_reference(x, cos, sin))
+    if cl.native_op() is None:  # inverse: the kernel ran (the reference alone would pass vacuously)
+        assert torch.equal(torch.ops.tritonspec_cpu.rope(x, cos, sin), cpu_rope.rope_reference(x, cos, sin))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layer", [None, 1])
+def test_kv_write_is_the_reference(dtype, layer):
+    from tritonspec.kernels import cpu_rope
+    from tritonspec.kernels.kv_write import kv_write_reference
+
+    g = torch.Generator().manual_seed(5)
+    shape = (3, 4, 11, 2, 16) if layer is not None else (4, 11, 2, 16)
+    kc, vc = torch.randn(shape, generator=g).to(dtype), torch.randn(shape, generator=g).to(dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    slots = torch.tensor([[0, 4, -1], [10, 2, 3]])
+    k, v = torch.randn(2, 3, 2, 16, generator=g).to(dtype), torch.randn(2, 3, 2, 16, generator=g).to(dtype)
+    cpu_rope.kv_write(kc, vc, slots, k, v, layer)
+    kv_write_reference(kc2, vc2, slots, k, v, layer)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    if cl.native_op() is None:
+        with pytest.raises(RuntimeError, match="outside"):  # a slot past the cache is refused, nothing written
+            cpu_rope.kv_write(kc, vc, torch.tensor([[0, 11, 1], [1, 2, 3]]), k, v, layer)
+        assert torch.equal(kc, kc2)
+
+
+def test_rope_and_kv_write_route_through_the_kernels_only_when_enabled(monkeypatch):
+    from tritonspec.kernels import cpu_rope
+
+    if cl.native_op() is not None:
+        pytest.skip(f"native operator not built: {cl.native_op()}")
+    calls = []
+    real = torch.ops.tritonspec_cpu
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(real, name)
+
+    monkeypatch.setattr(cpu_rope.torch.ops, "tritonspec_cpu", Spy(), raising=False)
+    x, c = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 1, 8)
+    kc = torch.zeros(1, 5, 3, 8)
+    TorchOps("torch").rope(x, c, c)
+    TorchOps("torch").kv_write(kc, kc.clone(), torch.tensor([[0, 1]]), x, x)
+    assert calls == []
+    TorchOps("kernel").rope(x, c, c)
+    TorchOps("kernel").kv_write(kc, kc.clone(), torch.tensor([[0, 1]]), x, x)
+    assert calls == ["rope", "kv_write"]

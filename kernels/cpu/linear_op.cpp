@@ -1,4 +1,5 @@
-// torch.ops.tritonspec_cpu.linear, .tree_attention and .rms_norm: linear.c's, attention.c's and norm.c's row-invariant kernels
+// torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope and .kv_write: the kernels of linear.c,
+// attention.c, norm.c and rope_kv.c
 // as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
@@ -25,6 +26,12 @@ int tritonspec_tree_attention_bf16(const uint16_t*, int64_t, int64_t, int64_t, i
                                    const uint16_t*, const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
                                    int64_t, int64_t, const int64_t*, const uint8_t*, int64_t, int64_t, int64_t, int64_t,
                                    int64_t, float, uint16_t*, int);
+void tritonspec_rope_f32(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const float*,
+                         const float*, int64_t, int64_t, float*);
+void tritonspec_rope_bf16(const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
+                          const uint16_t*, const uint16_t*, int64_t, int64_t, uint16_t*);
+int64_t tritonspec_kv_write(char*, int64_t, int64_t, int64_t, const char*, int64_t, int64_t, const int64_t*, int64_t,
+                            int64_t, int64_t, int64_t);
 void tritonspec_rms_norm_f32(const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, float, float*,
                              float*, int);
 void tritonspec_rms_norm_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
@@ -146,6 +153,56 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   return {y, s};
 }
 
+// rope_kv.c: y = x * cos + rotate_half(x) * sin, rounded as PyTorch's eager ops (x [B, Q, H, D], unit stride along
+// D; cos, sin [B, Q, D] or [B, Q, 1, D], unit stride along D). Returns [B, Q, H, D] contiguous.
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  TORCH_CHECK((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) &&
+                  cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type(),
+              "tritonspec_cpu::rope takes float32 or bfloat16 x, cos and sin of one dtype");
+  TORCH_CHECK(x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0, "tritonspec_cpu::rope: x [B, Q, H, D], D even");
+  const int64_t B = x.size(0), Q = x.size(1), H = x.size(2), D = x.size(3);
+  at::Tensor c = cos.reshape({B, Q, D}), s = sin.reshape({B, Q, D});
+  TORCH_CHECK(c.stride(2) == 1 && s.stride(2) == 1 && c.strides() == s.strides(),
+              "tritonspec_cpu::rope: cos and sin must share strides with unit stride along D");
+  at::Tensor y = at::empty({B, Q, H, D}, x.options());
+  if (y.numel() == 0) return y;
+  if (x.scalar_type() == at::kFloat) {
+    tritonspec_rope_f32(x.const_data_ptr<float>(), B, Q, H, D, x.stride(0), x.stride(1), x.stride(2),
+                        c.const_data_ptr<float>(), s.const_data_ptr<float>(), c.stride(0), c.stride(1),
+                        y.mutable_data_ptr<float>());
+  } else {
+    auto c16 = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.const_data_ptr<c10::BFloat16>()); };
+    tritonspec_rope_bf16(c16(x), B, Q, H, D, x.stride(0), x.stride(1), x.stride(2), c16(c), c16(s), c.stride(0),
+                         c.stride(1), reinterpret_cast<uint16_t*>(y.mutable_data_ptr<c10::BFloat16>()));
+  }
+  return y;
+}
+
+// rope_kv.c: cache[b, slots[b, i]] = src[b, i] (slot -1: the trash slot S - 1), in place; cache [B_max, S, Hkv, D]
+// and src [B, Q, Hkv, D] of one dtype, (Hkv, D) contiguous in both.
+void kv_write(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& src) {
+  TORCH_CHECK(cache.dim() == 4 && src.dim() == 4 && cache.scalar_type() == src.scalar_type() &&
+                  cache.size(2) == src.size(2) && cache.size(3) == src.size(3) && cache.size(0) >= src.size(0),
+              "tritonspec_cpu::kv_write: cache [B_max, S, Hkv, D] and k/v [B, Q, Hkv, D] of one dtype");
+  const int64_t D = src.size(3), H = src.size(2);
+  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == D && src.stride(3) == 1 && src.stride(2) == D,
+              "tritonspec_cpu::kv_write: heads and head dim must be contiguous");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == src.size(0) &&
+                  slots.size(1) == src.size(1),
+              "tritonspec_cpu::kv_write: slots must be a contiguous int64 [B, Q] tensor");
+  const int64_t bad = tritonspec_kv_write(
+      static_cast<char*>(cache.data_ptr()), cache.stride(0), cache.stride(1), cache.size(1),
+      static_cast<const char*>(src.const_data_ptr()), src.stride(0), src.stride(1), slots.const_data_ptr<int64_t>(),
+      src.size(0), src.size(1), H * D * cache.element_size(), cache.element_size());
+  TORCH_CHECK(bad == 0, "tritonspec_cpu::kv_write: ", bad, " slot(s) outside [-1, ", cache.size(1), ")");
+}
+
+void kv_write2(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& k,
+               const at::Tensor& v) {
+  kv_write(k_cache, slots, k);
+  kv_write(v_cache, slots, v);
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tritonspec_cpu, m) {
@@ -153,10 +210,14 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
   m.def("tree_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor prefix_lens, Tensor tree_mask, float scale, "
         "int kv_len, int threads=-1) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual, int threads=-1) -> (Tensor, Tensor)");
+  m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
+  m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("linear", &linear);
   m.impl("tree_attention", &tree_attention);
   m.impl("rms_norm", &rms_norm);
+  m.impl("rope", &rope);
+  m.impl("kv_write", &kv_write2);
 }
