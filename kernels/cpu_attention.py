@@ -147,7 +147,7 @@ def _cpu_attention_op(
 
 @_cpu_attention_op.register_fake
 def _(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+    return _lib._fake_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len)
 
 
 def tree_attention(

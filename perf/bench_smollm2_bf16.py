@@ -23,7 +23,9 @@ end-to-end ms/token per system, τ, the shape each speculative system ran, the s
 plain rows, whether each speculative row reproduced its plain row's tokens, and how many prompts'
 bfloat16 output equals the float32 one. Float32 speculative output must equal plain (asserted). In
 bfloat16 the attention of a one-row step and of a many-row verify round apart in bfloat16's 8-bit
-mantissa (the linear layers no longer do), so greedy outputs may part at a near-tie:
+mantissa when attention runs PyTorch's SDPA (``cpu_linear="torch"``; the default path's
+``kernels/cpu_attention.py`` does not: no prompt parted on 2026-12-02), so greedy outputs may part at
+a near-tie:
 ``bf16_speculative_differs`` lists each such prompt with the step and transformers' bfloat16 top-2
 logit gap there, and a gap above ``BF16_TIE`` fails the test (that would be a bug, not rounding).
 """

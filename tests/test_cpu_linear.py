@@ -168,7 +168,7 @@ def test_build_failure_falls_back_or_is_named(monkeypatch, tmp_path):
         if "avx512f" not in cl._cpu_flags():
             assert "AVX-512" in why
         else:
-            assert "building linear.c, attention.c, norm.c with false failed" in why
+            assert why.startswith("building linear.c, attention.c") and "with false failed" in why
         monkeypatch.setenv("TRITONSPEC_CPU_LINEAR", "auto")
         assert not cl.enabled(torch.float32)
         x, w = torch.randn(2, 8), torch.randn(3, 8)
