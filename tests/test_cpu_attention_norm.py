@@ -73,6 +73,10 @@ def test_attention_edges(dtype):
         ca.cpu_tree_attention(q, kc, vc, pl, wide[:, :, 1:4], 0.25),
         ca.cpu_tree_attention(q, kc, vc, pl, wide[:, :, 1:4].contiguous(), 0.25),
     )
+    neg = torch.tensor([1, -2])  # slots below 0 are never read (the reference's mask), not out of bounds
+    tm[1, :, 2] = True  # row 1 sees tree slot 0 (t = 2) at least
+    ref = tree_attention_reference(q.float(), kc.float(), vc.float(), neg, tm, 0.25)
+    assert _close(ca.cpu_tree_attention(q, kc, vc, neg, tm, 0.25), ref, dtype)
     far = ca.cpu_tree_attention(q, kc, vc, torch.tensor([500, 500]), tm, 0.25)
     assert _close(
         far, tree_attention_reference(q.float(), kc.float(), vc.float(), torch.tensor([40, 40]), tm, 0.25), dtype

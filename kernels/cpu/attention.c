@@ -88,7 +88,7 @@ static inline uint16_t to_bf16(float f) { /* round to nearest even, NaN kept qui
             int n = 0;                                                                                        \
             while (n < BLOCK && j < pre) slot[n++] = j++;                                                     \
             while (n < BLOCK && t < T_ && P + t < S) {                                                        \
-                if (mrow[t * smt]) slot[n++] = P + t;                                                         \
+                if (mrow[t * smt] && P + t >= 0) slot[n++] = P + t; /* a negative P: slots < 0 unseen */    \
                 t++;                                                                                          \
             }                                                                                                 \
             if (n == 0) break;                                                                                \
