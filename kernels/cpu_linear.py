@@ -51,6 +51,7 @@ SOURCE = Path(__file__).parent / "cpu" / "linear.c"
 # the C sources built into one library: the linear kernel, the decode attention, RMSNorm, rope and KV
 # writes (kernels/cpu_attention.py, kernels/cpu_norm.py, kernels/cpu_rope.py)
 SOURCES = tuple(Path(__file__).parent / "cpu" / f for f in ("linear.c", "attention.c", "norm.c", "rope_kv.c"))
+HEADERS = (Path(__file__).parent / "cpu" / "bf16.h",)  # included by the sources: part of the build key
 OP_SOURCE = Path(__file__).parent / "cpu" / "linear_op.cpp"
 MODES = ("auto", "kernel", "torch")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -138,7 +139,7 @@ def _build(out: Path, cmds: list[list[str]], what: str, temps: tuple[str, ...] =
 
 def _key(*parts: object) -> str:
     cpu = (sorted(_cpu_flags()), platform.processor())
-    src = b"".join(f.read_bytes() for f in SOURCES)
+    src = b"".join(f.read_bytes() for f in (*SOURCES, *HEADERS))
     return hashlib.sha256(src + repr((parts, CFLAGS, cpu)).encode()).hexdigest()[:16]
 
 
@@ -167,12 +168,6 @@ def _library() -> ctypes.CDLL:
         fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, *[i64] * 7, p, p, *[i64] * 5, ctypes.c_float, p]
         fn.argtypes += [ctypes.c_int]
         fn.restype = ctypes.c_int
-    for name in ("tritonspec_rope_f32", "tritonspec_rope_bf16"):
-        fn = getattr(lib, name)
-        fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, i64, i64, p]
-        fn.restype = None
-    lib.tritonspec_kv_write.argtypes = [p, i64, i64, i64, p, i64, i64, p, i64, i64, i64, i64]
-    lib.tritonspec_kv_write.restype = i64
     for name in ("tritonspec_rms_norm_f32", "tritonspec_rms_norm_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, i64, p, i64, i64, ctypes.c_float, p, p, ctypes.c_int]

@@ -25,14 +25,7 @@ from .rms_norm import rms_norm_reference
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
-def cpu_rms_norm_reference(
-    x: torch.Tensor,  # [..., H]
-    weight: torch.Tensor,  # [H]
-    eps: float,
-    residual: torch.Tensor | None = None,  # [..., H]
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """``rms_norm_reference`` (what the kernel computes, up to the order of the sum of squares)."""
-    return rms_norm_reference(x, weight, eps, residual)
+cpu_rms_norm_reference = rms_norm_reference  # what the kernel computes, up to the order of the sum of squares
 
 
 def supported(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:

@@ -39,17 +39,14 @@ def _tracing(x: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or get_proxy_mode() is not None or isinstance(x, FakeTensor)
 
 
-def _native() -> bool:
-    return _lib.native_op() is None
-
-
 def rope(
     x: torch.Tensor,  # [B, Q, H, D], unit stride along D
     cos: torch.Tensor,  # [B, Q, 1, D], dtype of x
     sin: torch.Tensor,  # [B, Q, 1, D]
 ) -> torch.Tensor:  # [B, Q, H, D]
     """``rope_reference``, bit for bit: the C kernel on an eager CPU call of float32/bfloat16 tensors
-    (the caller checked ``kernels.cpu_linear.enabled``), else the reference.
+    (the caller checked ``kernels.cpu_linear.enabled``) where the native operator built, else the
+    reference (there is no ctypes path: the saving is the per-call overhead ctypes would add back).
 
     Example
     -------
@@ -70,7 +67,7 @@ def rope(
         and cos.stride(3) == 1
         and not (torch.is_grad_enabled() and x.requires_grad)
     )
-    if not ok or _tracing(x) or not _native():
+    if not ok or _tracing(x) or not _lib._native_ready():
         return rope_reference(x, cos, sin)
     return torch.ops.tritonspec_cpu.rope(x, cos, sin)
 
@@ -101,6 +98,6 @@ def kv_write(
         and slots.is_contiguous()
         and slots.shape == k.shape[:2]
     )
-    if not ok or _tracing(k) or not _native():
+    if not ok or _tracing(k) or not _lib._native_ready():
         return kv_write_reference(k_cache, v_cache, slots, k, v, layer)
     torch.ops.tritonspec_cpu.kv_write(kc, vc, slots, k, v)

@@ -568,6 +568,7 @@ class DeterministicOps:
         self.device = torch.device(device)
         self.max_rows = max_rows
         self._layout: tuple | None = None  # (prefix_lens, tree_mask, kv_len, layout) of this forward
+        self._causal: tuple | None = None  # ((B, P, device), causal mask, zero prefix) of the last prompt shape
         self._hkv = 1  # KV heads of the attention being run (the SDPA probe's key)
         self._used: dict[tuple, Probe] = {}  # the probes this runtime relies on
         self._fast: dict[Any, tuple] = {}  # per weight / norm shape: what the probe decided (hot-path lookups)
@@ -984,9 +985,11 @@ class DeterministicOps:
     def _prefill_attention(self, plan, q, k, v, scale):
         B, P, Hq, D = q.shape
         if isinstance(plan, Probe) and plan.method == "kernel":  # causal = a tree of P nodes after an empty prefix
-            causal = torch.ones(P, P, dtype=torch.bool, device=q.device).tril().expand(B, P, P)
-            prefix = torch.zeros(B, dtype=torch.int64, device=q.device)
-            return cpu_attention.cpu_tree_attention(q, k, v, prefix, causal, scale, threads=self._kernel_threads)
+            c = self._causal
+            if c is None or c[0] != (B, P, q.device):  # built once per prompt shape, not per layer
+                mask = torch.ones(P, P, dtype=torch.bool, device=q.device).tril().expand(B, P, P)
+                c = self._causal = ((B, P, q.device), mask, torch.zeros(B, dtype=torch.int64, device=q.device))
+            return cpu_attention.cpu_tree_attention(q, k, v, c[2], c[1], scale, threads=self._kernel_threads)
         if not isinstance(plan, Probe):
             step = max(CHUNK, (_PREFILL_SCORES // max(B * Hq * -(-P // CHUNK) * CHUNK, 1)) // CHUNK * CHUNK)
             outs = [

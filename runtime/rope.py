@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from ..kernels.cpu_rope import rope_reference
+
 
 def rope_parameters(config: Any) -> dict:
     """The rope settings of a transformers config as one dict (v4 and v5 layouts)."""
@@ -80,6 +82,4 @@ class Rope:
     def apply(self, x: torch.Tensor, positions: torch.Tensor | tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # x: [B, Q, heads, D]; positions: [B, Q] or the (cos, sin) tables from ``tables``
         cos, sin = self.tables(positions) if isinstance(positions, torch.Tensor) else positions
-        half = x.shape[-1] // 2
-        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rot * sin
+        return rope_reference(x, cos, sin)

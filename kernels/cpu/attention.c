@@ -22,6 +22,8 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "bf16.h"
+
 #define BLOCK 64   /* visible keys per online-softmax block */
 #define MAX_G 16   /* query heads per KV head */
 #define MAX_D 256  /* head dim */
@@ -53,13 +55,6 @@ static inline __m512 load_f32(const float* p, __mmask16 m) { return _mm512_maskz
 static inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
     __m256i h = _mm256_maskz_loadu_epi16(m, p);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
-static inline uint16_t to_bf16(float f) { /* round to nearest even, NaN kept quiet */
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
 }
 
 /* One task: query row (b, q), KV head kh, its G query heads. T = element type (float or uint16_t). */
@@ -169,4 +164,4 @@ TASK(task_bf16, uint16_t, load_bf16)
 
 #define STORE_F32(x) (x)
 ATTENTION(tritonspec_tree_attention_f32, float, task_f32, STORE_F32)
-ATTENTION(tritonspec_tree_attention_bf16, uint16_t, task_bf16, to_bf16)
+ATTENTION(tritonspec_tree_attention_bf16, uint16_t, task_bf16, float_to_bf16)

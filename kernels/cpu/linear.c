@@ -16,15 +16,9 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#include "bf16.h"
 
-ALWAYS_INLINE uint16_t float_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
-ALWAYS_INLINE float bf16_to_float(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 /* One block: MB x rows times NB weight rows. MB and NB are compile-time constants at every call site. */
 ALWAYS_INLINE void f32_block(const float* x, int64_t ldx, const float* w, int64_t K, const float* b,

@@ -12,13 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline uint16_t rne_bf16(float f) { /* round to nearest even, NaN kept quiet */
-    union { float f; uint32_t u; } v = {f};
-    if ((v.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((v.u >> 16) | 0x40u);
-    v.u += 0x7fffu + ((v.u >> 16) & 1u);
-    return (uint16_t)(v.u >> 16);
-}
-static inline float bf(uint16_t h) { union { uint32_t u; float f; } v = {(uint32_t)h << 16}; return v.f; }
+#include "bf16.h"
 
 /* x [B, Q, H, D] at strides (sxb, sxq, sxh, 1); cos, sin [B, Q, D] at strides (scb, scq, 1); y [B, Q, H, D]
  * contiguous. */
@@ -53,10 +47,10 @@ void tritonspec_rope_bf16(const uint16_t* x, int64_t B, int64_t Q, int64_t H, in
                 const uint16_t* xr = x + b * sxb + q * sxq + h * sxh;
                 uint16_t* yr = y + ((b * Q + q) * H + h) * D;
                 for (int64_t d = 0; d < D; d++) {
-                    const float rot = d < half ? -bf(xr[d + half]) : bf(xr[d - half]);
-                    const float a = bf(rne_bf16(bf(xr[d]) * bf(c[d])));
-                    const float r = bf(rne_bf16(rot * bf(s[d])));
-                    yr[d] = rne_bf16(a + r);
+                    const float rot = d < half ? -bf16_to_float(xr[d + half]) : bf16_to_float(xr[d - half]);
+                    const float a = bf16_to_float(float_to_bf16(bf16_to_float(xr[d]) * bf16_to_float(c[d])));
+                    const float r = bf16_to_float(float_to_bf16(rot * bf16_to_float(s[d])));
+                    yr[d] = float_to_bf16(a + r);
                 }
             }
         }
