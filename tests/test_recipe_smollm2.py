@@ -69,6 +69,14 @@ def test_prompts_cover_every_kind_from_public_functions(fake_stdlib):
     assert build_prompts(n_code=12, n_general=5, root=fake_stdlib) == recs  # seeded
 
 
+def test_general_questions_take_a_second_pass_over_the_modules(fake_stdlib):
+    """More questions than modules: every (module, question form) pair at most once."""
+    recs = build_prompts(n_code=0, n_general=60, root=fake_stdlib)
+    general = [r["prompt"][0]["content"] for r in recs if r["kind"] == "general"]
+    assert len(general) == 60 and len(set(general)) == 60
+    assert build_prompts(n_code=0, n_general=60, root=fake_stdlib) == recs  # seeded
+
+
 def test_heldout_split_is_stable_and_near_its_share():
     ids = [f"mod.f{i}.write" for i in range(4000)]
     share = sum(heldout(i, 5) for i in ids) / len(ids)
@@ -84,6 +92,10 @@ def test_recipe_config_is_validated():
         RecipeConfig(distill_share=1.0)
     with pytest.raises(ValueError, match="distill_share"):
         RecipeConfig(distill_share=-0.1)
+    with pytest.raises(ValueError, match="distill_dtype='float16'"):
+        RecipeConfig(distill_dtype="float16")
+    with pytest.raises(ValueError, match="n_code=-1"):
+        RecipeConfig(n_code=-1)
 
 
 def test_distill_writes_resumes_and_drops_a_torn_record(tmp_path):
@@ -103,3 +115,18 @@ def test_distill_writes_resumes_and_drops_a_torn_record(tmp_path):
     before = out.read_text()
     distill(rt, recs, out, batch_size=2, deadline=0.0, log=lambda m: None)  # nothing left to do
     assert out.read_text() == before
+
+
+def test_distill_takes_batches_round_robin_over_kinds(tmp_path):
+    """A deadline cutting the run leaves every kind represented: batches alternate between groups."""
+    target, _ = tiny_random_pair(tmp_path / "pair")
+    rt = ts.SpeculativeRuntime.from_pretrained(target, None, max_batch_size=2, max_seq_len=256)
+    recs = [{"id": f"c{i}", "kind": "complete", "prompt": f"def f{i}(x):\n"} for i in range(6)]
+    recs += [{"id": f"w{i}", "kind": "write", "prompt": f"# write g{i}\n"} for i in range(2)]
+    out, logs = tmp_path / "d.jsonl", []
+    distill(rt, recs, out, batch_size=2, sampled_every=100, log=logs.append)
+    kinds = [json.loads(line)["kind"] for line in out.read_text().splitlines()]
+    # groups (complete, greedy) x3 batches, (complete, sampled: record 0) x1, (write, greedy) x1: in turn
+    assert kinds.index("write") == 3  # in the order of the groups, "write" would come after all six
+    assert sorted(kinds) == ["complete"] * 6 + ["write"] * 2
+    assert logs[0].startswith("distill: batch 1/5 (complete")

@@ -50,30 +50,34 @@ def distill(
     groups: dict[tuple[str, bool], list] = {}
     for i, r in todo:
         groups.setdefault((r["kind"], i % sampled_every == 0), []).append((i, r))
+    # batches taken round-robin over the groups, so a run cut by its deadline has every kind
+    batches = [
+        [(key, items[b : b + batch_size]) for b in range(0, len(items), batch_size)]
+        for key, items in sorted(groups.items())
+    ]
+    order = [q[j] for j in range(max(map(len, batches), default=0)) for q in batches if j < len(q)]
     t0, n_tok = time.time(), 0
     with out.open("a") as fh:
-        for (kind, sampled), items in sorted(groups.items()):
-            for b in range(0, len(items), batch_size):
-                if deadline is not None and time.time() > deadline:
-                    log(f"distill: time budget reached with {n_tok} new tokens; rerun to continue")
-                    return out
-                chunk = items[b : b + batch_size]
-                ids = [encode(tok, r["prompt"]) for _, r in chunk]
-                gen = runtime.generate(
-                    ids,
-                    max_new_tokens=MAX_NEW_TOKENS[kind],
-                    speculative=False,
-                    temperature=1.0 if sampled else 0.0,
-                    seed=[i for i, _ in chunk],
-                )
-                for (_, r), p, new in zip(chunk, ids, gen.token_ids):
-                    rec = {"id": r["id"], "kind": kind, "sampled": sampled, "prompt_len": len(p)}
-                    rec["input_ids"] = p + list(new)
-                    fh.write(json.dumps(rec) + "\n")
-                    n_tok += len(new)
-                fh.flush()
-                log(
-                    f"distill: {kind} sampled={sampled} {b + len(chunk)}/{len(items)}; "
-                    f"{n_tok} tokens in {time.time() - t0:.0f} s"
-                )
+        for n_batch, ((kind, sampled), chunk) in enumerate(order):
+            if deadline is not None and time.time() > deadline:
+                log(f"distill: time budget reached with {n_tok} new tokens; rerun to continue")
+                return out
+            ids = [encode(tok, r["prompt"]) for _, r in chunk]
+            gen = runtime.generate(
+                ids,
+                max_new_tokens=MAX_NEW_TOKENS[kind],
+                speculative=False,
+                temperature=1.0 if sampled else 0.0,
+                seed=[i for i, _ in chunk],
+            )
+            for (_, r), p, new in zip(chunk, ids, gen.token_ids):
+                rec = {"id": r["id"], "kind": kind, "sampled": sampled, "prompt_len": len(p)}
+                rec["input_ids"] = p + list(new)
+                fh.write(json.dumps(rec) + "\n")
+                n_tok += len(new)
+            fh.flush()
+            log(
+                f"distill: batch {n_batch + 1}/{len(order)} ({kind}, sampled={sampled}); "
+                f"{n_tok} tokens in {time.time() - t0:.0f} s"
+            )
     return out

@@ -171,9 +171,14 @@ def build_prompts(n_code: int = 1200, n_general: int = 300, seed: int = 0, root:
         out.append({"id": f"{module}.{name}.{kind}", "kind": kind, "prompt": prompt})
     modules = sorted({p.stem for p in stdlib_files(root) if not p.stem.startswith("_") and p.stem != "__init__"})
     general = [_chat(q) for q in GENERAL]
-    for name in rng.sample(modules, min(len(modules), n_general)):
-        form = rng.choice(QUESTION_FORMS)
-        general.append(_chat(form.format(name=name, topic=f"the Python {name} module")))
+    asked: set[tuple[str, str]] = set()
+    while len(general) < n_general and len(asked) < len(modules) * len(QUESTION_FORMS):
+        # one pass over the modules in a seeded order, another pass if more are asked for
+        for name in rng.sample(modules, min(len(modules), n_general - len(general))):
+            form = rng.choice([f for f in QUESTION_FORMS if (name, f) not in asked] or QUESTION_FORMS)
+            if (name, form) not in asked:
+                asked.add((name, form))
+                general.append(_chat(form.format(name=name, topic=f"the Python {name} module")))
     for i, msgs in enumerate(general[:n_general]):
         out.append({"id": f"general.{i}", "kind": "general", "prompt": msgs})
     return out
