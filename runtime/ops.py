@@ -166,8 +166,9 @@ class TorchOps:
     def linear(self, x, weight, bias=None):
         """``F.linear``; on the CPU, ``kernels.cpu_linear`` (row-invariant, weights read at memory
         speed) for float32/bfloat16 where it builds (``TRITONSPEC_CPU_LINEAR``). The weight may be
-        stored ``[K, N]`` (``TargetModel.weight_layout``); such a weight runs ``F.linear``."""
-        if x.is_cpu and self._cpu_kernel(x.dtype):
+        stored ``[K, N]`` (``TargetModel.weight_layout``); such a weight runs ``F.linear``. A weight
+        packed for AMX (``weight_layout="amx"``) runs only the kernel."""
+        if x.is_cpu and (self._cpu_kernel(x.dtype) or weight.dim() == 4):
             return _cpu_linear.linear(x, weight, bias)
         return F.linear(x, weight, bias)
 

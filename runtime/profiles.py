@@ -75,7 +75,10 @@ def target_fingerprint(target: Any) -> str:
         target.head_dim,
     ]
     last = target.layers[-1]
-    return _digest(parts, [target.embed[:4, :32], target.lm_head[-4:, :32], last.down[:4, :32], last.wq[-4:, :32]])
+    from ..kernels.cpu_linear import unpack_bf16  # the [N, K] values, whatever weight_layout packed
+
+    head, down = unpack_bf16(target.lm_head), unpack_bf16(last.down)
+    return _digest(parts, [target.embed[:4, :32], head[-4:, :32], down[:4, :32], last.wq[-4:, :32]])
 
 
 def drafter_fingerprint(drafter: Any) -> str:

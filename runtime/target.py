@@ -151,15 +151,26 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-WEIGHT_LAYOUTS = ("auto", "nk", "kn")
+WEIGHT_LAYOUTS = ("auto", "nk", "kn", "amx")
 
 
 def prepare_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
     """``w [N, K]`` in the storage ``layout``: ``"nk"`` as loaded (row-major ``[N, K]``), ``"kn"``
     stored as ``[K, N]`` row-major and returned as its ``[N, K]`` transposed view. Same values, same
     shape: ``F.linear(x, w)`` then runs as ``x @ W_kn`` and, for the one-row decode step, streams
-    the weights about twice as fast on a CPU (measured: issue 21, ``perf/bench_cpu_decode.py``)."""
+    the weights about twice as fast on a CPU (measured: issue 21, ``perf/bench_cpu_decode.py``).
+    ``"amx"``: a bfloat16 weight with N % 16 == 0 and K % 32 == 0 packed into AMX tiles
+    (``kernels.cpu_linear.pack_bf16``, 4-D; only the CPU kernel runs it), any other as loaded."""
+    if layout == "amx":
+        return _cpu_linear.pack_bf16(w) if _cpu_linear.packable(w) else w
     return w.t().contiguous().t() if layout == "kn" else w
+
+
+def _linear(ops: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``ops.linear``, else ``F.linear`` (the CPU kernel for a packed weight)."""
+    if ops is not None:
+        return ops.linear(x, w)
+    return _cpu_linear.cpu_linear(x, w) if _cpu_linear.is_packed(w) else F.linear(x, w)
 
 
 @functools.cache
@@ -176,17 +187,32 @@ def cpu_has_bf16() -> bool | None:
 def resolve_layout(
     layout: str, device: torch.device, dtype: torch.dtype | None = torch.float32, cpu_linear: str = "auto"
 ) -> str:
-    """``auto``: ``nk`` where the CPU linear kernel runs the dtype (``kernels.cpu_linear``), else
-    ``kn`` for float32 on a CPU and ``nk`` otherwise. Measured in the model (SmolLM2, 2
-    threads, ``perf/bench_cpu_decode.py``): float32 plain steps cost the same in both layouts
-    (30.1 vs 30.6 ms) and ``kn`` makes one-row-vs-many rounding differ only at 1 row (the
-    deterministic mode pads less); bfloat16 is faster as loaded (33.9 vs 39.9 ms)."""
+    """``auto``: for bfloat16 on a CPU with AMX where the CPU kernels run, ``amx`` (weights packed
+    into AMX tiles: a verify forward of 4-16 rows costs about one row, where AVX512-BF16 costs 1.3x
+    at 4 rows and 2.3x at 8; one row streams as fast); else ``nk`` where the CPU linear kernel runs
+    the dtype (``kernels.cpu_linear``), else ``kn`` for float32 on a CPU and ``nk`` otherwise.
+    Measured in the model (SmolLM2, 2 threads, ``perf/bench_cpu_decode.py``): float32 plain steps
+    cost the same in both layouts (30.1 vs 30.6 ms) and ``kn`` makes one-row-vs-many rounding
+    differ only at 1 row (the deterministic mode pads less); bfloat16 is faster as loaded (33.9 vs
+    39.9 ms)."""
     if layout not in WEIGHT_LAYOUTS:
         raise UserError(f"weight_layout={layout!r} is not one of {WEIGHT_LAYOUTS}")
+    dtype = dtype or torch.float32
+    if layout == "amx":
+        why = (
+            "it packs bfloat16 weights only"
+            if dtype != torch.bfloat16 or device.type != "cpu"
+            else _cpu_linear.amx_available()
+        )
+        if why is None and not _cpu_linear.enabled(dtype, cpu_linear):
+            why = "the CPU kernels are off (cpu_linear='torch' or TRITONSPEC_CPU_LINEAR=torch)"
+        if why is not None:
+            raise UserError(f"weight_layout='amx' cannot run here: {why}; use 'auto' or 'nk'")
     if layout != "auto":
         return layout
-    dtype = dtype or torch.float32
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _cpu_linear.enabled(dtype, cpu_linear):
+        if dtype == torch.bfloat16 and _cpu_linear.amx_available() is None:
+            return "amx"  # packed AMX tiles (kernels/cpu/linear.c): verify rows nearly free
         return "nk"  # kernels.cpu_linear streams [N, K] rows (and is row-invariant)
     return "kn" if device.type == "cpu" and dtype == torch.float32 else "nk"
 
@@ -209,25 +235,28 @@ class _Layer:
     down: torch.Tensor
     qkv_sizes: tuple[int, int, int]
 
+    # [N, K] values (a copy when the weight is packed for AMX)
     @property
     def wq(self) -> torch.Tensor:
-        return self.wqkv[: self.qkv_sizes[0]]
+        return _cpu_linear.unpack_bf16(self.wqkv)[: self.qkv_sizes[0]]
 
     @property
     def wk(self) -> torch.Tensor:
-        return self.wqkv[self.qkv_sizes[0] : self.qkv_sizes[0] + self.qkv_sizes[1]]
+        return _cpu_linear.unpack_bf16(self.wqkv)[self.qkv_sizes[0] : self.qkv_sizes[0] + self.qkv_sizes[1]]
 
     @property
     def wv(self) -> torch.Tensor:
-        return self.wqkv[self.qkv_sizes[0] + self.qkv_sizes[1] :]
+        return _cpu_linear.unpack_bf16(self.wqkv)[self.qkv_sizes[0] + self.qkv_sizes[1] :]
 
     @property
     def gate(self) -> torch.Tensor:
-        return self.gate_up[: self.gate_up.shape[0] // 2]
+        w = _cpu_linear.unpack_bf16(self.gate_up)
+        return w[: w.shape[0] // 2]
 
     @property
     def up(self) -> torch.Tensor:
-        return self.gate_up[self.gate_up.shape[0] // 2 :]
+        w = _cpu_linear.unpack_bf16(self.gate_up)
+        return w[w.shape[0] // 2 :]
 
 
 def _architecture(config: Any) -> str:
@@ -299,12 +328,16 @@ class TargetModel:
             return prepare_weight(torch.cat([get(n) for n in names]), lay)
 
         # the embedding keeps its values and shape; in "kn" it is stored [H, V] so the (tied) head
-        # streams fast, and a row lookup reads one strided row per token (no second copy)
-        self.embed = prepare_weight(get("embed_tokens.weight"), lay)
+        # streams fast, and a row lookup reads one strided row per token (no second copy). In "amx"
+        # the embedding stays [V, H] for lookups and a tied head is its one packed copy.
+        self.embed = prepare_weight(get("embed_tokens.weight"), "nk" if lay == "amx" else lay)
         self.norm = get("norm.weight")
         lm = state.get("lm_head.weight")
         tied = getattr(config, "tie_word_embeddings", False)
-        self.lm_head = self.embed if (lm is None or tied) else prepare_weight(lm.to(device=device, dtype=dtype), lay)
+        if lm is None or tied:
+            self.lm_head = prepare_weight(self.embed, "amx") if lay == "amx" else self.embed
+        else:
+            self.lm_head = prepare_weight(lm.to(device=device, dtype=dtype), lay)
         if lm is None and not tied:
             raise UserError("target weights lack 'lm_head.weight' and tie_word_embeddings is false")
         self.layers: list[_Layer] = []
@@ -351,8 +384,9 @@ class TargetModel:
         """From a Hugging Face model directory or a loaded ``transformers`` ``PreTrainedModel``.
 
         ``weight_layout``: how projection weights are stored (``prepare_weight``): ``"auto"`` (the
-        fast one for the device), ``"kn"`` or ``"nk"``; values and results do not depend on it
-        beyond the last bits of a matmul.
+        fast one for the device), ``"kn"``, ``"nk"`` or ``"amx"`` (bfloat16 on an AMX CPU: packed
+        tiles, and a tied head's one extra copy); values and results do not depend on it beyond the
+        last bits of a matmul.
 
         Every tensor's shape is checked against the config (``check_weights``): a missing,
         unexpected or wrongly shaped tensor, or a layer count that disagrees with the weights, is a
@@ -388,8 +422,8 @@ class TargetModel:
         """The weights under their Hugging Face names, unfused, row-major ``[N, K]``, in the loaded
         dtype: what ``save_pretrained`` / export write, whatever ``weight_layout`` runs."""
         out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
-        if self.lm_head is not self.embed:
-            out["lm_head.weight"] = self.lm_head
+        if not getattr(self.config, "tie_word_embeddings", False) and self.lm_head is not self.embed:
+            out["lm_head.weight"] = _cpu_linear.unpack_bf16(self.lm_head)
         for i, L in enumerate(self.layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             out |= {
@@ -398,10 +432,10 @@ class TargetModel:
                 a + "q_proj.weight": L.wq,
                 a + "k_proj.weight": L.wk,
                 a + "v_proj.weight": L.wv,
-                a + "o_proj.weight": L.wo,
+                a + "o_proj.weight": _cpu_linear.unpack_bf16(L.wo),
                 p + "mlp.gate_proj.weight": L.gate,
                 p + "mlp.up_proj.weight": L.up,
-                p + "mlp.down_proj.weight": L.down,
+                p + "mlp.down_proj.weight": _cpu_linear.unpack_bf16(L.down),
             }
             if L.bqkv is not None:
                 bq, bk, bv = L.bqkv.split(L.qkv_sizes)
@@ -509,13 +543,13 @@ class TargetModel:
     def logits(self, hidden: torch.Tensor, ops: Any = None) -> torch.Tensor:
         """``[..., H] -> [..., V]`` float32 logits (argmax ties break to the lowest id); ``ops``: the
         backend whose ``linear`` runs the head (default ``F.linear``)."""
-        return (ops.linear if ops is not None else F.linear)(hidden, self.lm_head).float()
+        return _linear(ops, hidden, self.lm_head).float()
 
     def greedy(self, hidden: torch.Tensor, ops: Any = None) -> torch.Tensor:
         """``[..., H] -> [...]`` argmax of the logits, without their float32 copy (the widening is
         exact, so the argmax and its lowest-id tie break are those of ``logits``). An ``ops`` with an
         ``argmax`` (deterministic mode: on the caller's threads, exact at any count) runs it."""
-        logits = (ops.linear if ops is not None else F.linear)(hidden, self.lm_head)
+        logits = _linear(ops, hidden, self.lm_head)
         argmax = getattr(ops, "argmax", None)
         return argmax(logits) if argmax is not None else logits.argmax(-1)
 

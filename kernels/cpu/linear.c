@@ -137,4 +137,161 @@ LINEAR(tritonspec_linear_f32, float, f32_block)
 LINEAR(tritonspec_linear_bf16, uint16_t, bf16_block)
 #undef T
 
+/* ---------------------------------------------------------------------------------------------
+ * bfloat16 on AMX (Sapphire Rapids and later), for weights packed once at load.
+ *
+ * VDPBF16PS makes a bfloat16 linear layer compute-bound from ~4 rows on (8 rows cost ~2.3 one-row
+ * calls on this machine's two cores): what a speculative round's verify pays. One AMX TDPBF16PS
+ * multiplies a [rows <= 16, 32] block of x by a [32, 16] block of w^T, so any row count up to 16
+ * (and 64 with a few more tiles) streams the weights at memory speed, one row included.
+ *
+ * Packed layout (tritonspec_pack_bf16, kernels/cpu_linear.py pack_bf16): wp [N/16][K/32][16][32],
+ *     wp[nb][kb][p][2 j + i] = w[16 nb + j][32 kb + 2 p + i]       (the VNNI pair layout of a B tile)
+ * so a 16-column block's k-steps are consecutive 1 KB tiles: one linear stream per block.
+ *
+ *     C[m][j] += sum_{p < 16} x[m][32 kb + 2p] w[16 nb + j][32 kb + 2p] + (odd term)     kb = 0, 1, ...
+ *
+ * C[m][j] depends on x row m and weight row 16 nb + j only (the tile's other rows and columns do not
+ * enter it, whatever the configured row count; tests check it), summed over kb in ascending order,
+ * so a row's result is the same for any M, any other rows and any thread count (threads split the
+ * column blocks): row invariance by construction. A packed weight always runs this path, so one
+ * process never mixes two instruction sequences on one weight. AMX needs the CPU flags, the
+ * kernel's permission (arch_prctl ARCH_REQ_XCOMP_PERM, requested once) and TRITONSPEC_CPU_AMX != 0.
+ * --------------------------------------------------------------------------------------------- */
+#include <stdlib.h>
+#include <string.h>
+
+/* wp [N/16][K/32][16][32] from w [N, K] (N % 16 == 0, K % 32 == 0) */
+void tritonspec_pack_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
+    const int64_t KB = K / 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t k = 0; k < K; k++)
+            wp[(((n / 16) * KB + k / 32) * 16 + (k % 32) / 2) * 32 + (n % 16) * 2 + k % 2] = w[n * K + k];
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+static int amx_state = -1; /* -1 undecided, 0 off, 1 on */
+
+int tritonspec_amx_enabled(void) {
+    if (amx_state < 0) {
+        const char* env = getenv("TRITONSPEC_CPU_AMX");
+        if (env && strcmp(env, "0") == 0) amx_state = 0;
+        else amx_state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    }
+    return amx_state;
+}
+
+/* tiles 0-3: C [rows][16] float32; 4: x [rows][32] bf16; 5-6: packed weights [16 pairs][16 x 2] */
+static inline void amx_rows(int rows, int* current) {
+    if (*current == rows) return;
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int t = 0; t < 7; t++) {
+        c.rows[t] = t <= 4 ? (uint8_t)rows : 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+    *current = rows;
+}
+
+/* 16 float32 -> bfloat16, bit for bit float_to_bf16 (round to nearest even, NaN kept quiet). */
+static inline __m256i bf16x16(__m512 v) {
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    r = _mm512_mask_or_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* y[m][n0 + j] = bf16(C[m][j] (+ b[n0 + j])) for the tile's rows */
+static inline void amx_store(const float* c, int rows, const uint16_t* b, uint16_t* y, int64_t ldy, int64_t n0) {
+    const __m512 bias = b ? _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(b + n0))), 16))
+                          : _mm512_setzero_ps();
+    for (int m = 0; m < rows; m++) {
+        __m512 s = _mm512_load_ps(c + m * 16);
+        if (b) s = _mm512_add_ps(s, bias);
+        _mm256_storeu_si256((__m256i*)(y + m * ldy + n0), bf16x16(s));
+    }
+}
+
+#define WTILE(NB) (wp + ((NB) * KB + kb) * 512)
+
+/* Four column blocks nb0 .. nb0 + 3 for rows m0 .. m0 + rows - 1 (four independent accumulators keep
+ * the unit busy while the weight tiles stream). */
+static inline void amx_four(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t KB, int64_t nb0, int rows,
+                            const uint16_t* b, uint16_t* y, int64_t ldy) {
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        _tile_loadd(4, x + kb * 32, ldx * 2);
+        _tile_loadd(5, WTILE(nb0 + 0), 64); _tile_dpbf16ps(0, 4, 5);
+        _tile_loadd(6, WTILE(nb0 + 1), 64); _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(5, WTILE(nb0 + 2), 64); _tile_dpbf16ps(2, 4, 5);
+        _tile_loadd(6, WTILE(nb0 + 3), 64); _tile_dpbf16ps(3, 4, 6);
+    }
+    float c[4][16 * 16] __attribute__((aligned(64)));
+    _tile_stored(0, c[0], 64); _tile_stored(1, c[1], 64); _tile_stored(2, c[2], 64); _tile_stored(3, c[3], 64);
+    for (int j = 0; j < 4; j++) amx_store(c[j], rows, b, y, ldy, (nb0 + j) * 16);
+}
+
+static inline void amx_one(const uint16_t* x, int64_t ldx, const uint16_t* wp, int64_t KB, int64_t nb0, int rows,
+                           const uint16_t* b, uint16_t* y, int64_t ldy) {
+    _tile_zero(0);
+    for (int64_t kb = 0; kb < KB; kb++) {
+        _tile_loadd(4, x + kb * 32, ldx * 2);
+        _tile_loadd(5, WTILE(nb0), 64);
+        _tile_dpbf16ps(0, 4, 5);
+    }
+    float c[16 * 16] __attribute__((aligned(64)));
+    _tile_stored(0, c, 64);
+    amx_store(c, rows, b, y, ldy, nb0 * 16);
+}
+#undef WTILE
+
+/* y [M, N] = x [M, K] (row stride ldx) @ w^T (+ b), w packed; 0, or -1 when AMX is off here. */
+int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t N, int64_t K,
+                                  const uint16_t* b, uint16_t* y, int64_t ldy, int threads) {
+    if (!tritonspec_amx_enabled()) return -1;
+    const int64_t KB = K / 32, NB = N / 16, G = NB / 4, tasks = G + (NB - 4 * G);
+    if (M <= 0 || NB <= 0) return 0;
+#pragma omp parallel num_threads(threads)
+    {
+        int current = -1;
+        /* one task = four column blocks (then the leftover blocks one by one), all row blocks of
+         * 16 in turn: the task's weight tiles stay in L2 while the row blocks reuse them */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < tasks; t++) {
+            for (int64_t m0 = 0; m0 < M; m0 += 16) {
+                int rows = M - m0 < 16 ? (int)(M - m0) : 16;
+                amx_rows(rows, &current);
+                if (t < G) amx_four(x + m0 * ldx, ldx, wp, KB, 4 * t, rows, b, y + m0 * ldy, ldy);
+                else amx_one(x + m0 * ldx, ldx, wp, KB, 4 * G + (t - G), rows, b, y + m0 * ldy, ldy);
+            }
+        }
+        if (current >= 0) _tile_release();
+    }
+    return 0;
+}
+#else
+int tritonspec_amx_enabled(void) { return 0; }
+int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t N, int64_t K,
+                                  const uint16_t* b, uint16_t* y, int64_t ldy, int threads) {
+    (void)x; (void)M; (void)ldx; (void)wp; (void)N; (void)K; (void)b; (void)y; (void)ldy; (void)threads;
+    return -1;
+}
+#endif
+
 int tritonspec_abi_version(void) { return 1; }

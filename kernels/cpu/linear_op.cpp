@@ -18,6 +18,8 @@ void tritonspec_linear_f32(const float*, int64_t, int64_t, const float*, int64_t
                            int64_t, int);
 void tritonspec_linear_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*,
                             uint16_t*, int64_t, int);
+int tritonspec_linear_bf16_packed(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                                  const uint16_t*, uint16_t*, int64_t, int);
 int tritonspec_tree_attention_f32(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                   const float*, const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
                                   int64_t, const int64_t*, const uint8_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -47,11 +49,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
               "tritonspec_cpu::linear takes float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && (!b || b->scalar_type() == x.scalar_type()),
               "tritonspec_cpu::linear: x, weight and bias must share one dtype");
-  TORCH_CHECK(w.dim() == 2 && w.size(1) == x.size(-1) && w.is_contiguous(),
-              "tritonspec_cpu::linear needs a contiguous [N, K] weight with K = x.size(-1)");
-  TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == w.size(0) && b->is_contiguous()),
+  // a 4-D weight is packed for AMX (cpu_linear.pack_bf16): [N/16, K/32, 16, 32] bfloat16
+  const bool packed = w.dim() == 4;
+  TORCH_CHECK((w.dim() == 2 && w.size(1) == x.size(-1) && w.is_contiguous()) ||
+                  (packed && x.scalar_type() == at::kBFloat16 && w.size(1) * 32 == x.size(-1) && w.size(2) == 16 &&
+                   w.size(3) == 32 && w.is_contiguous()),
+              "tritonspec_cpu::linear needs a contiguous [N, K] weight with K = x.size(-1), or a bfloat16 weight "
+              "packed by cpu_linear.pack_bf16");
+  const int64_t K = x.size(-1), N = packed ? w.size(0) * 16 : w.size(0);
+  TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == N && b->is_contiguous()),
               "tritonspec_cpu::linear: bias must be a contiguous [N] tensor");
-  const int64_t K = x.size(-1), N = w.size(0);
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   at::Tensor y = at::empty(sizes, x.options());
@@ -64,6 +71,15 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   if (x.scalar_type() == at::kFloat) {
     tritonspec_linear_f32(xc.const_data_ptr<float>(), M, xc.stride(0), w.const_data_ptr<float>(), N, K,
                           b ? b->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), N, nt);
+  } else if (packed) {
+    int rc = tritonspec_linear_bf16_packed(
+        reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>()), M, xc.stride(0),
+        reinterpret_cast<const uint16_t*>(w.const_data_ptr<c10::BFloat16>()), N, K,
+        b ? reinterpret_cast<const uint16_t*>(b->const_data_ptr<c10::BFloat16>()) : nullptr,
+        reinterpret_cast<uint16_t*>(y.mutable_data_ptr<c10::BFloat16>()), N, nt);
+    TORCH_CHECK(rc == 0, "tritonspec_cpu::linear: the weight is packed for AMX but AMX is off in this process "
+                         "(TRITONSPEC_CPU_AMX=0, or the kernel refused the tile state): load the target with "
+                         "weight_layout='nk'");
   } else {
     tritonspec_linear_bf16(reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>()), M, xc.stride(0),
                            reinterpret_cast<const uint16_t*>(w.const_data_ptr<c10::BFloat16>()), N, K,
