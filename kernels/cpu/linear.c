@@ -270,15 +270,19 @@ int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, con
 #pragma omp parallel num_threads(threads)
     {
         int current = -1;
-        /* one task = four column blocks (then the leftover blocks one by one), all row blocks of
-         * 16 in turn: the task's weight tiles stay in L2 while the row blocks reuse them */
+        /* rows in chunks of 256 (a prefill: the chunk's x stays in L2 while every column block
+         * passes; one chunk in decode); one task = four column blocks (then the leftover blocks one
+         * by one) over the chunk's row blocks of 16, its weight tiles reused from L2 */
+        for (int64_t mc = 0; mc < M; mc += 256) {
+            const int64_t mend = M - mc < 256 ? M : mc + 256;
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < tasks; t++) {
-            for (int64_t m0 = 0; m0 < M; m0 += 16) {
-                int rows = M - m0 < 16 ? (int)(M - m0) : 16;
-                amx_rows(rows, &current);
-                if (t < G) amx_four(x + m0 * ldx, ldx, wp, KB, 4 * t, rows, b, y + m0 * ldy, ldy);
-                else amx_one(x + m0 * ldx, ldx, wp, KB, 4 * G + (t - G), rows, b, y + m0 * ldy, ldy);
+            for (int64_t t = 0; t < tasks; t++) {
+                for (int64_t m0 = mc; m0 < mend; m0 += 16) {
+                    int rows = mend - m0 < 16 ? (int)(mend - m0) : 16;
+                    amx_rows(rows, &current);
+                    if (t < G) amx_four(x + m0 * ldx, ldx, wp, KB, 4 * t, rows, b, y + m0 * ldy, ldy);
+                    else amx_one(x + m0 * ldx, ldx, wp, KB, 4 * G + (t - G), rows, b, y + m0 * ldy, ldy);
+                }
             }
         }
         if (current >= 0) _tile_release();
