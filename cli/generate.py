@@ -189,7 +189,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"mean_acceptance_length={s.mean_acceptance_length:.2f} "
         f"mode={'speculative' if s.spec is not None else 'plain'} backend={rt.backend} "
         f"cuda_graphs={'on' if rt.graphs_enabled else 'off'} compiled={'on' if rt.compiled else 'off'} "
-        f"cpu_kernels={'on' if rt.cpu_kernels else 'off'} "
+        f"cpu_kernels={'on' if rt.cpu_kernels else 'off'} weight_layout={rt.target.weight_layout} "
         f"spec={shape_label(s.spec)} "
         f"spec_source={s.spec_source.replace(' ', '-')}" + (" deterministic=on" if rt.deterministic else "")
     )
