@@ -145,7 +145,7 @@ LINEAR(tritonspec_linear_bf16, uint16_t, bf16_block)
  * multiplies a [rows <= 16, 32] block of x by a [32, 16] block of w^T, so any row count up to 16
  * (and 64 with a few more tiles) streams the weights at memory speed, one row included.
  *
- * Packed layout (tritonspec_pack_bf16, kernels/cpu_linear.py pack_bf16): wp [N/16][K/32][16][32],
+ * Packed layout (kernels/cpu_linear.py pack_bf16, done once at load): wp [N/16][K/32][16][32],
  *     wp[nb][kb][p][2 j + i] = w[16 nb + j][32 kb + 2 p + i]       (the VNNI pair layout of a B tile)
  * so a 16-column block's k-steps are consecutive 1 KB tiles: one linear stream per block.
  *
@@ -160,15 +160,6 @@ LINEAR(tritonspec_linear_bf16, uint16_t, bf16_block)
  * --------------------------------------------------------------------------------------------- */
 #include <stdlib.h>
 #include <string.h>
-
-/* wp [N/16][K/32][16][32] from w [N, K] (N % 16 == 0, K % 32 == 0) */
-void tritonspec_pack_bf16(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
-    const int64_t KB = K / 32;
-#pragma omp parallel for schedule(static)
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t k = 0; k < K; k++)
-            wp[(((n / 16) * KB + k / 32) * 16 + (k % 32) / 2) * 32 + (n % 16) * 2 + k % 2] = w[n * K + k];
-}
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <sys/syscall.h>
