@@ -75,9 +75,12 @@ def target_fingerprint(target: Any) -> str:
         target.head_dim,
     ]
     last = target.layers[-1]
-    from ..kernels.cpu_linear import unpack_bf16  # the [N, K] values, whatever weight_layout packed
+    from ..kernels.cpu_linear import is_packed, unpack_bf16
 
-    head, down = unpack_bf16(target.lm_head), unpack_bf16(last.down)
+    # the [N, K] values whatever weight_layout stored: a packed weight's corner tile unpacks to
+    # rows 16 nb.., columns 32 kb.. (not the whole head)
+    head = unpack_bf16(target.lm_head[-1:, :1]) if is_packed(target.lm_head) else target.lm_head
+    down = unpack_bf16(last.down[:1, :1]) if is_packed(last.down) else last.down
     return _digest(parts, [target.embed[:4, :32], head[-4:, :32], down[:4, :32], last.wq[-4:, :32]])
 
 

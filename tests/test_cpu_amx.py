@@ -220,3 +220,17 @@ def test_deterministic_mode_runs_packed_weights_as_the_kernel():
     prompts = random_prompts(32, [3, 8, 1, 12], seed=5)
     out = rt.generate(prompts, max_new_tokens=16)
     assert out.token_ids == [rt.generate([p], max_new_tokens=16, speculative=False).token_ids[0] for p in prompts]
+
+
+@needs_amx
+def test_tuned_profiles_find_a_packed_target():
+    """A target's fingerprint (the key of its tuned tree profiles) reads the weights' values, so it is
+    the same packed or not (inverse: another target's differs)."""
+    from tritonspec.runtime.profiles import target_fingerprint
+
+    model = tiny_target("llama", seed=4, vocab_size=96, **SMALL)
+    fp = {lay: target_fingerprint(ts.TargetModel.from_pretrained(model, dtype=torch.bfloat16, weight_layout=lay))
+          for lay in ("amx", "nk")}  # fmt: skip
+    assert fp["amx"] == fp["nk"]
+    other = tiny_target("llama", seed=5, vocab_size=96, **SMALL)
+    assert target_fingerprint(ts.TargetModel.from_pretrained(other, dtype=torch.bfloat16)) != fp["amx"]
