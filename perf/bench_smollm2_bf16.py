@@ -79,7 +79,11 @@ def _prompts(prompt_set: str, tok, n: int) -> list[list[int]]:
 
         return [tok.encode(p["prompt"]) for p in list(read_problems().values())[:n]]
     rows = [json.loads(x) for x in (Path(__file__).parent / "prompts" / "smollm2_chat.jsonl").read_text().splitlines()]
-    return [list(tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True)) for r in rows[:n]]
+    out = []
+    for r in rows[:n]:  # transformers 5 returns a BatchEncoding here, 4 a list of ids
+        ids = tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
 
 
 @pytest.mark.parametrize("prompt_set", ["humaneval", "chat"])
