@@ -14,47 +14,41 @@
 
 #include "bf16.h"
 
+/* Element access per storage type: LOAD widens to float, ROUND rounds a product or sum to the storage
+ * dtype (and back to float), STORE narrows. float32: identity; bfloat16: each product rounded as eager
+ * PyTorch rounds it. */
+#define LOAD_f32(v) (v)
+#define ROUND_f32(v) (v)
+#define STORE_f32(v) (v)
+#define LOAD_bf16(v) bf16_to_float(v)
+#define ROUND_bf16(v) bf16_to_float(float_to_bf16(v))
+#define STORE_bf16(v) float_to_bf16(v)
+
 /* x [B, Q, H, D] at strides (sxb, sxq, sxh, 1); cos, sin [B, Q, D] at strides (scb, scq, 1); y [B, Q, H, D]
  * contiguous. */
-void tritonspec_rope_f32(const float* x, int64_t B, int64_t Q, int64_t H, int64_t D, int64_t sxb, int64_t sxq,
-                         int64_t sxh, const float* cs, const float* sn, int64_t scb, int64_t scq, float* y) {
-    const int64_t half = D / 2;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t q = 0; q < Q; q++) {
-            const float* c = cs + b * scb + q * scq;
-            const float* s = sn + b * scb + q * scq;
-            for (int64_t h = 0; h < H; h++) {
-                const float* xr = x + b * sxb + q * sxq + h * sxh;
-                float* yr = y + ((b * Q + q) * H + h) * D;
-                for (int64_t d = 0; d < D; d++) {
-                    const float rot = d < half ? -xr[d + half] : xr[d - half];
-                    const float a = xr[d] * c[d];
-                    const float r = rot * s[d];
-                    yr[d] = a + r;
-                }
-            }
-        }
-}
+#define ROPE(NAME, T, DT)                                                                                     \
+    void NAME(const T* x, int64_t B, int64_t Q, int64_t H, int64_t D, int64_t sxb, int64_t sxq, int64_t sxh, \
+              const T* cs, const T* sn, int64_t scb, int64_t scq, T* y) {                                   \
+        const int64_t half = D / 2;                                                                         \
+        for (int64_t b = 0; b < B; b++)                                                                     \
+            for (int64_t q = 0; q < Q; q++) {                                                               \
+                const T* c = cs + b * scb + q * scq;                                                        \
+                const T* s = sn + b * scb + q * scq;                                                        \
+                for (int64_t h = 0; h < H; h++) {                                                           \
+                    const T* xr = x + b * sxb + q * sxq + h * sxh;                                          \
+                    T* yr = y + ((b * Q + q) * H + h) * D;                                                  \
+                    for (int64_t d = 0; d < D; d++) {                                                       \
+                        const float rot = d < half ? -LOAD_##DT(xr[d + half]) : LOAD_##DT(xr[d - half]);    \
+                        const float a = ROUND_##DT(LOAD_##DT(xr[d]) * LOAD_##DT(c[d]));                     \
+                        const float r = ROUND_##DT(rot * LOAD_##DT(s[d]));                                  \
+                        yr[d] = STORE_##DT(a + r);                                                          \
+                    }                                                                                       \
+                }                                                                                           \
+            }                                                                                               \
+    }
 
-void tritonspec_rope_bf16(const uint16_t* x, int64_t B, int64_t Q, int64_t H, int64_t D, int64_t sxb, int64_t sxq,
-                          int64_t sxh, const uint16_t* cs, const uint16_t* sn, int64_t scb, int64_t scq, uint16_t* y) {
-    const int64_t half = D / 2;
-    for (int64_t b = 0; b < B; b++)
-        for (int64_t q = 0; q < Q; q++) {
-            const uint16_t* c = cs + b * scb + q * scq;
-            const uint16_t* s = sn + b * scb + q * scq;
-            for (int64_t h = 0; h < H; h++) {
-                const uint16_t* xr = x + b * sxb + q * sxq + h * sxh;
-                uint16_t* yr = y + ((b * Q + q) * H + h) * D;
-                for (int64_t d = 0; d < D; d++) {
-                    const float rot = d < half ? -bf16_to_float(xr[d + half]) : bf16_to_float(xr[d - half]);
-                    const float a = bf16_to_float(float_to_bf16(bf16_to_float(xr[d]) * bf16_to_float(c[d])));
-                    const float r = bf16_to_float(float_to_bf16(rot * bf16_to_float(s[d])));
-                    yr[d] = float_to_bf16(a + r);
-                }
-            }
-        }
-}
+ROPE(tritonspec_rope_f32, float, f32)
+ROPE(tritonspec_rope_bf16, uint16_t, bf16)
 
 /* cache [B_max, S, Hkv, D] at strides (scb, scs, D, 1) (one layer); src [B, Q, Hkv, D] at strides
  * (ssb, ssq, D, 1); slots [B, Q] contiguous. elem: bytes per element. Returns the number of slots outside
