@@ -51,7 +51,8 @@ SOURCE = Path(__file__).parent / "cpu" / "linear.c"
 # the C sources built into one library: the linear kernel, the decode attention, RMSNorm, rope and KV
 # writes (kernels/cpu_attention.py, kernels/cpu_norm.py, kernels/cpu_rope.py)
 SOURCES = tuple(Path(__file__).parent / "cpu" / f for f in ("linear.c", "attention.c", "norm.c", "rope_kv.c"))
-HEADERS = (Path(__file__).parent / "cpu" / "bf16.h",)  # included by the sources: part of the build key
+# included by the sources: part of the build key
+HEADERS = tuple(Path(__file__).parent / "cpu" / f for f in ("bf16.h", "hsum.h"))
 OP_SOURCE = Path(__file__).parent / "cpu" / "linear_op.cpp"
 MODES = ("auto", "kernel", "torch")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")

@@ -279,3 +279,24 @@ def test_runtime_option_is_checked():
 
     with pytest.raises(ts.UserError, match="cpu_linear='fast' is not one of"):
         ts.SpeculativeRuntime.from_pretrained(tiny_target("llama", seed=0), cpu_linear="fast")
+
+
+def test_every_kernel_source_is_built_keyed_and_packaged():
+    """Every local header a C source includes is in the build key (``HEADERS``: an edit rebuilds), and
+    the package data ships every file of ``kernels/cpu`` (a wheel without ``hsum.h`` cannot build)."""
+    import fnmatch
+    import re
+    import tomllib
+    from pathlib import Path
+
+    folder = cl.SOURCE.parent
+    included = {
+        name
+        for src in [*cl.SOURCES, cl.OP_SOURCE, *cl.HEADERS]
+        for name in re.findall(r'#include "([^"]+)"', src.read_text())
+    }
+    assert included and included <= {h.name for h in cl.HEADERS}, included
+    pyproject = tomllib.loads((folder.parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["tritonspec.kernels"]
+    shipped = [f.name for f in folder.iterdir() if any(fnmatch.fnmatch(f"cpu/{f.name}", g) for g in globs)]
+    assert sorted(shipped) == sorted(f.name for f in folder.iterdir() if f.is_file()), (shipped, globs)

@@ -16,13 +16,19 @@
  * consecutive slots): speculative and plain decoding agree, in bfloat16 too.
  *
  * Speed: a decode step's attention reads each visible K and V row once per KV head (L2-resident for
- * decode lengths), so this is ~10x less work than a masked SDPA over a padded key bound.
+ * decode lengths), so this is ~10x less work than a masked SDPA over a padded key bound. A prompt runs
+ * as a causal tree (deterministic mode), so the per-key work matters too: scores of 16 keys reduced in
+ * one transposed tree (hsum.h, the bits of _mm512_reduce_add_ps), the head dims 16/32/64/128
+ * specialised at compile time (the chains stay in registers), a vector block max and a 64-byte scan of
+ * the mask row made a causal 400-token prompt (demo shapes) 2.1x and a 300-token SmolLM2 prompt 2.7-3.2x
+ * faster than the first version, at the same bits (2026-12-02; checked on 48 random calls of both).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 
 #include "bf16.h"
+#include "hsum.h"
 
 #define BLOCK 64   /* visible keys per online-softmax block */
 #define MAX_G 16   /* query heads per KV head */
@@ -57,12 +63,52 @@ static inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* One task: query row (b, q), KV head kh, its G query heads. T = element type (float or uint16_t). */
+/* The visible slots of one query, from cursor (j, t) on, up to BLOCK of them, in ascending slot order:
+ * the prefix slots j < pre, then the tree slots P + t (t < lim) whose mask byte is set. A unit-stride
+ * mask is scanned 64 bytes at a time (a causal prompt's row is thousands of bytes). Returns their count. */
+static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pre, int64_t P, const uint8_t* mrow,
+                             int64_t smt, int64_t lim) {
+    int n = 0;
+    int64_t j = *j_, t = *t_;
+    while (n < BLOCK && j < pre) slot[n++] = j++;
+    if (P < 0) /* slots < 0 are never seen */
+        while (n < BLOCK && t < lim && P + t < 0) t++;
+    if (smt == 1)
+        while (n < BLOCK && t + 64 <= lim) {
+            uint64_t bits = _mm512_test_epi8_mask(_mm512_loadu_si512(mrow + t), _mm512_set1_epi8(-1));
+            int64_t next = t + 64;
+            while (bits) {
+                if (n == BLOCK) { next = t + __builtin_ctzll(bits); break; }
+                slot[n++] = P + t + __builtin_ctzll(bits);
+                bits &= bits - 1;
+            }
+            t = next;
+        }
+    while (n < BLOCK && t < lim) {
+        if (mrow[t * smt]) slot[n++] = P + t;
+        t++;
+    }
+    *j_ = j;
+    *t_ = t;
+    return n;
+}
+
+/* One task: query row (b, q), KV head kh, its G query heads; T = element type (float or uint16_t).
+ * Per (head g, key): the score is one 16-lane fmadd chain over the D/16 chunks in ascending order from
+ * zero, reduced by _mm512_reduce_add_ps's tree (hsum16, 16 keys at once), times scale; per (g, chunk c):
+ * the accumulator runs acc = p_i * v_i + acc over the visible keys in order (register chains, up to
+ * CHAINS side by side). The loop nesting only decides what runs side by side: every value is the same
+ * sequence of roundings whatever the block, the other keys or the other queries. ND = D / 16 for the
+ * head dims specialised at compile time (16, 32, 64, 128), 0 for any other D. */
+#define CHAINS 8
 #define TASK(NAME, T, LOAD)                                                                                  \
-    static void NAME(const T* qrow, int64_t sqh, const T* kb, const T* vb, int64_t sks, int64_t svs,         \
-                     int64_t P, const uint8_t* mrow, int64_t smt, int64_t T_, int64_t S, int G, int64_t D, float scale,    \
-                     float* outf /* [G, D] float32 */) {                                                      \
-        const int64_t nd = (D + 15) / 16;                                                                     \
+    static inline __attribute__((always_inline)) void NAME##_body(                                           \
+        const T* qrow, int64_t sqh, const T* kb, const T* vb, int64_t sks, int64_t svs, int64_t P,           \
+        const uint8_t* mrow, int64_t smt, int64_t T_, int64_t S, int G, int64_t D, float scale, float* outf, \
+        const int ND) {                                                                                       \
+        const int64_t nd = ND ? ND : (D + 15) / 16;                                                           \
+        if (ND) D = 16 * ND;                                                                                  \
+        const int E = G * (int)nd; /* (g, c) accumulator chains */                                            \
         float qf[MAX_G][MAX_D] __attribute__((aligned(64)));                                                  \
         float acc[MAX_G][MAX_D] __attribute__((aligned(64)));                                                 \
         float s[MAX_G][BLOCK] __attribute__((aligned(64)));                                                   \
@@ -77,29 +123,29 @@ static inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
             l[g] = 0.0f;                                                                                      \
         }                                                                                                     \
         const int64_t pre = P < S ? (P > 0 ? P : 0) : S;                                                      \
+        const int64_t lim = T_ < S - P ? T_ : S - P; /* tree offsets t with P + t < S */                      \
         int64_t j = 0, t = 0; /* cursor: prefix slot j, then tree offset t */                                 \
         int64_t slot[BLOCK];                                                                                  \
         for (;;) {                                                                                            \
-            int n = 0;                                                                                        \
-            while (n < BLOCK && j < pre) slot[n++] = j++;                                                     \
-            while (n < BLOCK && t < T_ && P + t < S) {                                                        \
-                if (mrow[t * smt] && P + t >= 0) slot[n++] = P + t; /* a negative P: slots < 0 unseen */    \
-                t++;                                                                                          \
-            }                                                                                                 \
+            const int n = next_block(slot, &j, &t, pre, P, mrow, smt, lim);                                   \
             if (n == 0) break;                                                                                \
-            for (int i = 0; i < n; i++) { /* scores */                                                        \
-                const T* kr = kb + slot[i] * sks;                                                             \
-                __m512 dot[MAX_G];                                                                            \
-                for (int g = 0; g < G; g++) dot[g] = _mm512_setzero_ps();                                     \
-                for (int64_t c = 0; c < nd; c++) {                                                            \
-                    __m512 kv = LOAD(kr + 16 * c, tail_mask(D - 16 * c));                                    \
-                    for (int g = 0; g < G; g++) dot[g] = _mm512_fmadd_ps(_mm512_load_ps(&qf[g][16 * c]), kv, dot[g]); \
+            for (int g = 0; g < G; g++) /* scores, 16 keys at a time */                                       \
+                for (int i0 = 0; i0 < n; i0 += 16) {                                                          \
+                    __m512 dot[16];                                                                           \
+                    for (int i = 0; i < 16; i++) {                                                            \
+                        dot[i] = _mm512_setzero_ps();                                                         \
+                        const T* kr = kb + slot[i0 + i < n ? i0 + i : i0] * sks;                              \
+                        for (int64_t c = 0; c < nd; c++)                                                      \
+                            dot[i] = _mm512_fmadd_ps(_mm512_load_ps(&qf[g][16 * c]),                          \
+                                                     LOAD(kr + 16 * c, tail_mask(D - 16 * c)), dot[i]);       \
+                    }                                                                                         \
+                    _mm512_storeu_ps(&s[g][i0], _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale)));           \
                 }                                                                                             \
-                for (int g = 0; g < G; g++) s[g][i] = _mm512_reduce_add_ps(dot[g]) * scale;                   \
-            }                                                                                                 \
-            for (int g = 0; g < G; g++) { /* online softmax: block max, rescale, exp, sum */                  \
-                float bm = s[g][0];                                                                           \
-                for (int i = 1; i < n; i++) bm = s[g][i] > bm ? s[g][i] : bm;                                 \
+            for (int g = 0; g < G; g++) { /* online softmax: block max (exact in any order), rescale, exp, sum */ \
+                __m512 mx = _mm512_set1_ps(-INFINITY);                                                        \
+                for (int i0 = 0; i0 < n; i0 += 16)                                                            \
+                    mx = _mm512_mask_max_ps(mx, tail_mask(n - i0), mx, _mm512_loadu_ps(&s[g][i0]));           \
+                const float bm = _mm512_reduce_max_ps(mx);                                                    \
                 const float mn = bm > m[g] ? bm : m[g];                                                       \
                 const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mn);                               \
                 m[g] = mn;                                                                                    \
@@ -115,22 +161,54 @@ static inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {
                     for (int64_t c = 0; c < nd; c++)                                                          \
                         _mm512_store_ps(&acc[g][16 * c], _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), _mm512_set1_ps(alpha))); \
             }                                                                                                 \
-            for (int i = 0; i < n; i++) { /* acc += p v, key after key */                                     \
-                const T* vr = vb + slot[i] * svs;                                                             \
-                for (int64_t c = 0; c < nd; c++) {                                                            \
-                    __m512 vv = LOAD(vr + 16 * c, tail_mask(D - 16 * c));                                     \
-                    for (int g = 0; g < G; g++)                                                               \
-                        _mm512_store_ps(&acc[g][16 * c], _mm512_fmadd_ps(_mm512_set1_ps(s[g][i]), vv,           \
-                                                                         _mm512_load_ps(&acc[g][16 * c])));   \
-                }                                                                                             \
+            for (int e0 = 0; e0 < E; e0 += CHAINS) { /* acc += p v, key after key, CHAINS chains at once */ \
+                const int ne = E - e0 < CHAINS ? E - e0 : CHAINS;                                             \
+                if (ne == CHAINS)                                                                             \
+                    NAME##_pv(acc, s, vb, slot, n, svs, D, nd, e0, CHAINS);                                   \
+                else                                                                                          \
+                    for (int e = e0; e < E; e++) NAME##_pv(acc, s, vb, slot, n, svs, D, nd, e, 1);            \
             }                                                                                                 \
         }                                                                                                     \
         for (int g = 0; g < G; g++) {                                                                         \
             const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;                                               \
             for (int64_t d = 0; d < D; d++) outf[g * D + d] = acc[g][d] * inv;                                \
         }                                                                                                     \
+    }                                                                                                         \
+    static void NAME(const T* qrow, int64_t sqh, const T* kb, const T* vb, int64_t sks, int64_t svs, int64_t P, \
+                     const uint8_t* mrow, int64_t smt, int64_t T_, int64_t S, int G, int64_t D, float scale,  \
+                     float* outf /* [G, D] float32 */) {                                                      \
+        switch (D) {                                                                                          \
+        case 32: NAME##_body(qrow, sqh, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, scale, outf, 2); break; \
+        case 64: NAME##_body(qrow, sqh, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, scale, outf, 4); break; \
+        case 128: NAME##_body(qrow, sqh, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, scale, outf, 8); break; \
+        case 16: NAME##_body(qrow, sqh, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, scale, outf, 1); break; \
+        default: NAME##_body(qrow, sqh, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, scale, outf, 0);        \
+        }                                                                                                     \
     }
 
+/* acc[(e)/nd][16 ((e) % nd)] += p_i v_i over the block's keys in order, for NE consecutive chains e0.. */
+#define PV(NAME, T, LOAD)                                                                                    \
+    static inline __attribute__((always_inline)) void NAME##_pv(                                             \
+        float (*acc)[MAX_D], float (*s)[BLOCK], const T* vb, const int64_t* slot, int n, int64_t svs,        \
+        int64_t D, int64_t nd, int e0, const int NE) {                                                        \
+        __m512 a[CHAINS];                                                                                     \
+        const float* sp[CHAINS];                                                                              \
+        int64_t ec[CHAINS];                                                                                   \
+        for (int e = 0; e < NE; e++) {                                                                        \
+            sp[e] = s[(e0 + e) / nd];                                                                         \
+            ec[e] = 16 * ((e0 + e) % nd);                                                                     \
+            a[e] = _mm512_load_ps(&acc[(e0 + e) / nd][ec[e]]);                                                \
+        }                                                                                                     \
+        for (int i = 0; i < n; i++) {                                                                         \
+            const T* vr = vb + slot[i] * svs;                                                                 \
+            for (int e = 0; e < NE; e++)                                                                      \
+                a[e] = _mm512_fmadd_ps(_mm512_set1_ps(sp[e][i]), LOAD(vr + ec[e], tail_mask(D - ec[e])), a[e]); \
+        }                                                                                                     \
+        for (int e = 0; e < NE; e++) _mm512_store_ps(&acc[(e0 + e) / nd][ec[e]], a[e]);                       \
+    }
+
+PV(task_f32, float, load_f32)
+PV(task_bf16, uint16_t, load_bf16)
 TASK(task_f32, float, load_f32)
 TASK(task_bf16, uint16_t, load_bf16)
 

@@ -4,7 +4,8 @@
  *
  * Every output element is one 16-lane accumulator walked over k in ascending 16- (float32) or
  * 32-element (bfloat16 pairs, VDPBF16PS) chunks, zero-masked at the ragged end, then reduced by
- * _mm512_reduce_add_ps and the bias added once. That sequence never depends on M, on which rows
+ * the tree of _mm512_reduce_add_ps (a block's accumulators 16 at once, hsum.h) and the bias added
+ * once. That sequence never depends on M, on which rows
  * share the call, on the blocking chosen for M, or on the thread count (threads split N), so a row's
  * result is the same bit for bit whether it is decoded alone or verified among 63 others.
  *
@@ -17,8 +18,18 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "hsum.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* s[i * NB + j] = the lane sum of acc[i][j] (acc: [4][8]; the MB x NB used, 16 per hsum16). */
+ALWAYS_INLINE void sums(const __m512* acc, int MB, int NB, float* s) {
+    __m512 v[32];
+    for (int i = 0; i < MB; i++)
+        for (int j = 0; j < NB; j++) v[i * NB + j] = acc[i * 8 + j];
+    for (int e = MB * NB; e < 32; e++) v[e] = _mm512_setzero_ps();
+    for (int e = 0; e < MB * NB; e += 16) _mm512_storeu_ps(s + e, hsum16(v + e));
+}
 
 /* One block: MB x rows times NB weight rows. MB and NB are compile-time constants at every call site. */
 ALWAYS_INLINE void f32_block(const float* x, int64_t ldx, const float* w, int64_t K, const float* b,
@@ -48,11 +59,10 @@ ALWAYS_INLINE void f32_block(const float* x, int64_t ldx, const float* w, int64_
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_fmadd_ps(xv, wv[j], acc[i][j]);
         }
     }
+    float s[32];
+    sums(&acc[0][0], MB, NB, s);
     for (int i = 0; i < MB; i++)
-        for (int j = 0; j < NB; j++) {
-            float s = _mm512_reduce_add_ps(acc[i][j]);
-            y[i * ldy + j] = b ? s + b[j] : s;
-        }
+        for (int j = 0; j < NB; j++) y[i * ldy + j] = b ? s[i * NB + j] + b[j] : s[i * NB + j];
 }
 
 ALWAYS_INLINE void bf16_block(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t K, const uint16_t* b,
@@ -82,11 +92,11 @@ ALWAYS_INLINE void bf16_block(const uint16_t* x, int64_t ldx, const uint16_t* w,
             for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
         }
     }
+    float s[32];
+    sums(&acc[0][0], MB, NB, s);
     for (int i = 0; i < MB; i++)
-        for (int j = 0; j < NB; j++) {
-            float s = _mm512_reduce_add_ps(acc[i][j]);
-            y[i * ldy + j] = float_to_bf16(b ? s + bf16_to_float(b[j]) : s);
-        }
+        for (int j = 0; j < NB; j++)
+            y[i * ldy + j] = float_to_bf16(b ? s[i * NB + j] + bf16_to_float(b[j]) : s[i * NB + j]);
 }
 
 /* The rows of one NB-wide column block, in blocks of 4 rows (then 3, 2, 1). Only the first row block
