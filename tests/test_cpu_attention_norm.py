@@ -44,7 +44,8 @@ def _random_case(g, dtype, B, Q, Hq, Hkv, D, S, T, p_mask=0.5):
 @pytest.mark.parametrize(
     "shape",  # B, Q, Hq, Hkv, D, S, T
     [(1, 1, 9, 3, 64, 300, 1), (2, 5, 4, 2, 32, 130, 5), (3, 7, 6, 3, 20, 99, 7), (1, 3, 1, 1, 17, 200, 3),
-     (4, 1, 8, 8, 16, 1, 1), (1, 11, 16, 1, 128, 77, 11), (2, 2, 2, 1, 7, 65, 2)],
+     (4, 1, 8, 8, 16, 1, 1), (1, 11, 16, 1, 128, 77, 11), (2, 2, 2, 1, 7, 65, 2),
+     (2, 4, 6, 2, 64, 400, 200), (1, 3, 4, 4, 32, 300, 130)],  # T > 64: the mask scanned 64 bytes at a time
 )  # fmt: skip
 def test_attention_matches_reference(dtype, shape):
     B, Q, Hq, Hkv, D, S, T = shape
@@ -54,6 +55,23 @@ def test_attention_matches_reference(dtype, shape):
     ref = tree_attention_reference(q.float(), kc.float(), vc.float(), pl, tm, D**-0.5)
     assert out.dtype == dtype and out.shape == (B, Q, Hq, D)
     assert _close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("prefix", [0, 10, 63])
+def test_wide_mask_scan_equals_the_strided_scan(dtype, prefix):
+    """A unit-stride mask row is scanned 64 bytes at a time, a strided one byte by byte: the same
+    visible slots, so the same bits, including blocks of 64 keys that fill in the middle of a chunk."""
+    g = torch.Generator().manual_seed(prefix)
+    q, kc, vc, _, _ = _random_case(g, dtype, 2, 5, 4, 2, 32, 520, 300)
+    pl = torch.tensor([prefix, prefix + 7])
+    for density in (0.05, 0.5, 0.97):
+        wide = torch.rand(2, 300, 5, generator=g) < density
+        strided = wide.transpose(1, 2)  # [B, Q, T] at stride Q along T
+        out = ca.cpu_tree_attention(q, kc, vc, pl, strided.contiguous(), 32**-0.5)
+        assert torch.equal(out, ca.cpu_tree_attention(q, kc, vc, pl, strided, 32**-0.5))
+        ref = tree_attention_reference(q.float(), kc.float(), vc.float(), pl, strided, 32**-0.5)
+        assert _close(out, ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
