@@ -165,7 +165,8 @@ def tune_tree(
     )
     if compile and not rt.compiled:
         raise ValueError("compile=True tunes compiled CPU rounds; this runtime's rounds are not compiled (a GPU?)")
-    device = prof.device_kind(rt.device) if device_kind else prof.device_key(rt.device)
+    exact, kind = prof.device_names(rt.device, getattr(rt.target, "weight_layout", None))
+    device = kind if device_kind else exact
     key.update(device=device, dtype=store.dtype_name(tm.dtype), backend=rt.backend)
     if compile:
         key["rounds"] = "compiled"

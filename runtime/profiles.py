@@ -23,7 +23,8 @@ Lookup (``shape_policy``, called by ``SpeculativeRuntime(spec=None)``): the prof
 exact device (``device_key``: the GPU name, or ``cpu-<model>``) in the user folders
 (``store.search_dirs()``), then in the profiles shipped with the package (``runtime/tuned/``),
 then one named for this *kind* of device (``device_kind``: ``cpu-<arch>-<vector ISA>``, e.g.
-``cpu-x86_64-avx512``; a GPU's compute capability, ``cuda-sm90``) in the same order. A corrupt or
+``cpu-x86_64-avx512``, with ``_amx`` appended for a target whose bfloat16 weights run on AMX; a
+GPU's compute capability, ``cuda-sm90``) in the same order. A corrupt or
 invalid profile is skipped with a warning (``store.TunedConfigWarning``), as is a user profile
 tuned by another tritonspec release (shipped ones belong to this release). No profile: the
 rule of ``runtime/spec_policy.py``.
@@ -118,17 +119,31 @@ def device_key(device: torch.device | str) -> str:
     return store.device_name(device) if device.type == "cuda" else f"cpu-{_cpu_model()}"
 
 
-def device_kind(device: torch.device | str) -> str:
+AMX_SUFFIX = "_amx"  # a CPU kind whose target runs AMX-packed bfloat16 weights (``weight_layout="amx"``)
+
+
+def device_kind(device: torch.device | str, weight_layout: str | None = None) -> str:
     """The kind of device a profile applies to when no exact one exists: ``cpu-<arch>-<ISA>``
-    (``torch.backends.cpu.get_cpu_capability()``: avx512, avx2, ...) or ``cuda-sm<cc>``."""
+    (``torch.backends.cpu.get_cpu_capability()``: avx512, avx2, ...) or ``cuda-sm<cc>``. A target
+    whose weights run on AMX (``weight_layout="amx"``) is its own kind, ``cpu-<arch>-<ISA>_amx``: AMX
+    verifies 10 rows for ~1.4 one-row steps where AVX512-BF16 pays ~2.5, so the trees tuned on one
+    are wrong for the other."""
     import platform
 
     device = torch.device(device)
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda-sm{major}{minor}"
-    isa = torch.backends.cpu.get_cpu_capability().lower()
+    isa = torch.backends.cpu.get_cpu_capability().lower() + (AMX_SUFFIX if weight_layout == "amx" else "")
     return re.sub(r"[^a-z0-9_-]+", "_", f"cpu-{platform.machine().lower()}-{isa}")
+
+
+def device_names(device: torch.device | str, weight_layout: str | None = None) -> tuple[str, str]:
+    """(exact, kind): the device names a profile is written under (``autotune tree``, ``--device-kind``
+    for the kind) and looked up by: ``device_key`` and ``device_kind``, both with ``AMX_SUFFIX`` for a
+    CPU target whose weights run on AMX (``weight_layout="amx"``)."""
+    amx = AMX_SUFFIX if weight_layout == "amx" and torch.device(device).type == "cpu" else ""
+    return device_key(device) + amx, device_kind(device, weight_layout)
 
 
 def profile_name(
@@ -146,7 +161,12 @@ def profile_name(
 def own_profile_names(target: Any, drafter: Any, backend: str, compiled: bool = False) -> list[str]:
     """The profile file names for this pair on this exact device, then on this kind of device
     (``compiled``: the compiled-rounds names first, then the eager ones)."""
-    return _own_names(*_pair_key(target, drafter), target.device, backend, compiled)
+    return _own_names(*_pair_key(target, drafter), _where(target), backend, compiled)
+
+
+def _where(target: Any) -> tuple[Any, str | None]:
+    """(device, weight layout): what a profile's device name is derived from (``device_kind``)."""
+    return target.device, getattr(target, "weight_layout", None)
 
 
 def _pair_key(target: Any, drafter: Any) -> tuple[str, str, str]:
@@ -154,13 +174,14 @@ def _pair_key(target: Any, drafter: Any) -> tuple[str, str, str]:
     return target_fingerprint(target), drafter_fingerprint(drafter), store.dtype_name(target.dtype)
 
 
-def _own_names(t: str, d: str, dt: str, device: Any, backend: str, compiled: bool = False) -> list[str]:
-    return [n for m in _modes(compiled) for n in _names_for(t, d, dt, device, backend, m)]
+def _own_names(t: str, d: str, dt: str, where: tuple, backend: str, compiled: bool = False) -> list[str]:
+    return [n for m in _modes(compiled) for n in _names_for(t, d, dt, where, backend, m)]
 
 
-def _names_for(t: str, d: str, dt: str, device: Any, backend: str, rounds: str) -> list[str]:
-    """This exact device's name, then this kind of device's, for one ``rounds`` mode."""
-    return [profile_name(t, d, key, dt, backend, rounds) for key in (device_key(device), device_kind(device))]
+def _names_for(t: str, d: str, dt: str, where: tuple, backend: str, rounds: str) -> list[str]:
+    """This exact device's name, then this kind of device's, for one ``rounds`` mode (``where``:
+    ``_where(target)``)."""
+    return [profile_name(t, d, key, dt, backend, rounds) for key in device_names(*where)]
 
 
 def _modes(compiled: bool) -> tuple[str, ...]:
@@ -176,19 +197,30 @@ def candidate_profiles(target: Any, drafter: Any, backend: str, compiled: bool =
     ``compiled`` (a runtime with compiled CPU rounds): that whole order for ``rounds=compiled``
     profiles first, then for the eager ones."""
     t, d, dt = _pair_key(target, drafter)  # fingerprinted once for every name below
-    kind = device_kind(target.device)
-    names = _own_names(t, d, dt, target.device, backend, compiled)
+    where = _where(target)
+    kind = device_kind(*where)
+    names = _own_names(t, d, dt, where, backend, compiled)
     dirs = [*store.search_dirs(), SHIPPED_DIR]
     found: list[Path] = []
     for mode in _modes(compiled):
-        own = _names_for(t, d, dt, target.device, backend, mode)
+        own = _names_for(t, d, dt, where, backend, mode)
         found += [folder / name for name in own for folder in dirs if (folder / name).is_file()]
         if kind.startswith("cpu-"):
             family = kind.rsplit("-", 1)[0] + "-"  # cpu-<arch>-
             pattern = profile_name(t, d, family + "*", dt, backend, mode)
             for folder in dirs:
-                found += sorted(p for p in folder.glob(pattern) if p not in found and p.name not in names)
+                found += sorted(
+                    p
+                    for p in folder.glob(pattern)
+                    if p not in found and p.name not in names and (kind.endswith(AMX_SUFFIX) or not _amx_name(p.name))
+                )
     return found
+
+
+def _amx_name(name: str) -> bool:
+    """A profile file tuned on AMX-packed weights (its device name ends with ``AMX_SUFFIX``): its
+    trees verify many rows, too many for a target without AMX, which never falls back to it."""
+    return f"{AMX_SUFFIX},dtype=" in name
 
 
 def _spec_fields(spec: SpecConfig) -> dict[str, int]:

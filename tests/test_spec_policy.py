@@ -260,3 +260,42 @@ def test_compiled_rounds_read_their_own_profile_first(fresh_cache, tmp_path, mon
     assert rt.spec == C(2) and rt.shape_policy.source == "profile"
     with pytest.raises(ValueError, match="rounds="):
         prof.profile_name(tfp, dfp, dev, "float32", "torch", "graphs")
+
+
+def test_amx_targets_are_a_kind_of_their_own_that_other_targets_never_fall_back_to(fresh_cache, tmp_path, monkeypatch):
+    """A bfloat16 target on AMX-packed weights looks up ``<kind>_amx`` profiles (AMX verifies many rows
+    cheaply, so its trees are larger); a target without AMX never takes such a profile as its
+    fallback (it would verify those rows at ~2.5 one-row steps), while an AMX target may fall back
+    to a profile of its CPU's plain kind."""
+    from tritonspec.kernels import cpu_linear as cl
+
+    kind = prof.device_kind("cpu")
+    assert prof.device_kind("cpu", "amx") == kind + prof.AMX_SUFFIX
+    assert prof.device_names("cpu", "nk") == (prof.device_key("cpu"), kind)
+    assert prof.device_names("cpu", "amx") == (prof.device_key("cpu") + "_amx", kind + "_amx")
+    t, d = ts.demo_pair("eagle3.1")
+    dr = ts.Eagle3Drafter.from_pretrained(d)  # the fingerprint does not depend on its dtype
+    nk = ts.TargetModel.from_pretrained(t, dtype=torch.bfloat16, weight_layout="nk")
+    tfp, dfp = prof.target_fingerprint(nk), prof.drafter_fingerprint(dr)
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setattr(prof, "SHIPPED_DIR", shipped)
+    base = {"kind": prof.KIND, "target": tfp, "drafter": dfp, "dtype": "bfloat16", "backend": "torch", "shapes": []}
+    amx_name = prof.profile_name(tfp, dfp, kind + "_amx", "bfloat16", "torch")
+    spec = {"num_speculative_tokens": 3, "top_k": 2, "num_draft_tokens": 9}
+    (shipped / amx_name).write_text(json.dumps(dict(base, device_name=kind + "_amx", spec=spec)))
+    assert prof.candidate_profiles(nk, dr, "torch") == []  # not even as another ISA's profile
+    assert prof.shape_policy(nk, dr, "torch").source == "heuristic"
+    if cl.amx_available() is not None:
+        pytest.skip(f"the AMX half needs AMX here: {cl.amx_available()}")
+    amx = ts.TargetModel.from_pretrained(t, dtype=torch.bfloat16, weight_layout="amx")
+    assert prof.target_fingerprint(amx) == tfp
+    assert prof.candidate_profiles(amx, dr, "torch") == [shipped / amx_name]
+    policy = prof.shape_policy(amx, dr, "torch")
+    assert policy.source == "shipped profile" and policy.choose(1, True).spec == ts.SpecConfig(3, 2, 9)
+    (shipped / amx_name).unlink()  # only a profile of the plain kind: the AMX target's fallback
+    plain = {"num_speculative_tokens": 2, "top_k": 1, "num_draft_tokens": 3}
+    (shipped / prof.profile_name(tfp, dfp, kind, "bfloat16", "torch")).write_text(
+        json.dumps(dict(base, device_name=kind, spec=plain))
+    )
+    assert prof.shape_policy(amx, dr, "torch").source == f"shipped profile ({kind})"
