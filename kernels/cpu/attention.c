@@ -19,9 +19,10 @@
  * decode lengths), so this is ~10x less work than a masked SDPA over a padded key bound. A prompt runs
  * as a causal tree (deterministic mode), so the per-key work matters too: scores of 16 keys reduced in
  * one transposed tree (hsum.h, the bits of _mm512_reduce_add_ps), the head dims 16/32/64/128
- * specialised at compile time (the chains stay in registers), a vector block max and a 64-byte scan of
- * the mask row made a causal 400-token prompt (demo shapes) 2.1x and a 300-token SmolLM2 prompt 2.7-3.2x
- * faster than the first version, at the same bits (2026-12-02; checked on 48 random calls of both).
+ * specialised at compile time (the chains stay in registers), a V chunk loaded once for up to 4 heads, a
+ * vector block max and a 64-byte scan of the mask row made causal prompts 2-3x faster than the first
+ * version (400-800 tokens of the demo's shapes 2.6-3.0x, 300 of SmolLM2's 1.8-2.2x) and one-query decode
+ * over 500-1000 keys 1.7-1.9x, at the same bits (2026-12-02, two quiet runs; checked on 168 random calls).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -97,7 +98,8 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
  * Per (head g, key): the score is one 16-lane fmadd chain over the D/16 chunks in ascending order from
  * zero, reduced by _mm512_reduce_add_ps's tree (hsum16, 16 keys at once), times scale; per (g, chunk c):
  * the accumulator runs acc = p_i * v_i + acc over the visible keys in order (register chains, up to
- * CHAINS side by side). The loop nesting only decides what runs side by side: every value is the same
+ * CHAINS side by side; for G <= 4 each V chunk is loaded once for the G heads). The loop nesting only
+ * decides what runs side by side: every value is the same
  * sequence of roundings whatever the block, the other keys or the other queries. ND = D / 16 for the
  * head dims specialised at compile time (16, 32, 64, 128), 0 for any other D. */
 #define CHAINS 8
@@ -161,12 +163,19 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
                     for (int64_t c = 0; c < nd; c++)                                                          \
                         _mm512_store_ps(&acc[g][16 * c], _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), _mm512_set1_ps(alpha))); \
             }                                                                                                 \
-            for (int e0 = 0; e0 < E; e0 += CHAINS) { /* acc += p v, key after key, CHAINS chains at once */ \
-                const int ne = E - e0 < CHAINS ? E - e0 : CHAINS;                                             \
-                if (ne == CHAINS)                                                                             \
-                    NAME##_pv(acc, s, vb, slot, n, svs, D, nd, e0, CHAINS);                                   \
-                else                                                                                          \
-                    for (int e = e0; e < E; e++) NAME##_pv(acc, s, vb, slot, n, svs, D, nd, e, 1);            \
+            switch (G) { /* acc += p v, key after key: each V chunk loaded once for the G heads */           \
+            case 1: PV_HEADS(NAME, 1); break;                                                                 \
+            case 2: PV_HEADS(NAME, 2); break;                                                                 \
+            case 3: PV_HEADS(NAME, 3); break;                                                                 \
+            case 4: PV_HEADS(NAME, 4); break;                                                                 \
+            default:                                                                                          \
+                for (int e0 = 0; e0 < E; e0 += CHAINS) { /* CHAINS (g, c) chains at once */                  \
+                    const int ne = E - e0 < CHAINS ? E - e0 : CHAINS;                                         \
+                    if (ne == CHAINS)                                                                         \
+                        NAME##_pv(acc, s, vb, slot, n, svs, D, nd, e0, CHAINS);                               \
+                    else                                                                                      \
+                        for (int e = e0; e < E; e++) NAME##_pv(acc, s, vb, slot, n, svs, D, nd, e, 1);        \
+                }                                                                                             \
             }                                                                                                 \
         }                                                                                                     \
         for (int g = 0; g < G; g++) {                                                                         \
@@ -207,6 +216,37 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
         for (int e = 0; e < NE; e++) _mm512_store_ps(&acc[(e0 + e) / nd][ec[e]], a[e]);                       \
     }
 
+/* acc[g][16 c] += p_i v_i for the GC heads g and the NC chunks c0..c0+NC-1, key after key in order: a
+ * V chunk is loaded once and used by the GC heads (the same roundings as one chain at a time). */
+#define PVG(NAME, T, LOAD)                                                                                   \
+    static inline __attribute__((always_inline)) void NAME##_pvg(                                            \
+        float (*acc)[MAX_D], float (*s)[BLOCK], const T* vb, const int64_t* slot, int n, int64_t svs,        \
+        int64_t D, int64_t c0, const int NC, const int GC) {                                                  \
+        __m512 a[CHAINS];                                                                                     \
+        for (int c = 0; c < NC; c++)                                                                          \
+            for (int g = 0; g < GC; g++) a[c * GC + g] = _mm512_load_ps(&acc[g][16 * (c0 + c)]);              \
+        for (int i = 0; i < n; i++) {                                                                         \
+            const T* vr = vb + slot[i] * svs + 16 * c0;                                                       \
+            for (int c = 0; c < NC; c++) {                                                                    \
+                const __m512 vv = LOAD(vr + 16 * c, tail_mask(D - 16 * (c0 + c)));                            \
+                for (int g = 0; g < GC; g++)                                                                  \
+                    a[c * GC + g] = _mm512_fmadd_ps(_mm512_set1_ps(s[g][i]), vv, a[c * GC + g]);              \
+            }                                                                                                 \
+        }                                                                                                     \
+        for (int c = 0; c < NC; c++)                                                                          \
+            for (int g = 0; g < GC; g++) _mm512_store_ps(&acc[g][16 * (c0 + c)], a[c * GC + g]);              \
+    }
+/* every chunk for GC heads, NC = CHAINS / GC chunks at a time (the head dim's chunks when fewer) */
+#define PV_HEADS(NAME, GC)                                                                                   \
+    do {                                                                                                      \
+        const int nc_ = ND && ND < CHAINS / (GC) ? ND : CHAINS / (GC);                                        \
+        int64_t c0_ = 0;                                                                                      \
+        for (; c0_ + nc_ <= nd; c0_ += nc_) NAME##_pvg(acc, s, vb, slot, n, svs, D, c0_, nc_, GC);            \
+        for (; c0_ < nd; c0_++) NAME##_pvg(acc, s, vb, slot, n, svs, D, c0_, 1, GC);                          \
+    } while (0)
+
+PVG(task_f32, float, load_f32)
+PVG(task_bf16, uint16_t, load_bf16)
 PV(task_f32, float, load_f32)
 PV(task_bf16, uint16_t, load_bf16)
 TASK(task_f32, float, load_f32)
