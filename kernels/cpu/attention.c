@@ -19,10 +19,10 @@
  * decode lengths), so this is ~10x less work than a masked SDPA over a padded key bound. A prompt runs
  * as a causal tree (deterministic mode), so the per-key work matters too: scores of 16 keys reduced in
  * one transposed tree (hsum.h, the bits of _mm512_reduce_add_ps), the head dims 16/32/64/128
- * specialised at compile time (the chains stay in registers), a V chunk loaded once for up to 4 heads, a
+ * specialised at compile time (the chains stay in registers), K and V chunks loaded once for up to 4 heads, a
  * vector block max and a 64-byte scan of the mask row made causal prompts 2-3x faster than the first
- * version (400-800 tokens of the demo's shapes 2.6-3.0x, 300 of SmolLM2's 1.8-2.2x) and one-query decode
- * over 500-1000 keys 1.7-1.9x, at the same bits (2026-12-02, two quiet runs; checked on 168 random calls).
+ * version (400-800 tokens of the demo's shapes 2.6-3.0x, 300 of SmolLM2's 2.1-2.7x) and one-query decode
+ * over 500-1000 keys 1.7-2.1x, at the same bits (2026-12-02, quiet runs; checked on 168 random calls).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -98,7 +98,7 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
  * Per (head g, key): the score is one 16-lane fmadd chain over the D/16 chunks in ascending order from
  * zero, reduced by _mm512_reduce_add_ps's tree (hsum16, 16 keys at once), times scale; per (g, chunk c):
  * the accumulator runs acc = p_i * v_i + acc over the visible keys in order (register chains, up to
- * CHAINS side by side; for G <= 4 each V chunk is loaded once for the G heads). The loop nesting only
+ * CHAINS side by side; for G <= 4 each K and V chunk is loaded once for the G heads). The loop nesting only
  * decides what runs side by side: every value is the same
  * sequence of roundings whatever the block, the other keys or the other queries. ND = D / 16 for the
  * head dims specialised at compile time (16, 32, 64, 128), 0 for any other D. */
@@ -131,7 +131,13 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
         for (;;) {                                                                                            \
             const int n = next_block(slot, &j, &t, pre, P, mrow, smt, lim);                                   \
             if (n == 0) break;                                                                                \
-            for (int g = 0; g < G; g++) /* scores, 16 keys at a time */                                       \
+            switch (G) { /* scores: each K chunk loaded once for the G heads, 16 / G keys at a time */        \
+            case 1: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 1); break;                           \
+            case 2: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 2); break;                           \
+            case 3: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 3); break;                           \
+            case 4: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 4); break;                           \
+            default:                                                                                          \
+            for (int g = 0; g < G; g++) /* 16 keys at a time */                                               \
                 for (int i0 = 0; i0 < n; i0 += 16) {                                                          \
                     __m512 dot[16];                                                                           \
                     for (int i = 0; i < 16; i++) {                                                            \
@@ -143,6 +149,7 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
                     }                                                                                         \
                     _mm512_storeu_ps(&s[g][i0], _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale)));           \
                 }                                                                                             \
+            }                                                                                                 \
             for (int g = 0; g < G; g++) { /* online softmax: block max (exact in any order), rescale, exp, sum */ \
                 __m512 mx = _mm512_set1_ps(-INFINITY);                                                        \
                 for (int i0 = 0; i0 < n; i0 += 16)                                                            \
@@ -215,6 +222,34 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
         }                                                                                                     \
         for (int e = 0; e < NE; e++) _mm512_store_ps(&acc[(e0 + e) / nd][ec[e]], a[e]);                       \
     }
+
+/* s[g][i] = scale * (q_g . k_i) for the GC heads and the block's n keys, 16 / GC keys at a time: a K
+ * chunk is loaded once for the GC heads; each (head, key) is the one fmadd chain and hsum16 tree. */
+#define SCORES(NAME, T, LOAD)                                                                                \
+    static inline __attribute__((always_inline)) void NAME##_scores(                                         \
+        float (*qf)[MAX_D], float (*s)[BLOCK], const T* kb, const int64_t* slot, int n, int64_t sks,         \
+        int64_t D, int64_t nd, float scale, const int GC) {                                                   \
+        const int KG = 16 / GC;                                                                               \
+        for (int i0 = 0; i0 < n; i0 += KG) {                                                                  \
+            __m512 dot[16];                                                                                   \
+            for (int e = 0; e < 16; e++) dot[e] = _mm512_setzero_ps();                                        \
+            for (int i = 0; i < KG; i++) {                                                                    \
+                const T* kr = kb + slot[i0 + i < n ? i0 + i : i0] * sks;                                      \
+                for (int64_t c = 0; c < nd; c++) {                                                            \
+                    const __m512 kv = LOAD(kr + 16 * c, tail_mask(D - 16 * c));                               \
+                    for (int g = 0; g < GC; g++)                                                              \
+                        dot[g * KG + i] = _mm512_fmadd_ps(_mm512_load_ps(&qf[g][16 * c]), kv, dot[g * KG + i]); \
+                }                                                                                             \
+            }                                                                                                 \
+            float tmp[16] __attribute__((aligned(64)));                                                       \
+            _mm512_store_ps(tmp, _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale)));                          \
+            for (int g = 0; g < GC; g++)                                                                      \
+                for (int i = 0; i < KG && i0 + i < n; i++) s[g][i0 + i] = tmp[g * KG + i];                    \
+        }                                                                                                     \
+    }
+
+SCORES(task_f32, float, load_f32)
+SCORES(task_bf16, uint16_t, load_bf16)
 
 /* acc[g][16 c] += p_i v_i for the GC heads g and the NC chunks c0..c0+NC-1, key after key in order: a
  * V chunk is loaded once and used by the GC heads (the same roundings as one chain at a time). */
