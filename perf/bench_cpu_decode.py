@@ -41,6 +41,7 @@ import torch
 import tritonspec as ts
 from tritonspec.drafters import shipped_drafter
 from tritonspec.kernels.cpu_linear import cpu_linear_status
+from tritonspec.runtime.requests import chat_ids
 from tritonspec.runtime.target import resolve_layout
 from tritonspec.runtime.weights import load_tokenizer
 
@@ -211,8 +212,7 @@ def test_cpu_decode(benchmark, pair, dtype_name):
         hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).eval()
         diffs = []
         for p, ours in zip(prompts, outputs["plain"]):
-            ids = tok.apply_chat_template(p, add_generation_prompt=True) if isinstance(p, list) else tok(p)
-            ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+            ids = chat_ids(tok, p) if isinstance(p, list) else list(tok(p)["input_ids"])
             with torch.no_grad():
                 ref = hf.generate(torch.tensor([ids]), max_new_tokens=tokens, do_sample=False)[0, len(ids) :].tolist()
             d = first_difference(hf, ids, ours, ref)

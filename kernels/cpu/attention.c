@@ -98,9 +98,9 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
  * Per (head g, key): the score is one 16-lane fmadd chain over the D/16 chunks in ascending order from
  * zero, reduced by _mm512_reduce_add_ps's tree (hsum16, 16 keys at once), times scale; per (g, chunk c):
  * the accumulator runs acc = p_i * v_i + acc over the visible keys in order (register chains, up to
- * CHAINS side by side; for G <= 4 each K and V chunk is loaded once for the G heads). The loop nesting only
- * decides what runs side by side: every value is the same
- * sequence of roundings whatever the block, the other keys or the other queries. ND = D / 16 for the
+ * CHAINS side by side; for G <= 4 each K and V chunk is loaded once for the G heads, larger G runs head
+ * by head). The loop nesting only decides what runs side by side: every value is the same sequence of
+ * roundings whatever the block, the other keys or the other queries. ND = D / 16 for the
  * head dims specialised at compile time (16, 32, 64, 128), 0 for any other D. */
 #define CHAINS 8
 #define TASK(NAME, T, LOAD)                                                                                  \
@@ -110,7 +110,6 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
         const int ND) {                                                                                       \
         const int64_t nd = ND ? ND : (D + 15) / 16;                                                           \
         if (ND) D = 16 * ND;                                                                                  \
-        const int E = G * (int)nd; /* (g, c) accumulator chains */                                            \
         float qf[MAX_G][MAX_D] __attribute__((aligned(64)));                                                  \
         float acc[MAX_G][MAX_D] __attribute__((aligned(64)));                                                 \
         float s[MAX_G][BLOCK] __attribute__((aligned(64)));                                                   \
@@ -136,19 +135,8 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
             case 2: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 2); break;                           \
             case 3: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 3); break;                           \
             case 4: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 4); break;                           \
-            default:                                                                                          \
-            for (int g = 0; g < G; g++) /* 16 keys at a time */                                               \
-                for (int i0 = 0; i0 < n; i0 += 16) {                                                          \
-                    __m512 dot[16];                                                                           \
-                    for (int i = 0; i < 16; i++) {                                                            \
-                        dot[i] = _mm512_setzero_ps();                                                         \
-                        const T* kr = kb + slot[i0 + i < n ? i0 + i : i0] * sks;                              \
-                        for (int64_t c = 0; c < nd; c++)                                                      \
-                            dot[i] = _mm512_fmadd_ps(_mm512_load_ps(&qf[g][16 * c]),                          \
-                                                     LOAD(kr + 16 * c, tail_mask(D - 16 * c)), dot[i]);       \
-                    }                                                                                         \
-                    _mm512_storeu_ps(&s[g][i0], _mm512_mul_ps(hsum16(dot), _mm512_set1_ps(scale)));           \
-                }                                                                                             \
+            default: /* one head at a time, 16 keys per hsum16 */                                             \
+                for (int g = 0; g < G; g++) NAME##_scores(qf + g, s + g, kb, slot, n, sks, D, nd, scale, 1);  \
             }                                                                                                 \
             for (int g = 0; g < G; g++) { /* online softmax: block max (exact in any order), rescale, exp, sum */ \
                 __m512 mx = _mm512_set1_ps(-INFINITY);                                                        \
@@ -171,18 +159,12 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
                         _mm512_store_ps(&acc[g][16 * c], _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), _mm512_set1_ps(alpha))); \
             }                                                                                                 \
             switch (G) { /* acc += p v, key after key: each V chunk loaded once for the G heads */           \
-            case 1: PV_HEADS(NAME, 1); break;                                                                 \
-            case 2: PV_HEADS(NAME, 2); break;                                                                 \
-            case 3: PV_HEADS(NAME, 3); break;                                                                 \
-            case 4: PV_HEADS(NAME, 4); break;                                                                 \
-            default:                                                                                          \
-                for (int e0 = 0; e0 < E; e0 += CHAINS) { /* CHAINS (g, c) chains at once */                  \
-                    const int ne = E - e0 < CHAINS ? E - e0 : CHAINS;                                         \
-                    if (ne == CHAINS)                                                                         \
-                        NAME##_pv(acc, s, vb, slot, n, svs, D, nd, e0, CHAINS);                               \
-                    else                                                                                      \
-                        for (int e = e0; e < E; e++) NAME##_pv(acc, s, vb, slot, n, svs, D, nd, e, 1);        \
-                }                                                                                             \
+            case 1: PV_HEADS(NAME, acc, s, 1); break;                                                         \
+            case 2: PV_HEADS(NAME, acc, s, 2); break;                                                         \
+            case 3: PV_HEADS(NAME, acc, s, 3); break;                                                         \
+            case 4: PV_HEADS(NAME, acc, s, 4); break;                                                         \
+            default: /* one head at a time, CHAINS chunks side by side */                                    \
+                for (int g = 0; g < G; g++) PV_HEADS(NAME, acc + g, s + g, 1);                                \
             }                                                                                                 \
         }                                                                                                     \
         for (int g = 0; g < G; g++) {                                                                         \
@@ -200,27 +182,6 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
         case 16: NAME##_body(qrow, sqh, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, scale, outf, 1); break; \
         default: NAME##_body(qrow, sqh, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, scale, outf, 0);        \
         }                                                                                                     \
-    }
-
-/* acc[(e)/nd][16 ((e) % nd)] += p_i v_i over the block's keys in order, for NE consecutive chains e0.. */
-#define PV(NAME, T, LOAD)                                                                                    \
-    static inline __attribute__((always_inline)) void NAME##_pv(                                             \
-        float (*acc)[MAX_D], float (*s)[BLOCK], const T* vb, const int64_t* slot, int n, int64_t svs,        \
-        int64_t D, int64_t nd, int e0, const int NE) {                                                        \
-        __m512 a[CHAINS];                                                                                     \
-        const float* sp[CHAINS];                                                                              \
-        int64_t ec[CHAINS];                                                                                   \
-        for (int e = 0; e < NE; e++) {                                                                        \
-            sp[e] = s[(e0 + e) / nd];                                                                         \
-            ec[e] = 16 * ((e0 + e) % nd);                                                                     \
-            a[e] = _mm512_load_ps(&acc[(e0 + e) / nd][ec[e]]);                                                \
-        }                                                                                                     \
-        for (int i = 0; i < n; i++) {                                                                         \
-            const T* vr = vb + slot[i] * svs;                                                                 \
-            for (int e = 0; e < NE; e++)                                                                      \
-                a[e] = _mm512_fmadd_ps(_mm512_set1_ps(sp[e][i]), LOAD(vr + ec[e], tail_mask(D - ec[e])), a[e]); \
-        }                                                                                                     \
-        for (int e = 0; e < NE; e++) _mm512_store_ps(&acc[(e0 + e) / nd][ec[e]], a[e]);                       \
     }
 
 /* s[g][i] = scale * (q_g . k_i) for the GC heads and the block's n keys, 16 / GC keys at a time: a K
@@ -271,19 +232,17 @@ SCORES(task_bf16, uint16_t, load_bf16)
         for (int c = 0; c < NC; c++)                                                                          \
             for (int g = 0; g < GC; g++) _mm512_store_ps(&acc[g][16 * (c0 + c)], a[c * GC + g]);              \
     }
-/* every chunk for GC heads, NC = CHAINS / GC chunks at a time (the head dim's chunks when fewer) */
-#define PV_HEADS(NAME, GC)                                                                                   \
+/* every chunk for the GC heads from ACC / SC on, CHAINS / GC chunks at a time (the head dim's when fewer) */
+#define PV_HEADS(NAME, ACC, SC, GC)                                                                          \
     do {                                                                                                      \
         const int nc_ = ND && ND < CHAINS / (GC) ? ND : CHAINS / (GC);                                        \
         int64_t c0_ = 0;                                                                                      \
-        for (; c0_ + nc_ <= nd; c0_ += nc_) NAME##_pvg(acc, s, vb, slot, n, svs, D, c0_, nc_, GC);            \
-        for (; c0_ < nd; c0_++) NAME##_pvg(acc, s, vb, slot, n, svs, D, c0_, 1, GC);                          \
+        for (; c0_ + nc_ <= nd; c0_ += nc_) NAME##_pvg(ACC, SC, vb, slot, n, svs, D, c0_, nc_, GC);           \
+        for (; c0_ < nd; c0_++) NAME##_pvg(ACC, SC, vb, slot, n, svs, D, c0_, 1, GC);                         \
     } while (0)
 
 PVG(task_f32, float, load_f32)
 PVG(task_bf16, uint16_t, load_bf16)
-PV(task_f32, float, load_f32)
-PV(task_bf16, uint16_t, load_bf16)
 TASK(task_f32, float, load_f32)
 TASK(task_bf16, uint16_t, load_bf16)
 
@@ -294,7 +253,7 @@ TASK(task_bf16, uint16_t, load_bf16)
 #define ATTENTION(NAME, T, TASKFN, STORE)                                                                     \
     int NAME(const T* q, int64_t B, int64_t Q, int64_t Hq, int64_t D, int64_t sqb, int64_t sqq, int64_t sqh, \
              const T* k, const T* v, int64_t Hkv, int64_t skb, int64_t sks, int64_t skh, int64_t svb,         \
-             int64_t svs, int64_t svh, const int64_t* prefix_lens, const uint8_t* tree_mask, int64_t smb,        \
+             int64_t svs, int64_t svh, const int64_t* prefix_lens, const uint8_t* tree_mask, int64_t smb,     \
              int64_t smq, int64_t smt, int64_t T_,                                                          \
              int64_t S, float scale, T* out, int threads) {                                                   \
         if (Hkv <= 0 || Hq % Hkv || Hq / Hkv > MAX_G || D > MAX_D) return -1;                                 \
