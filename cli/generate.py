@@ -116,8 +116,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "--cpu-linear",
         default="auto",
         choices=["auto", "kernel", "torch"],
-        help="CPU linear layers: auto (the row-invariant AVX-512 kernel, kernels/cpu_linear.py, where it builds; "
-        "else F.linear; $TRITONSPEC_CPU_LINEAR), kernel (required), torch (F.linear)",
+        help="CPU linear layers: auto (the row-invariant AVX-512 / AVX2 kernel, kernels/cpu_linear.py, where it "
+        "builds; else F.linear; $TRITONSPEC_CPU_LINEAR), kernel (required), torch (F.linear)",
     )
     g.add_argument("--quiet-stats", action="store_true", help="print the stats line on stderr")
     g.set_defaults(fn=cmd_generate)

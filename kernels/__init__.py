@@ -15,8 +15,8 @@ the tests and the benchmarks share.
   bit for bit: deterministic mode's linear layers on a GPU
 * ``triton_ops``: ``TritonOps``, the Triton backend of ``runtime.ops``
 * ``cpu_linear``: the torch backend's CPU linear layer, a C kernel (``cpu/linear.c``, AVX-512 and
-  AVX512-BF16, built with the system compiler on first use): weights streamed at memory speed,
-  every row bit-identical whatever the row count (Triton has no CPU target here)
+  AVX512-BF16, or AVX2 + FMA through ``cpu/avx2.h``, built with the system compiler on first use):
+  weights streamed at memory speed, every row bit-identical whatever the row count (Triton has no CPU target here)
 
 Beside them: ``utils`` (the guarded Triton import, argument checks, and the helpers more than one
 kernel uses) and ``store`` (the per-device tuned-config files: the launchers read them, ``tritonspec

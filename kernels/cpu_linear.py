@@ -9,9 +9,10 @@ at memory speed. PyTorch's CPU one-row bfloat16 ``F.linear`` is compute-bound (5
 on this machine's two cores, against ~25 GB/s for a plain read), and its float32 one-row and
 many-row calls round the same row differently (MKL picks another kernel for M = 1 and 2). The C
 kernel in ``kernels/cpu/linear.c`` (AVX-512 FMA for float32, AVX512-BF16 ``VDPBF16PS`` for
-bfloat16) streams the weight rows with the next block prefetched, shares each weight load among
-up to four rows of x, and computes every output element with the same instruction sequence
-whatever the number of rows, the other rows or the thread count: a row's result is bit-identical
+bfloat16; on AVX2 + FMA CPUs the same source with those intrinsics emulated lane for lane by
+``kernels/cpu/avx2.h``, see ``isa()``) streams the weight rows with the next block prefetched,
+shares each weight load among up to four rows of x, and computes every output element with the
+same instruction sequence whatever the number of rows, the other rows or the thread count: a row's result is bit-identical
 in a one-row decode step and in a 64-row verify forward, so speculative greedy output equals plain
 greedy output by construction.
 
@@ -52,7 +53,7 @@ SOURCE = Path(__file__).parent / "cpu" / "linear.c"
 # writes (kernels/cpu_attention.py, kernels/cpu_norm.py, kernels/cpu_rope.py)
 SOURCES = tuple(Path(__file__).parent / "cpu" / f for f in ("linear.c", "attention.c", "norm.c", "rope_kv.c"))
 # included by the sources: part of the build key
-HEADERS = tuple(Path(__file__).parent / "cpu" / f for f in ("bf16.h", "hsum.h"))
+HEADERS = tuple(Path(__file__).parent / "cpu" / f for f in ("avx2.h", "bf16.h", "hsum.h"))
 OP_SOURCE = Path(__file__).parent / "cpu" / "linear_op.cpp"
 MODES = ("auto", "kernel", "torch")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -70,11 +71,13 @@ MIN_K = 256
 # result does not depend on the thread count): the demo target's one-row projections, not SmolLM2's.
 SMALL = 1 << 17
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
-_NEEDS = {torch.float32: ("avx512f",), torch.bfloat16: ("avx512f", "avx512_bf16")}
+# instruction sets the kernels build for (``isa()``): AVX-512 natively (F, BW, VL), or AVX2 + FMA through
+# kernels/cpu/avx2.h; bfloat16 dot products run VDPBF16PS where the CPU has AVX512-BF16, else two FMAs
+ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
 
 
 class CpuLinearUnavailable(RuntimeError):
-    """The kernel cannot run here (no compiler, no AVX-512, ...); the message says why and what to do."""
+    """The kernel cannot run here (no compiler, no AVX-512 or AVX2, ...); the message says why and what to do."""
 
 
 def cpu_linear_reference(
@@ -105,6 +108,14 @@ def _cpu_flags() -> frozenset[str]:
         if line.startswith("flags"):
             return frozenset(line.split(":", 1)[1].split())
     return frozenset()
+
+
+def isa() -> str | None:
+    """The instruction set the CPU kernels build for here: ``"avx512"`` (AVX-512 F/BW/VL), ``"avx2"``
+    (AVX2 + FMA: the AVX-512 source with its intrinsics emulated on two 256-bit halves, the same values
+    by construction) or None (the kernels do not run; ``F.linear`` does)."""
+    flags = _cpu_flags()
+    return next((name for name, need in ISAS.items() if all(f in flags for f in need)), None)
 
 
 def _compiler() -> str | None:
@@ -148,9 +159,9 @@ def _key(*parts: object) -> str:
 def _library() -> ctypes.CDLL:
     """Build (once per source, compiler and CPU) and load the kernel library (ctypes)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
-        raise CpuLinearUnavailable(f"the CPU linear kernel is written for x86-64 AVX-512, not {platform.machine()}")
-    if "avx512f" not in _cpu_flags():
-        raise CpuLinearUnavailable("this CPU has no AVX-512 (avx512f missing from /proc/cpuinfo)")
+        raise CpuLinearUnavailable(f"the CPU kernels are written for x86-64 (AVX-512, AVX2), not {platform.machine()}")
+    if isa() is None:
+        raise CpuLinearUnavailable("this CPU has neither AVX-512 (avx512f/bw/vl) nor AVX2 + FMA in /proc/cpuinfo")
     cc = _compiler()
     if cc is None:
         raise CpuLinearUnavailable("no C compiler found (set CC, or install gcc) to build kernels/cpu/linear.c")
@@ -240,9 +251,8 @@ def available(dtype: torch.dtype = torch.float32) -> str | None:
     """None when the kernel runs ``dtype`` here, else why not."""
     if dtype not in _DTYPES:
         return f"dtype {dtype} is not float32 or bfloat16"
-    missing = [f for f in _NEEDS[dtype] if f not in _cpu_flags()]
-    if missing:
-        return f"this CPU lacks {', '.join(missing)}"
+    if isa() is None:
+        return "this CPU lacks AVX-512 (avx512f, avx512bw, avx512vl) and AVX2 + FMA"
     try:
         _library()
     except CpuLinearUnavailable as e:

@@ -14,7 +14,7 @@ cache. Two consequences hold by construction:
 
 Why the default mode is not row-invariant, and what this module does about it, op by op:
 
-* **Linear layers.** Where ``kernels.cpu_linear`` runs (an AVX-512 CPU with a C compiler, float32
+* **Linear layers.** Where ``kernels.cpu_linear`` runs (an AVX-512 or AVX2 + FMA CPU with a C compiler, float32
   or bfloat16, the torch backend) every linear call of every row count goes through it: each output
   element is one fixed instruction sequence, so rows are invariant by construction and nothing is
   probed or padded (probe method ``"kernel"``). Elsewhere: CPU BLAS picks kernels by the row count M:

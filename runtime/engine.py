@@ -178,7 +178,7 @@ class SpeculativeRuntime:
     def cpu_kernels(self) -> bool:
         """Whether the target's linear layers (above ``kernels.cpu_linear``'s size floors), attention
         and RMSNorm run this project's row-invariant CPU kernels (``cpu_linear``: the torch backend on
-        an AVX-512 CPU where they build); False on a GPU or with ``cpu_linear="torch"``."""
+        an AVX-512 or AVX2 + FMA CPU where they build); False on a GPU or with ``cpu_linear="torch"``."""
         ops = getattr(self.ops, "ops", self.ops)  # DeterministicOps wraps the backend's ops
         return self.device.type == "cpu" and ops.name == "torch" and ops._cpu_kernel(self.target.dtype)
 
@@ -307,7 +307,7 @@ class SpeculativeRuntime:
             Compiling takes seconds (tiny models) to minutes (a 30-layer target) per key; a failure
             warns once and runs that key eagerly. The tokens are those of eager rounds.
         cpu_linear : the CPU linear layers (torch backend): ``"auto"`` (``$TRITONSPEC_CPU_LINEAR``,
-            default: ``kernels/cpu_linear.py``, a row-invariant AVX-512 / AVX512-BF16 kernel that
+            default: ``kernels/cpu_linear.py``, a row-invariant AVX-512 / AVX512-BF16 (or AVX2) kernel that
             reads weights at memory speed, where it builds; else ``F.linear``), ``"kernel"`` (an
             error when it cannot run) or ``"torch"`` (``F.linear``, weights stored ``[K, N]`` in float32).
 

@@ -292,10 +292,12 @@ class TargetModel:
     ):
         self.config = config
         self.weight_layout = resolve_layout(weight_layout, device, dtype)
-        if device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_bf16() is False:
+        why = _cpu_linear.available(torch.bfloat16) if device.type == "cpu" and dtype == torch.bfloat16 else None
+        if why is not None and cpu_has_bf16() is False:  # where the CPU kernels run, bfloat16 is the fast path
             warnings.warn(
-                "dtype=bfloat16 on a CPU without bf16 instructions (AVX512-BF16 / AMX): matmuls convert to "
-                "float32 on the fly, a slower path than float32 weights; pass dtype=torch.float32 for speed",
+                "dtype=bfloat16 on a CPU without bf16 instructions (AVX512-BF16 / AMX) and without the CPU "
+                f"kernels ({why}): matmuls convert to float32 on the fly, a slower path than float32 weights; "
+                "pass dtype=torch.float32 for speed",
                 stacklevel=3,
             )
         self.arch = _architecture(config)

@@ -114,8 +114,11 @@ def test_saving_writes_the_original_layout_and_dtype(tmp_path, layout, dtype):
 
 
 def test_bfloat16_without_cpu_bf16_instructions_warns_once(tmp_path, monkeypatch):
+    """No bf16 instructions and no CPU kernels (which make bfloat16 the fast path, AVX2 included): one
+    warning; with the kernels, or with bf16 instructions, none."""
     tiny_target("llama", seed=1, vocab_size=96).save_pretrained(str(tmp_path))
     monkeypatch.setattr(target_mod, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(target_mod._cpu_linear, "available", lambda dtype: "no kernels (test)")
     with pytest.warns(UserWarning, match="without bf16 instructions") as rec:
         tm = ts.TargetModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert len([w for w in rec if "bf16" in str(w.message)]) == 1
@@ -126,6 +129,9 @@ def test_bfloat16_without_cpu_bf16_instructions_warns_once(tmp_path, monkeypatch
         warnings.simplefilter("error")
         ts.TargetModel.from_pretrained(tmp_path, dtype=torch.bfloat16)  # the inverse: no warning
         ts.TargetModel.from_pretrained(tmp_path, dtype=torch.float32)
+        monkeypatch.setattr(target_mod, "cpu_has_bf16", lambda: False)
+        monkeypatch.setattr(target_mod._cpu_linear, "available", lambda dtype: None)  # the kernels run bf16
+        ts.TargetModel.from_pretrained(tmp_path, dtype=torch.bfloat16)
 
 
 def test_bad_layout_is_a_user_error(tmp_path):

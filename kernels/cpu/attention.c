@@ -1,4 +1,5 @@
-/* Row-invariant decode/tree attention for x86-64 CPUs with AVX-512 (float32 and bfloat16 storage).
+/* Row-invariant decode/tree attention for x86-64 CPUs with AVX-512, or AVX2 + FMA through avx2.h (float32 and
+ * bfloat16 storage).
  *
  *     out[b, q, h, :] = sum_j softmax_j(scale * q[b, q, h, :] . k[b, j, h / G, :]) v[b, j, h / G, :]
  *
@@ -28,6 +29,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "avx2.h" /* AVX2 + FMA CPUs: the AVX-512 intrinsics below, emulated lane for lane */
 #include "bf16.h"
 #include "hsum.h"
 

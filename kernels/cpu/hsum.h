@@ -12,6 +12,10 @@
 #define TRITONSPEC_HSUM_H
 #include <immintrin.h>
 
+#include "avx2.h"
+
+#ifdef __AVX512F__
+
 static inline __attribute__((always_inline)) __m512 hsum16(const __m512* v) {
     __m512 a[8], b[4], c[2];
     for (int j = 0; j < 8; j++) /* a[j]: v[2j] lanes l + l+8 (l < 8) in lanes 0-7, v[2j+1]'s in lanes 8-15 */
@@ -29,4 +33,5 @@ static inline __attribute__((always_inline)) __m512 hsum16(const __m512* v) {
     const __m512i back = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
     return _mm512_permutexvar_ps(back, d);
 }
+#endif /* __AVX512F__ (avx2.h defines hsum16 on AVX2, the same tree) */
 #endif

@@ -1,4 +1,5 @@
-/* Row-invariant small-M linear layer for x86-64 CPUs with AVX-512 (float32) and AVX512-BF16 (bfloat16).
+/* Row-invariant small-M linear layer for x86-64 CPUs with AVX-512 (float32) and AVX512-BF16 (bfloat16); on
+ * AVX2 + FMA CPUs (and AVX-512 without BF16) avx2.h emulates the intrinsics lane for lane.
  *
  *     y[m, n] = sum_k x[m, k] * w[n, k]  (+ b[n])       x [M, K] (row stride ldx), w [N, K], y [M, N] (row stride ldy)
  *
@@ -17,10 +18,14 @@
 #include <immintrin.h>
 #include <stdint.h>
 
+#include "avx2.h" /* AVX2 + FMA CPUs: the AVX-512 intrinsics below, emulated lane for lane */
 #include "bf16.h"
 #include "hsum.h"
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+#ifndef DPBF16 /* VDPBF16PS: acc += the bfloat16 pair products (avx2.h supplies it on AVX2) */
+#define DPBF16(acc, a, b) _mm512_dpbf16_ps(acc, (__m512bh)(a), (__m512bh)(b))
+#endif
 
 /* s[i * NB + j] = the lane sum of acc[i][j] (acc: [4][8]; the MB x NB used, 16 per hsum16). */
 ALWAYS_INLINE void sums(const __m512* acc, int MB, int NB, float* s) {
@@ -80,7 +85,7 @@ ALWAYS_INLINE void bf16_block(const uint16_t* x, int64_t ldx, const uint16_t* w,
         }
         for (int i = 0; i < MB; i++) {
             __m512i xv = _mm512_loadu_si512(x + i * ldx + k);
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+            for (int j = 0; j < NB; j++) acc[i][j] = DPBF16(acc[i][j], xv, wv[j]);
         }
     }
     if (k < K) {
@@ -89,7 +94,7 @@ ALWAYS_INLINE void bf16_block(const uint16_t* x, int64_t ldx, const uint16_t* w,
         for (int j = 0; j < NB; j++) wv[j] = _mm512_maskz_loadu_epi16(mk, w + j * K + k);
         for (int i = 0; i < MB; i++) {
             __m512i xv = _mm512_maskz_loadu_epi16(mk, x + i * ldx + k);
-            for (int j = 0; j < NB; j++) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], (__m512bh)xv, (__m512bh)wv[j]);
+            for (int j = 0; j < NB; j++) acc[i][j] = DPBF16(acc[i][j], xv, wv[j]);
         }
     }
     float s[32];
@@ -115,24 +120,35 @@ ALWAYS_INLINE void bf16_block(const uint16_t* x, int64_t ldx, const uint16_t* w,
     }
 
 /* Columns split over threads in whole NB-blocks; the last, ragged block runs one column at a time
- * (same arithmetic per element, NB only decides how many share a loop). NB is 8 for one or two
- * rows (more independent chains while streaming) and 4 otherwise (register budget: 4 x 4 accumulators). */
+ * (same arithmetic per element, NB only decides how many share a loop). NB is NB_FEW for one or two
+ * rows (more independent chains while streaming) and NB_MANY otherwise (register budget: 4 x NB_MANY
+ * accumulators): 8 and 4 with AVX-512's 32 registers, 4 and 2 with AVX2's 16 (each emulated 16-lane
+ * accumulator takes two). */
+#ifndef NB_FEW
+#ifdef __AVX512F__
+#define NB_FEW 8
+#define NB_MANY 4
+#else
+#define NB_FEW 4
+#define NB_MANY 2
+#endif
+#endif
 #define LINEAR(NAME, T, BLOCK)                                                                            \
     void NAME(const T* x, int64_t M, int64_t ldx, const T* w, int64_t N, int64_t K, const T* b, T* y,   \
               int64_t ldy, int threads) {                                                                 \
-        const int NBW = M <= 2 ? 8 : 4;                                                                   \
+        const int NBW = M <= 2 ? NB_FEW : NB_MANY;                                                        \
         const int64_t blocks = N / NBW;                                                                   \
-        if (NBW == 8) {                                                                                   \
+        if (NBW == NB_FEW) {                                                                              \
             _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
             for (int64_t blk = 0; blk < blocks; blk++) {                                                  \
-                int64_t n0 = blk * 8;                                                                     \
-                ROWS(BLOCK, 8, w + n0 * K)                                                                \
+                int64_t n0 = blk * NB_FEW;                                                                \
+                ROWS(BLOCK, NB_FEW, w + n0 * K)                                                           \
             }                                                                                             \
         } else {                                                                                          \
             _Pragma("omp parallel for schedule(static) num_threads(threads)")                             \
             for (int64_t blk = 0; blk < blocks; blk++) {                                                  \
-                int64_t n0 = blk * 4;                                                                     \
-                ROWS(BLOCK, 4, w + n0 * K)                                                                \
+                int64_t n0 = blk * NB_MANY;                                                               \
+                ROWS(BLOCK, NB_MANY, w + n0 * K)                                                          \
             }                                                                                             \
         }                                                                                                 \
         for (int64_t n0 = blocks * NBW; n0 < N; n0++) {                                                   \

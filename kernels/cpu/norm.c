@@ -1,4 +1,4 @@
-/* Row-invariant RMSNorm for x86-64 CPUs with AVX-512 (float32 and bfloat16 storage).
+/* Row-invariant RMSNorm for x86-64 CPUs with AVX-512, or AVX2 + FMA through avx2.h (float32 and bfloat16 storage).
  *
  *     s = x (+ residual)                         rounded to the storage dtype, as PyTorch's add
  *     y = w * round(s * rsqrt(mean(s^2) + eps))  the sum of squares in float32, y rounded once
@@ -11,6 +11,8 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+
+#include "avx2.h" /* AVX2 + FMA CPUs: the AVX-512 intrinsics below, emulated lane for lane */
 
 #define SMALL_ROWS 64 /* calls with fewer rows run on one thread */
 
