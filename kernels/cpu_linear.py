@@ -12,9 +12,9 @@ kernel in ``kernels/cpu/linear.c`` (AVX-512 FMA for float32, AVX512-BF16 ``VDPBF
 bfloat16; on AVX2 + FMA CPUs the same source with those intrinsics emulated lane for lane by
 ``kernels/cpu/avx2.h``, see ``isa()``) streams the weight rows with the next block prefetched,
 shares each weight load among up to four rows of x, and computes every output element with the
-same instruction sequence whatever the number of rows, the other rows or the thread count: a row's result is bit-identical
-in a one-row decode step and in a 64-row verify forward, so speculative greedy output equals plain
-greedy output by construction.
+same instruction sequence whatever the number of rows, the other rows or the thread count: a row's
+result is bit-identical in a one-row decode step and in a 64-row verify forward, so speculative
+greedy output equals plain greedy output by construction.
 
 It is a C kernel, not Triton, because Triton has no CPU target here. It is built on first use with
 the system C compiler (``$CC``, else ``gcc``, else ``cc``; ``-O3 -march=native -fopenmp``, about a
@@ -64,7 +64,10 @@ MAX_ROWS = 256
 # so streaming speed buys nothing, and the kernel's per-call cost (~7 us from Python) and its
 # per-output horizontal sum over a short K lose to MKL there (the demo target, hidden size 128:
 # plain decoding 17% slower through the kernel). SmolLM2's projections (K = 576, 1536; at least
-# 576 x 576) are above both. Deterministic mode runs the kernel for every weight.
+# 576 x 576) are above both. Deterministic mode runs the kernel for every weight. The floors apply on
+# Intel CPUs only (``size_floors()``): on AMD (EPYC Zen 3, 2026-12-02) MKL's small calls are slower
+# than the kernel and the demo pair decoded faster without them (1 thread, 8 prompts, two runs:
+# plain +11 % / +4 %, EAGLE-3.1 +14 % / +33 %, the same tokens).
 MIN_WEIGHT = 1 << 18
 MIN_K = 256
 # Calls with fewer multiply-adds run on one thread (waking a second costs more than it saves; the
@@ -74,6 +77,18 @@ _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # instruction sets the kernels build for (``isa()``): AVX-512 natively (F, BW, VL), or AVX2 + FMA through
 # kernels/cpu/avx2.h; bfloat16 dot products run VDPBF16PS where the CPU has AVX512-BF16, else two FMAs
 ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
+
+
+@functools.cache
+def size_floors() -> bool:
+    """Whether ``linear`` sends weights below ``MIN_WEIGHT`` elements or ``MIN_K`` columns to
+    ``F.linear`` (MKL) in the default mode: on Intel CPUs (``GenuineIntel``), where MKL wins on
+    small cache-resident weights; elsewhere the kernel runs them too."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return True
+    return "GenuineIntel" in next((ln for ln in text.splitlines() if ln.startswith("vendor_id")), "GenuineIntel")
 
 
 class CpuLinearUnavailable(RuntimeError):
@@ -464,9 +479,9 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [..., N]
     """The CPU kernel where it applies (``x`` and ``weight`` of one dtype, a contiguous ``[N, K]``
-    weight of at least ``MIN_WEIGHT`` elements and ``MIN_K`` columns, no autograd, at most ``MAX_ROWS``
-    rows), else ``F.linear``. The caller has checked that ``x`` is a float32/bfloat16 CPU tensor and
-    ``enabled(x.dtype)``. While a graph is traced
+    weight of at least ``MIN_WEIGHT`` elements and ``MIN_K`` columns where ``size_floors()``, no
+    autograd, at most ``MAX_ROWS`` rows), else ``F.linear``. The caller has checked that ``x`` is a
+    float32/bfloat16 CPU tensor and ``enabled(x.dtype)``. While a graph is traced
     (``torch.compile``, ``make_fx``) the kernel is an opaque operator (``tritonspec_cpu::linear``,
     else the Python custom op ``tritonspec::cpu_linear``), so compiled and eager rounds compute the
     same bits. A ``pack_bf16`` weight always runs the kernel (any row count; no autograd)."""
@@ -475,8 +490,7 @@ def linear(
             raise ValueError("a packed (AMX) weight has no autograd: load the model with weight_layout='nk' to train")
     elif (
         weight.dtype != x.dtype
-        or weight.numel() < MIN_WEIGHT
-        or x.shape[-1] < MIN_K
+        or (size_floors() and (weight.numel() < MIN_WEIGHT or x.shape[-1] < MIN_K))
         or x.numel() > MAX_ROWS * x.shape[-1]
         or not weight.is_contiguous()
         or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))

@@ -121,9 +121,12 @@ def test_bad_inputs_are_named():
 
 
 @needs[torch.float32]
-def test_dispatch_falls_back_where_the_kernel_does_not_apply():
-    """``linear``: a [K, N]-stored weight, autograd, more than MAX_ROWS rows or a weight below
-    MIN_WEIGHT elements or MIN_K columns run F.linear exactly; the rest the kernel."""
+@pytest.mark.parametrize("floors", [True, False])
+def test_dispatch_falls_back_where_the_kernel_does_not_apply(monkeypatch, floors):
+    """``linear``: a [K, N]-stored weight, autograd, more than MAX_ROWS rows or (with the size floors,
+    Intel CPUs) a weight below MIN_WEIGHT elements or MIN_K columns run F.linear exactly; the rest the
+    kernel (without the floors, small weights too)."""
+    monkeypatch.setattr(cl, "size_floors", lambda: floors)
     g = torch.Generator().manual_seed(7)
     w = torch.randn(6, 10, generator=g)
     x = torch.randn(3, 10, generator=g)
@@ -135,12 +138,14 @@ def test_dispatch_falls_back_where_the_kernel_does_not_apply():
     assert torch.allclose(xg.grad, w.sum(0).expand(3, 10))
     many = torch.randn(cl.MAX_ROWS + 1, 10, generator=g)
     assert torch.equal(cl.linear(many, w), F.linear(many, w))
-    assert torch.equal(cl.linear(x, w), F.linear(x, w))  # below MIN_WEIGHT: in cache, MKL is faster
+    small = F.linear if floors else cl.cpu_linear
+    assert torch.equal(cl.linear(x, w), small(x, w))  # below MIN_WEIGHT: in cache, MKL is faster on Intel
     xk = torch.randn(3, cl.MIN_K, generator=g)
     big = torch.randn(cl.MIN_WEIGHT // cl.MIN_K + 1, cl.MIN_K, generator=g)
     assert torch.equal(cl.linear(xk, big), cl.cpu_linear(xk, big))
     narrow = torch.randn(cl.MIN_WEIGHT // 10 + 1, 10, generator=g)  # many elements, K below MIN_K
-    assert torch.equal(cl.linear(x, narrow), F.linear(x, narrow))
+    assert torch.equal(cl.linear(x, narrow), small(x, narrow))
+    assert not torch.equal(cl.cpu_linear(x, narrow), F.linear(x, narrow))  # the two paths are told apart
 
 
 @needs[torch.float32]
