@@ -501,3 +501,56 @@ def linear(
     if tracing and not _native_ready():  # ctypes cannot be traced: the Python custom op stands in
         return _cpu_linear_op(x, weight, bias)
     return _launch(x, weight, bias, None)  # the native operator is traced and compiled as one
+
+
+def _fixed_values(n: int, seed: int) -> torch.Tensor:  # [n] float32 in [-1, 1)
+    """Inputs that are the same on every machine: an integer hash (exact int64 arithmetic) scaled to
+    float32, not a random generator whose vectorised path could differ by CPU."""
+    i = torch.arange(n, dtype=torch.int64) + seed * 1_000_003
+    h = (i * 2654435761 + 12345) % (1 << 32)
+    return (h.to(torch.float64) / 2**31 - 1.0).to(torch.float32)
+
+
+def kernel_digest(dtype: torch.dtype = torch.float32) -> str:
+    """sha256 (16 hex digits) of the CPU kernels' outputs on a fixed battery of inputs (linear layers
+    of 1, 3, 5 and 64 rows over odd and SmolLM2-like shapes, tree and decode attention with GQA,
+    RMSNorm with a residual), in ``dtype``. The kernels are one instruction sequence per output, and
+    ``kernels/cpu/avx2.h`` emulates the AVX-512 one lane for lane, so two machines whose digests
+    match compute these kernels bit for bit alike; compare the value across CPUs (``perf/CPU_DECODE.md``
+    records the ones measured). Raises ``CpuLinearUnavailable`` where the kernels do not run.
+
+    Example
+    -------
+    >>> kernel_digest(torch.float32)  # doctest: +SKIP
+    'c0ffee...'
+    """
+    from . import cpu_attention, cpu_norm
+
+    why = available(dtype)
+    if why is not None:
+        raise CpuLinearUnavailable(why)
+    h = hashlib.sha256()
+
+    def put(t: torch.Tensor) -> None:
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+
+    seed = 0
+    for n, k, rows in ((13, 99, (1, 5)), (576, 576, (1, 3, 64)), (50, 1536, (1, 4)), (7, 33, (2,))):
+        seed += 1
+        w = _fixed_values(n * k, seed).view(n, k).to(dtype)
+        b = (_fixed_values(n, seed + 100) * 0.1).to(dtype)
+        for m in rows:
+            put(cpu_linear(_fixed_values(m * k, seed + m).view(m, k).to(dtype), w, b, threads=1))
+    for hq, hkv, d, s_len, q_len in ((9, 3, 64, 40, 6), (4, 4, 32, 70, 1), (8, 2, 48, 20, 3)):
+        seed += 1
+        kc = _fixed_values(2 * s_len * hkv * d, seed).view(2, s_len, hkv, d).to(dtype)
+        vc = _fixed_values(2 * s_len * hkv * d, seed + 1).view(2, s_len, hkv, d).to(dtype)
+        q = _fixed_values(2 * q_len * hq * d, seed + 2).view(2, q_len, hq, d).to(dtype)
+        prefix = torch.tensor([s_len - q_len - 5, s_len // 2], dtype=torch.int64)
+        mask = torch.tril(torch.ones(q_len, q_len, dtype=torch.bool)).expand(2, q_len, q_len).contiguous()
+        put(cpu_attention.cpu_tree_attention(q, kc, vc, prefix, mask, d**-0.5, threads=1))
+    x, r = _fixed_values(5 * 576, 90).view(5, 576).to(dtype), _fixed_values(5 * 576, 91).view(5, 576).to(dtype)
+    y, s = cpu_norm.cpu_rms_norm(x, (_fixed_values(576, 92) + 1.5).to(dtype), 1e-5, r, threads=1)
+    put(y)
+    put(s)
+    return h.hexdigest()[:16]

@@ -249,6 +249,7 @@ class AuditReport:
             f"- drafter: `{self.drafter}` ({len(self.files.get('drafter', {}))} files)",
             f"- device: {env['device']} (capability {env.get('cpu_capability')}), "
             f"forward threads {env['forward_threads']}",
+            f"- CPU kernels: {env.get('cpu_kernels')}",
             f"- versions: tritonspec {env['tritonspec']}, torch {env['torch']}, transformers {env['transformers']}, "
             f"triton {env['triton']}, python {env['python']}",
             "",
@@ -355,7 +356,22 @@ def _environment() -> dict:
         "tritonspec": package_version(),
         "process_threads": torch.get_num_threads(),
         "forward_threads": 1,
+        "cpu_kernels": _cpu_kernels(),
     }
+
+
+def _cpu_kernels() -> dict:
+    """The CPU kernels' instruction set and output digests (``kernels.cpu_linear.kernel_digest``):
+    two reports whose digests match ran kernels that compute bit for bit alike, whatever the CPU."""
+    from ..kernels import cpu_linear
+
+    out: dict = {"isa": cpu_linear.isa()}
+    for dt in (torch.float32, torch.bfloat16):
+        try:
+            out[f"digest_{str(dt).split('.')[-1]}"] = cpu_linear.kernel_digest(dt)
+        except cpu_linear.CpuLinearUnavailable as e:
+            out[f"digest_{str(dt).split('.')[-1]}"] = f"unavailable ({e})"
+    return out
 
 
 def _shape(choice) -> str:

@@ -72,6 +72,8 @@ def test_audit_passes_and_lists_every_file(pair, prompts, tmp_path):
         assert f"target/{name}" in text and digest in text
     data = json.loads(js.read_text())
     assert data["ok"] and data["environment"]["torch"] == torch.__version__
+    kernels = data["environment"]["cpu_kernels"]  # the CPU kernels' digests: comparable across machines
+    assert set(kernels) == {"isa", "digest_float32", "digest_bfloat16"} and "CPU kernels" in text
     assert data["settings"]["batch_size"] == 3 and data["settings"]["seeds"].startswith("prompt i")
     assert any(p["op"] == "attention" for p in data["probes"])
     # rerunning gives the same digests (a comparable report)

@@ -325,3 +325,22 @@ def test_sources_build_for_every_supported_isa(march):
         cmd = [cl._compiler(), "-O0", f"-march={march}", "-fopenmp", "-std=gnu11", "-fPIC", "-c", str(src)]
         r = subprocess.run([*cmd, "-o", "/dev/null"], capture_output=True, text=True)
         assert r.returncode == 0, f"{src.name} for -march={march}:\n{r.stderr[-1500:]}"
+
+
+@needs[torch.float32]
+def test_kernel_digest_is_stable_and_sees_one_changed_bit(monkeypatch):
+    """``kernel_digest``: the same value twice, one per dtype, and a different one when a single
+    output element of the linear kernel moves by one ulp (the inverse: it is not vacuous)."""
+    d32 = cl.kernel_digest(torch.float32)
+    assert d32 == cl.kernel_digest(torch.float32) and len(d32) == 16
+    if WHY[torch.bfloat16] is None:
+        assert cl.kernel_digest(torch.bfloat16) != d32
+    real = cl.cpu_linear
+
+    def one_ulp_off(x, w, b=None, threads=None):
+        y = real(x, w, b, threads)
+        y.view(-1)[-1] = torch.nextafter(y.view(-1)[-1], torch.tensor(float("inf"), dtype=y.dtype))
+        return y
+
+    monkeypatch.setattr(cl, "cpu_linear", one_ulp_off)
+    assert cl.kernel_digest(torch.float32) != d32
