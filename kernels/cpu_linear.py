@@ -65,7 +65,7 @@ MAX_ROWS = 256
 # per-output horizontal sum over a short K lose to MKL there (the demo target, hidden size 128:
 # plain decoding 17% slower through the kernel). SmolLM2's projections (K = 576, 1536; at least
 # 576 x 576) are above both. Deterministic mode runs the kernel for every weight. The floors apply on
-# Intel CPUs only (``size_floors()``): on AMD (EPYC Zen 3, 2026-12-02) MKL's small calls are slower
+# Intel CPUs only (``SIZE_FLOORS``): on AMD (EPYC Zen 3, 2026-12-02) MKL's small calls are slower
 # than the kernel and the demo pair decoded faster without them (1 thread, 8 prompts, two runs:
 # plain +11 % / +4 %, EAGLE-3.1 +14 % / +33 %, the same tokens).
 MIN_WEIGHT = 1 << 18
@@ -79,16 +79,19 @@ _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
 
 
-@functools.cache
-def size_floors() -> bool:
-    """Whether ``linear`` sends weights below ``MIN_WEIGHT`` elements or ``MIN_K`` columns to
-    ``F.linear`` (MKL) in the default mode: on Intel CPUs (``GenuineIntel``), where MKL wins on
-    small cache-resident weights; elsewhere the kernel runs them too."""
+def _intel_cpu() -> bool:
+    """Whether ``/proc/cpuinfo`` names an Intel CPU (``GenuineIntel``; True when it cannot be read)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return True
     return "GenuineIntel" in next((ln for ln in text.splitlines() if ln.startswith("vendor_id")), "GenuineIntel")
+
+
+# Whether ``linear`` sends weights below ``MIN_WEIGHT`` elements or ``MIN_K`` columns to ``F.linear``
+# (MKL) in the default mode: on Intel CPUs, where MKL wins on small cache-resident weights; elsewhere
+# the kernel runs them too. Decided at import (a constant, so torch.compile does not trace the read).
+SIZE_FLOORS = _intel_cpu()
 
 
 class CpuLinearUnavailable(RuntimeError):
@@ -479,7 +482,7 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
 ) -> torch.Tensor:  # [..., N]
     """The CPU kernel where it applies (``x`` and ``weight`` of one dtype, a contiguous ``[N, K]``
-    weight of at least ``MIN_WEIGHT`` elements and ``MIN_K`` columns where ``size_floors()``, no
+    weight of at least ``MIN_WEIGHT`` elements and ``MIN_K`` columns where ``SIZE_FLOORS``, no
     autograd, at most ``MAX_ROWS`` rows), else ``F.linear``. The caller has checked that ``x`` is a
     float32/bfloat16 CPU tensor and ``enabled(x.dtype)``. While a graph is traced
     (``torch.compile``, ``make_fx``) the kernel is an opaque operator (``tritonspec_cpu::linear``,
@@ -490,7 +493,7 @@ def linear(
             raise ValueError("a packed (AMX) weight has no autograd: load the model with weight_layout='nk' to train")
     elif (
         weight.dtype != x.dtype
-        or (size_floors() and (weight.numel() < MIN_WEIGHT or x.shape[-1] < MIN_K))
+        or (SIZE_FLOORS and (weight.numel() < MIN_WEIGHT or x.shape[-1] < MIN_K))
         or x.numel() > MAX_ROWS * x.shape[-1]
         or not weight.is_contiguous()
         or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))

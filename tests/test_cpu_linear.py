@@ -126,7 +126,7 @@ def test_dispatch_falls_back_where_the_kernel_does_not_apply(monkeypatch, floors
     """``linear``: a [K, N]-stored weight, autograd, more than MAX_ROWS rows or (with the size floors,
     Intel CPUs) a weight below MIN_WEIGHT elements or MIN_K columns run F.linear exactly; the rest the
     kernel (without the floors, small weights too)."""
-    monkeypatch.setattr(cl, "size_floors", lambda: floors)
+    monkeypatch.setattr(cl, "SIZE_FLOORS", floors)
     g = torch.Generator().manual_seed(7)
     w = torch.randn(6, 10, generator=g)
     x = torch.randn(3, 10, generator=g)
