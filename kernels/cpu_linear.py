@@ -516,7 +516,7 @@ def _fixed_values(n: int, seed: int) -> torch.Tensor:  # [n] float32 in [-1, 1)
 
 def kernel_digest(dtype: torch.dtype = torch.float32) -> str:
     """sha256 (16 hex digits) of the CPU kernels' outputs on a fixed battery of inputs (linear layers
-    of 1, 3, 5 and 64 rows over odd and SmolLM2-like shapes, tree and decode attention with GQA,
+    of 1 to 5 and 64 rows over odd and SmolLM2-like shapes, tree and decode attention with GQA,
     RMSNorm with a residual), in ``dtype``. The kernels are one instruction sequence per output, and
     ``kernels/cpu/avx2.h`` emulates the AVX-512 one lane for lane, so two machines whose digests
     match compute these kernels bit for bit alike; compare the value across CPUs (``perf/CPU_DECODE.md``
