@@ -79,21 +79,6 @@ _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
 
 
-def _intel_cpu() -> bool:
-    """Whether ``/proc/cpuinfo`` names an Intel CPU (``GenuineIntel``; True when it cannot be read)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return True
-    return "GenuineIntel" in next((ln for ln in text.splitlines() if ln.startswith("vendor_id")), "GenuineIntel")
-
-
-# Whether ``linear`` sends weights below ``MIN_WEIGHT`` elements or ``MIN_K`` columns to ``F.linear``
-# (MKL) in the default mode: on Intel CPUs, where MKL wins on small cache-resident weights; elsewhere
-# the kernel runs them too. Decided at import (a constant, so torch.compile does not trace the read).
-SIZE_FLOORS = _intel_cpu()
-
-
 class CpuLinearUnavailable(RuntimeError):
     """The kernel cannot run here (no compiler, no AVX-512 or AVX2, ...); the message says why and what to do."""
 
@@ -117,15 +102,24 @@ def mode() -> str:
 
 
 @functools.cache
-def _cpu_flags() -> frozenset[str]:
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field : value`` of ``/proc/cpuinfo`` (None when absent or unreadable)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.split(":", 1)[1].split())
-    return frozenset()
+        return None
+    return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.split(":", 1)[0].strip() == field), None)
+
+
+def _cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo("flags") or "").split())
+
+
+# Whether ``linear`` sends weights below ``MIN_WEIGHT`` elements or ``MIN_K`` columns to ``F.linear``
+# (MKL) in the default mode: on Intel CPUs (or when the vendor cannot be read), where MKL wins on small
+# cache-resident weights; elsewhere the kernel runs them too. Decided at import (a constant, so
+# torch.compile does not trace the read).
+SIZE_FLOORS = (_cpuinfo("vendor_id") or "GenuineIntel") == "GenuineIntel"
 
 
 def isa() -> str | None:
@@ -269,10 +263,8 @@ def available(dtype: torch.dtype = torch.float32) -> str | None:
     """None when the kernel runs ``dtype`` here, else why not."""
     if dtype not in _DTYPES:
         return f"dtype {dtype} is not float32 or bfloat16"
-    if isa() is None:
-        return "this CPU lacks AVX-512 (avx512f, avx512bw, avx512vl) and AVX2 + FMA"
     try:
-        _library()
+        _library()  # names what is missing: the architecture, the instruction set, a compiler
     except CpuLinearUnavailable as e:
         return str(e)
     return None

@@ -177,11 +177,8 @@ def _linear(ops: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def cpu_has_bf16() -> bool | None:
     """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX-BF16); None when
     it cannot be told (no ``/proc/cpuinfo``)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    flags = _cpu_linear._cpuinfo("flags")
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
 def resolve_layout(
@@ -292,8 +289,9 @@ class TargetModel:
     ):
         self.config = config
         self.weight_layout = resolve_layout(weight_layout, device, dtype)
-        why = _cpu_linear.available(torch.bfloat16) if device.type == "cpu" and dtype == torch.bfloat16 else None
-        if why is not None and cpu_has_bf16() is False:  # where the CPU kernels run, bfloat16 is the fast path
+        bf16_slow = device.type == "cpu" and dtype == torch.bfloat16 and cpu_has_bf16() is False
+        why = _cpu_linear.available(torch.bfloat16) if bf16_slow else None  # with the CPU kernels bf16 is fast
+        if why is not None:
             warnings.warn(
                 "dtype=bfloat16 on a CPU without bf16 instructions (AVX512-BF16 / AMX) and without the CPU "
                 f"kernels ({why}): matmuls convert to float32 on the fly, a slower path than float32 weights; "

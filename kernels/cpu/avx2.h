@@ -252,7 +252,6 @@ TS_INLINE __m512 hsum16(const __m512* v) {
     for (int i = 0; i < 16; i++) t[i] = _mm256_add_ps(ts_hi(v[i]), ts_lo(v[i]));
     return ts_join(ts_hsum8(t), ts_hsum8(t + 8));
 }
-#define TRITONSPEC_HSUM_AVX2 1
 #elif !defined(__AVX512BF16__)
 /* AVX-512 without AVX512-BF16 (Skylake-SP, Ice Lake): VDPBF16PS as two FMAs in its order, as above */
 #include <immintrin.h>

@@ -124,14 +124,12 @@ ALWAYS_INLINE void bf16_block(const uint16_t* x, int64_t ldx, const uint16_t* w,
  * rows (more independent chains while streaming) and NB_MANY otherwise (register budget: 4 x NB_MANY
  * accumulators): 8 and 4 with AVX-512's 32 registers, 4 and 2 with AVX2's 16 (each emulated 16-lane
  * accumulator takes two). */
-#ifndef NB_FEW
 #ifdef __AVX512F__
 #define NB_FEW 8
 #define NB_MANY 4
 #else
 #define NB_FEW 4
 #define NB_MANY 2
-#endif
 #endif
 #define LINEAR(NAME, T, BLOCK)                                                                            \
     void NAME(const T* x, int64_t M, int64_t ldx, const T* w, int64_t N, int64_t K, const T* b, T* y,   \
