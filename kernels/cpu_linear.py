@@ -102,7 +102,7 @@ def mode() -> str:
 
 
 @functools.cache
-def _cpuinfo(field: str) -> str | None:
+def cpuinfo(field: str) -> str | None:
     """The first ``field : value`` of ``/proc/cpuinfo`` (None when absent or unreadable)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
@@ -112,14 +112,14 @@ def _cpuinfo(field: str) -> str | None:
 
 
 def _cpu_flags() -> frozenset[str]:
-    return frozenset((_cpuinfo("flags") or "").split())
+    return frozenset((cpuinfo("flags") or "").split())
 
 
 # Whether ``linear`` sends weights below ``MIN_WEIGHT`` elements or ``MIN_K`` columns to ``F.linear``
 # (MKL) in the default mode: on Intel CPUs (or when the vendor cannot be read), where MKL wins on small
 # cache-resident weights; elsewhere the kernel runs them too. Decided at import (a constant, so
 # torch.compile does not trace the read).
-SIZE_FLOORS = (_cpuinfo("vendor_id") or "GenuineIntel") == "GenuineIntel"
+SIZE_FLOORS = (cpuinfo("vendor_id") or "GenuineIntel") == "GenuineIntel"
 
 
 def isa() -> str | None:

@@ -177,7 +177,7 @@ def _linear(ops: Any, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 def cpu_has_bf16() -> bool | None:
     """Whether this CPU has bfloat16 dot-product instructions (AVX512-BF16 or AMX-BF16); None when
     it cannot be told (no ``/proc/cpuinfo``)."""
-    flags = _cpu_linear._cpuinfo("flags")
+    flags = _cpu_linear.cpuinfo("flags")
     return None if flags is None else bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
 
 
