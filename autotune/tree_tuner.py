@@ -14,7 +14,11 @@
    shapes step 5 checked) and plain decoding generated side by side at that batch size; the
    fastest is that row of the profile's ``shapes`` table (None: plain decoding wins). Without it,
    a chosen shape that measured slower than plain decoding gets a plain batch-1 row
-7. the profile written for the runtime to pick up (``runtime/profiles.write_profile``)
+7. optionally (``prompt_lookup``), each row's winning shape generated again side by side with a
+   prompt-lookup branch of each given length grafted on (``runtime/ngram.py``; its gain depends on
+   how much the outputs repeat the prompts, which no acceptance profile of the drafter predicts,
+   so it is measured, never modelled); the fastest stays in the row
+8. the profile written for the runtime to pick up (``runtime/profiles.write_profile``)
 
 ``compile=True`` (CPU) measures steps 5-6 with compiled rounds (``SpeculativeRuntime(compile=True)``;
 each shape compiles once, untimed) and writes a ``rounds=compiled`` profile, which runtimes with
@@ -26,7 +30,7 @@ model) still time eager pieces, so only measured rows decide (they only seed the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +126,7 @@ def tune_tree(
     temperature: float = 1.0,
     device_kind: bool = False,
     compile: bool = False,
+    prompt_lookup: Sequence[int] = (),
     log=None,
 ) -> TreeTuneResult:
     """Measure costs and the acceptance profile, pick the best shape, check it, write the profile.
@@ -134,7 +139,8 @@ def tune_tree(
     ``shapes`` table. ``device_kind``: name the profile for this kind of device
     (``profiles.device_kind``: any CPU of the same architecture and vector ISA) instead of this
     exact one, as the profiles shipped with the package are. ``compile``: measure with compiled CPU
-    rounds and write a ``rounds=compiled`` profile (module docstring).
+    rounds and write a ``rounds=compiled`` profile (module docstring). ``prompt_lookup``: lengths of
+    a prompt-lookup branch to try on each row's winning shape (step 7; e.g. ``(4, 8)``).
     """
     from ..runtime.drafter import Eagle3Drafter
     from ..runtime.engine import SpeculativeRuntime
@@ -148,11 +154,19 @@ def tune_tree(
     tok = load_tokenizer(Path(target)) if isinstance(target, (str, Path)) else None
     top_ks = sorted(k for k in set(top_ks) if k <= d.config.draft_vocab_size)
     kmax, nmax = max(top_ks), max_draft_tokens
+    lookups = sorted({int(m) for m in prompt_lookup} - {0})
+    if any(m < 0 for m in lookups):
+        raise ValueError(f"prompt_lookup={list(prompt_lookup)}: lengths must be >= 0")
     if any(isinstance(p, str) for p in prompts) and tok is None:
         raise ValueError("string prompts need the target's tokenizer; pass token id lists")
     ids = [list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
     longest = max(len(p) for p in ids)
-    big = SpecConfig(max_depth, kmax, max(2, min(kmax + (max_depth - 1) * kmax * kmax + 1, nmax)))
+    big = SpecConfig(
+        max_depth,
+        kmax,
+        max(2, min(kmax + (max_depth - 1) * kmax * kmax + 1, nmax)),
+        prompt_lookup_num_tokens=max(lookups, default=0),  # sizes the caches for every variant
+    )
     rt = SpeculativeRuntime(
         tm,
         d,
@@ -240,6 +254,10 @@ def tune_tree(
         chosen = next((c for c in checks if c.role == "chosen"), None)
         if chosen is not None and chosen.measured_speedup < 1:  # measured slower than plain decoding at batch 1
             shapes.append({"batch_size": 1, "sampling": "greedy", "spec": None, "speedup": chosen.measured_speedup})
+        elif lookups:  # the batch-1 greedy row, to carry the lookup's verdict
+            shapes.append({"batch_size": 1, "sampling": "greedy", "spec": best.spec, "temperature": 0.0})
+    for row in shapes if lookups else []:
+        _lookup_at(rt, ids, max_new_tokens, row, lookups, say)
     path = None
     if not dry_run:
         path = _write_profile(out_dir, key, best, costs, acc, checks, plain, n_roots, max_new_tokens, shapes)
@@ -293,12 +311,29 @@ def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compi
         "temperature": temp,
         "decode_tokens_per_s": {
             "plain": round(plain.decode_tokens_per_s, 2),
-            **{
-                f"({c.num_speculative_tokens},{c.top_k},{c.num_draft_tokens})": round(r, 2)
-                for c, r in zip(cands, rates)
-            },
+            **{c.label: round(r, 2) for c, r in zip(cands, rates)},
         },
     }
+
+
+def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) -> None:
+    """Step 7 for one ``shapes`` row: its shape and the shape with each prompt-lookup length, side by
+    side at the row's batch size and temperature; the fastest goes into the row (in place)."""
+    spec, b, temp = row["spec"], row["batch_size"], row.get("temperature", 0.0)
+    sampled_chain = spec is not None and spec.top_k == 1 and spec.sample_chain_drafts and row["sampling"] == "sampled"
+    if spec is None or sampled_chain:  # plain decoding, or a sampled chain (verified against q: no lookup)
+        return
+    cands = [spec] + [replace(spec, prompt_lookup_num_tokens=m) for m in lookups]
+    ms = measure_generation(rt, ids, max_new_tokens, cands, batch_size=b, temperature=temp)
+    rates = [m.decode_tokens_per_s for m in ms]
+    i = max(range(len(cands)), key=rates.__getitem__)
+    row["spec"] = cands[i]
+    row["lookup_decode_tokens_per_s"] = {c.label: round(r, 2) for c, r in zip(cands, rates)}
+    say(
+        f"[autotune tree] batch {b} {row['sampling']} prompt lookup: "
+        + ", ".join(f"{c.label} {r:.1f} tok/s" for c, r in zip(cands, rates))
+        + f" -> {cands[i].label}"
+    )
 
 
 def _write_profile(

@@ -116,6 +116,12 @@ checks it, two neighbours and the default shape by generating (measured vs predi
         "runtimes with compile=True read first; each measured shape compiles once (about a minute each for "
         "the demo pair; pair with --no-validate)",
     )
+    t.add_argument(
+        "--prompt-lookup",
+        default="",
+        help="also try a prompt-lookup branch of these lengths on each winning shape, e.g. 4,8 (measured side "
+        "by side; the fastest is kept; helps where outputs repeat the prompt, such as code)",
+    )
     _common(t)
     t.set_defaults(fn=cmd_tree)
     return a
@@ -185,6 +191,10 @@ def cmd_tree(args: argparse.Namespace) -> int:
         print("note: the target has no tokenizer; using random token prompts", file=sys.stderr)
     top_ks = [int(x) for x in args.top_k.split(",")]
     batch_sizes = sorted({int(x) for x in args.batch_sizes.split(",")} | {1})
+    try:
+        lookups = [int(x) for x in args.prompt_lookup.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-lookup {args.prompt_lookup!r}: give comma-separated lengths, e.g. 4,8") from None
     if batch_sizes[0] < 1:
         raise ValueError(f"--batch-sizes {args.batch_sizes}: batch sizes must be >= 1")
     if args.threads:
@@ -210,6 +220,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         device_kind=args.device_kind,
         compile=args.compile,
+        prompt_lookup=lookups,
         log=lambda m: print(m, file=sys.stderr),
     )
     b = res.best
@@ -228,7 +239,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
         print(res.table())
     for row in res.shapes:
         s = row["spec"]
-        shape = "plain decoding" if s is None else f"({s.num_speculative_tokens}, {s.top_k}, {s.num_draft_tokens})"
+        shape = "plain decoding" if s is None else s.label
         why = row.get("decode_tokens_per_s") or f"measured {row.get('speedup', 0):.2f}x at batch 1"
         print(f"batch {row['batch_size']} {row['sampling']}: {shape}  (decode tok/s: {why})")
     print(

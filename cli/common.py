@@ -28,13 +28,14 @@ def flag_values(args: argparse.Namespace, names: str) -> dict:
     return {name: getattr(args, name) for name in names.split()}
 
 
-def spec_from_flags(depth: int | None, top_k: int | None, n: int | None):
+def spec_from_flags(depth: int | None, top_k: int | None, n: int | None, lookup: int | None = None):
     """None when no shape flag is given (a tuned profile, else the defaults); else the defaults with
     the given flags, a default ``num_draft_tokens`` capped at what the shape can draft (so
-    ``--draft-top-k 1`` alone is a chain). A given 0 is passed on (and refused), never a default."""
+    ``--draft-top-k 1`` alone is a chain). A given 0 is passed on (and refused), never a default.
+    ``lookup``: ``--prompt-lookup-num-tokens`` (a shape flag like the others)."""
     from ..runtime.config import SpecConfig
 
-    if (depth, top_k, n) == (None, None, None):
+    if (depth, top_k, n, lookup) == (None, None, None, None):
         return None
     d = SpecConfig()
     depth = d.num_speculative_tokens if depth is None else depth
@@ -43,7 +44,7 @@ def spec_from_flags(depth: int | None, top_k: int | None, n: int | None):
         SpecConfig(depth, top_k, 2)  # raises the UserError naming the flag's value
     if n is None:
         n = min(d.num_draft_tokens, top_k + (depth - 1) * top_k * top_k + 1)
-    return SpecConfig(depth, top_k, n)
+    return SpecConfig(depth, top_k, n, prompt_lookup_num_tokens=lookup or 0)
 
 
 def cache_dir() -> Path:

@@ -77,6 +77,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument(
         "--num-draft-tokens", type=int, default=None, help="tokens verified per round, root included (default 48)"
     )
+    g.add_argument(
+        "--prompt-lookup-num-tokens",
+        type=int,
+        default=None,
+        help="graft a prompt-lookup branch of this many tokens onto the draft tree (a shape flag like the "
+        "three above; 0 = none; `autotune tree --prompt-lookup` tunes it)",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off); the tree uses --draft-top-k")
@@ -145,7 +152,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise UserError(f"--max-batch-size {batch} must be >= 1")
     prompt = prompts if args.prompts_file is not None else prompts[0]
     target, drafter = resolve_pair(args.target, args.drafter)
-    spec = spec_from_flags(args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens)
+    spec = spec_from_flags(
+        args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens, args.prompt_lookup_num_tokens
+    )
     rt = ts.SpeculativeRuntime.from_pretrained(
         target,
         drafter,
@@ -232,4 +241,4 @@ def read_prompts_file(path: str) -> list[str]:
 
 def shape_label(spec) -> str:
     """``(D,K,N)`` of a shape, ``plain`` for none."""
-    return "plain" if spec is None else f"({spec.num_speculative_tokens},{spec.top_k},{spec.num_draft_tokens})"
+    return "plain" if spec is None else spec.label

@@ -377,7 +377,7 @@ def _cpu_kernels() -> dict:
 def _shape(choice) -> str:
     s = choice.spec
     where = f" ({choice.source})" if choice.source else ""
-    return ("plain" if s is None else f"({s.num_speculative_tokens},{s.top_k},{s.num_draft_tokens})") + where
+    return ("plain" if s is None else s.label) + where
 
 
 def _digest_tokens(tokens: list[int]) -> str:

@@ -365,12 +365,12 @@ def round_profile(rt: Any, prompts: list[list[int]], speculative: bool = True, r
     ``draft_ms``, ``verify_ms``, ``commit_ms`` (means), and ``launches`` (device kernels and copies
     one round issues, counted by ``torch.profiler`` on CUDA; None elsewhere)."""
     dev, dec = rt.device, rt.decoder
-    D = rt.spec.num_speculative_tokens if speculative else 0
+    D = rt.spec.tree_depth if speculative else 0
     split = {"draft": 0.0, "verify": 0.0, "commit": 0.0}
     done = 0
     with torch.inference_mode():
         dec.prefill(prompts, speculative=speculative)
-        room = rt.max_seq_len - rt.spec.num_draft_tokens - D - 2
+        room = rt.max_seq_len - rt.spec.verify_tokens - D - 2
         for i in range(rounds + 1):  # round 0 warms up
             if max(dec.lengths) >= room:
                 break

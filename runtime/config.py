@@ -24,6 +24,13 @@ class SpecConfig:
         deterministic top-1 draft, accepted with probability p. Both are lossless; with a drafter
         distilled on the target's distributions the sampled draft is accepted far more often.
         Greedy decoding and trees (``top_k > 1``) are unaffected.
+    prompt_lookup_num_tokens : length of a prompt-lookup branch grafted onto the draft tree
+        (``runtime/ngram.py``): the tokens that followed the latest earlier occurrence of the
+        sequence's last ``prompt_lookup_max .. prompt_lookup_min`` tokens (vLLM's ``ngram`` method,
+        transformers' prompt lookup), verified in the same target forward as the drafter's tree;
+        0 (default) drafts with the drafter alone. Not used by the sampled chain
+        (``sample_chain_drafts`` at temperature > 0), whose verification needs the drafter's q.
+    prompt_lookup_max, prompt_lookup_min : the longest and shortest suffix matched (vLLM names).
 
     The sizes are integers (numpy and torch integers are converted to ``int``); a float, a bool or
     a string raises ``UserError`` naming it, as does a value out of range.
@@ -38,9 +45,19 @@ class SpecConfig:
     top_k: int = 8
     num_draft_tokens: int = 48
     sample_chain_drafts: bool = True
+    prompt_lookup_num_tokens: int = 0
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("num_speculative_tokens", "top_k", "num_draft_tokens"):
+        for name in (
+            "num_speculative_tokens",
+            "top_k",
+            "num_draft_tokens",
+            "prompt_lookup_num_tokens",
+            "prompt_lookup_max",
+            "prompt_lookup_min",
+        ):
             v = getattr(self, name)
             try:  # Python, numpy and torch integers; not floats (2.5), bools or strings
                 if isinstance(v, bool):
@@ -61,6 +78,30 @@ class SpecConfig:
                 f"{self.num_speculative_tokens} with top_k={self.top_k} drafts only {self.max_candidates} candidates; "
                 f"lower num_draft_tokens to <= {self.max_candidates + 1} or raise top_k / num_speculative_tokens"
             )
+
+        if self.prompt_lookup_num_tokens < 0:
+            raise UserError(f"prompt_lookup_num_tokens={self.prompt_lookup_num_tokens} must be >= 0 (0: no lookup)")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise UserError(
+                f"prompt_lookup_min={self.prompt_lookup_min}, prompt_lookup_max={self.prompt_lookup_max}: "
+                "need 1 <= prompt_lookup_min <= prompt_lookup_max"
+            )
+
+    @property
+    def tree_depth(self) -> int:
+        """The deepest node a round verifies: the drafter's depth or the lookup branch's length."""
+        return max(self.num_speculative_tokens, self.prompt_lookup_num_tokens)
+
+    @property
+    def verify_tokens(self) -> int:
+        """Rows of the verify forward: the drafter's tree (root included) plus the lookup branch."""
+        return self.num_draft_tokens + self.prompt_lookup_num_tokens
+
+    @property
+    def label(self) -> str:
+        """``(D,K,N)``, then ``+lookup M`` when the shape has a prompt-lookup branch (tables, logs)."""
+        m = self.prompt_lookup_num_tokens
+        return f"({self.num_speculative_tokens},{self.top_k},{self.num_draft_tokens})" + (f"+lookup {m}" if m else "")
 
     @property
     def max_candidates(self) -> int:

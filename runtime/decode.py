@@ -44,6 +44,7 @@ from .config import SpecConfig
 from .deterministic import position_race
 from .errors import UserError
 from .metadata import AttentionMetadata, KVCache
+from .ngram import graft_chain, ngram_lookup
 from .sampling import RowRandom, SamplingParams, process_logits
 from .tree import build_tree, rerank, topk_stable
 
@@ -97,7 +98,9 @@ class DraftObserver(Protocol):
 class DecodeBuffers:
     """Static decode state for ``max_batch`` rows; a round's tensors are views ``[:rows]``."""
 
-    def __init__(self, max_batch: int, hidden: int | None, width: int, device: torch.device, dtype: torch.dtype):
+    def __init__(
+        self, max_batch: int, hidden: int | None, width: int, history: int, device: torch.device, dtype: torch.dtype
+    ):
         i64 = dict(dtype=torch.int64, device=device)
         self.L = torch.zeros(max_batch, **i64)  # [Bmax] committed target length (= drafter's encoded length)
         self.root = torch.zeros(max_batch, **i64)  # [Bmax] last emitted token
@@ -105,12 +108,13 @@ class DecodeBuffers:
         self.key = torch.zeros(max_batch, **i64)  # [Bmax] random key per request (sampling.RowRandom)
         self.counter = torch.zeros(max_batch, **i64)  # [Bmax] rounds drawn per request
         self.out = torch.zeros(max_batch, width, **i64)  # [Bmax, D+2] emitted tokens, then their count
+        self.hist = torch.zeros(max_batch, history, **i64)  # [Bmax, S] token at each position, root at L
         h = (max_batch, hidden) if hidden else (max_batch, 0)
         self.hn = torch.zeros(h, device=device, dtype=dtype)  # [Bmax, H] drafter normed hidden at L-1
         self.carry = torch.zeros(h, device=device, dtype=dtype)  # [Bmax, H] drafter carry at L-1
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.L, self.root, self.active, self.key, self.counter, self.out, self.hn, self.carry]
+        return [self.L, self.root, self.active, self.key, self.counter, self.out, self.hist, self.hn, self.carry]
 
 
 @dataclass
@@ -174,10 +178,10 @@ class Decoder:
     def _fit(self, spec: SpecConfig) -> None:
         """Grow the caches (never shrink) so that ``spec`` fits: the target's ``max_seq_len + N``
         slots, the drafter's ``max_seq_len`` plus the widest tree level's slots."""
-        K, D, N = spec.top_k, spec.num_speculative_tokens, spec.num_draft_tokens
-        self._max_depth = max(self._max_depth, D)
-        self.target.allocate_cache(self.max_batch_size, self.max_seq_len + N)
-        need = self.max_seq_len + max((D - 1) * K, D + 1)
+        K, D = spec.top_k, spec.num_speculative_tokens
+        self._max_depth = max(self._max_depth, spec.tree_depth)
+        self.target.allocate_cache(self.max_batch_size, self.max_seq_len + spec.verify_tokens)
+        need = self.max_seq_len + max((D - 1) * K, spec.tree_depth + 1)
         if self.drafter is not None and need > self.drafter_capacity:
             self.drafter_capacity = need
             c = self.drafter.config
@@ -190,7 +194,9 @@ class Decoder:
 
     def _new_buffers(self) -> DecodeBuffers:
         hidden = self.drafter.config.hidden_size if self.drafter is not None else None
-        return DecodeBuffers(self.max_batch_size, hidden, self._max_depth + 2, self.device, self.target.dtype)
+        depth = self._max_depth
+        history = self.max_seq_len + depth + 2  # a round's last emitted token lands at most at max_seq_len + depth + 1
+        return DecodeBuffers(self.max_batch_size, hidden, depth + 2, history, self.device, self.target.dtype)
 
     # ================================================================== state
     def narrow(self, rows: int) -> None:
@@ -220,7 +226,7 @@ class Decoder:
     @property
     def emitted_width(self) -> int:
         """Columns of ``out`` a round writes: D+1 emitted tokens (1 when plain), then their count."""
-        return (self.spec.num_speculative_tokens if self.speculative else 0) + 2
+        return (self.spec.tree_depth if self.speculative else 0) + 2
 
     def first_tokens(self) -> list[int]:
         """The token the prefill picked per row (a host sync)."""
@@ -261,7 +267,7 @@ class Decoder:
         it grows through. Host-side lengths: no device read."""
         s = self.spec
         if self.speculative:
-            extra = max((s.num_speculative_tokens - 1) * s.top_k, s.num_draft_tokens, s.num_speculative_tokens + 2)
+            extra = max((s.num_speculative_tokens - 1) * s.top_k, s.verify_tokens, s.tree_depth + 2)
         else:
             extra = 2
         need = max(self.lengths, default=0) + extra
@@ -382,6 +388,9 @@ class Decoder:
         bufs.root[rows].copy_(root)
         bufs.active[rows].fill_(True)
         bufs.out[rows].zero_()
+        hist = bufs.hist[rows]
+        hist[:, :P].copy_(tokens)
+        hist.scatter_(1, lens[:, None], root[:, None])  # the root at position len(prompt)
         if self.speculative:
             nxt = torch.cat([tokens[:, 1:], torch.zeros(B, 1, dtype=torch.int64, device=dev)], dim=1)
             nxt = nxt.scatter(1, last, root[:, None])  # pair (g_t, x_{t+1}); x_P = root
@@ -455,7 +464,7 @@ class Decoder:
         sampled chain instead for ``top_k=1`` at temperature > 0 (``SpecConfig.sample_chain_drafts``).
         ``spec``: the tree shape (default ``self.spec``)."""
         spec = spec or self.spec
-        if spec.top_k == 1 and spec.sample_chain_drafts and not self.sampling.greedy and not self.deterministic:
+        if self._sampled_chain(spec):
             return self._draft_sampled_chain(spec.num_draft_tokens - 1, whole_cache, timings)
         t0 = time.perf_counter()
         d, dev = self.drafter, self.device
@@ -502,8 +511,32 @@ class Decoder:
         keep = rerank(torch.cat(scores, dim=1), N - 1)
         par, depth, mask = build_tree(keep, torch.cat(parents, dim=1), torch.cat(depths), D)
         node_tokens = torch.cat([self.root[:, None], torch.cat(tokens, dim=1).gather(1, keep)], dim=1)
+        if spec.prompt_lookup_num_tokens:
+            chain, valid = self.lookup(spec, whole_cache)
+            node_tokens, par, depth, mask, added = graft_chain(node_tokens, par, depth, mask, chain, valid)
+            if not whole_cache and self.device.type == "cpu":  # eager on the CPU: verify no padding nodes
+                n = N + int(added.max())  # (a read, not a device sync; fixed shapes on GPUs and in compiled rounds)
+                node_tokens, par, depth, mask = node_tokens[:, :n], par[:, :n], depth[:, :n], mask[:, :n, :n]
         _add_time(timings, "draft", t0)
-        return DraftTree(node_tokens, par, depth, mask, D)
+        return DraftTree(node_tokens, par, depth, mask, spec.tree_depth)
+
+    def _sampled_chain(self, spec: SpecConfig) -> bool:
+        """Whether ``draft`` draws a sampled chain (verified against q, without the lookup branch)."""
+        return spec.top_k == 1 and spec.sample_chain_drafts and not self.sampling.greedy and not self.deterministic
+
+    def draft_nodes(self, spec: SpecConfig | None = None) -> int:
+        """Draft nodes a speculative round sends to verification (the root excluded)."""
+        spec = spec or self.spec
+        return spec.num_draft_tokens - 1 + (0 if self._sampled_chain(spec) else spec.prompt_lookup_num_tokens)
+
+    def lookup(self, spec: SpecConfig, whole_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompt-lookup branch of each row (``runtime/ngram.py``): ``(tokens [B, M], valid
+        [B, M])`` from the token history up to the root."""
+        S = self._kv_len(whole_cache, 1)
+        hist = self.bufs.hist[: self.rows]
+        if S is not None:
+            hist = hist[:, : min(S, hist.shape[1])]
+        return ngram_lookup(hist, self.L, spec.prompt_lookup_num_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
 
     def draft_chain(
         self,
@@ -638,10 +671,16 @@ class Decoder:
                 self.L,
                 self._kv_len(whole_cache, tree.max_depth + 1),
             )
+        if self.speculative:  # the token history (prompt lookup): the root at L, the emitted tokens after it
+            hist = self.bufs.hist[: self.rows]
+            pos = self.L[:, None] + torch.arange(v.emitted.shape[1] + 1, device=self.device)
+            pos = pos.clamp(max=hist.shape[1] - 1)
+            hist.scatter_(1, pos, torch.cat([self.root[:, None], v.emitted], 1))
         self.L.add_(torch.where(self.active, v.num + 1, 0))
         self.root.copy_(v.emitted.gather(1, v.num[:, None])[:, 0])
         w = v.emitted.shape[1]
         self.out[:, :w].copy_(v.emitted)
+        w = max(w, self.emitted_width - 1)  # the count's column (a sampled chain may be shallower than the lookup)
         self.out[:, w].copy_(v.num if v.finite is None else torch.where(v.finite, v.num, -1))  # -1: not finite
         _add_time(timings, "commit", t0)
 

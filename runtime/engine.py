@@ -509,7 +509,7 @@ class SpeculativeRuntime:
         use_draft = choice.spec is not None
         if use_draft:
             dec.spec = choice.spec
-        stats = SpecStats(accepted_per_position=[0] * self.spec.num_speculative_tokens if use_draft else [])
+        stats = SpecStats(accepted_per_position=[0] * self.spec.tree_depth if use_draft else [])
         stats.spec, stats.spec_source = choice.spec, choice.source
         t0 = time.perf_counter()
         first_batch = min(len(batch), self.max_batch_size)
@@ -554,7 +554,7 @@ class SpeculativeRuntime:
                 self._dispatch_round(stats)
                 new = dec.collect()
             if use_draft:
-                stats.count_round([len(t) - 1 for t in new if t], self.spec.num_draft_tokens - 1)
+                stats.count_round([len(t) - 1 for t in new if t], dec.draft_nodes())
             self._emit(dec, requests, slot_req, new)
             yield requests
         stats.wall_time_s = time.perf_counter() - t0

@@ -223,13 +223,20 @@ def _amx_name(name: str) -> bool:
     return f"{AMX_SUFFIX},dtype=" in name
 
 
+LOOKUP_FIELDS = ("prompt_lookup_num_tokens", "prompt_lookup_max", "prompt_lookup_min")  # written when a lookup runs
+
+
 def _spec_fields(spec: SpecConfig) -> dict[str, int]:
-    """The ``spec`` entry of a profile (``read_profile`` builds the ``SpecConfig`` back from it)."""
-    return {
+    """The ``spec`` entry of a profile (``read_profile`` builds the ``SpecConfig`` back from it); the
+    prompt-lookup fields only for a shape with a lookup branch (older readers see the same entries)."""
+    fields = {
         "num_speculative_tokens": spec.num_speculative_tokens,
         "top_k": spec.top_k,
         "num_draft_tokens": spec.num_draft_tokens,
     }
+    if spec.prompt_lookup_num_tokens:
+        fields |= {name: getattr(spec, name) for name in LOOKUP_FIELDS}
+    return fields
 
 
 def write_profile(
@@ -299,8 +306,8 @@ def read_profile(path: str | Path) -> dict:
 
 def _read_spec(fields: Any) -> SpecConfig:
     names = ("num_speculative_tokens", "top_k", "num_draft_tokens")
-    if not isinstance(fields, dict) or sorted(fields) != sorted(names):
-        raise ValueError(f"a profile shape needs exactly {names}, got {fields!r}")
+    if not isinstance(fields, dict) or not set(names) <= set(fields) or not set(fields) <= {*names, *LOOKUP_FIELDS}:
+        raise ValueError(f"a profile shape needs exactly {names} (and optionally {LOOKUP_FIELDS}), got {fields!r}")
     bad = {k: v for k, v in fields.items() if type(v) is not int}
     if bad:
         raise ValueError(f"profile shape fields must be integers, got {bad}")

@@ -105,4 +105,5 @@ class ShapePolicy:
         d = max(s.num_speculative_tokens for s in specs)
         k = max(s.top_k for s in specs)
         n = max(s.num_draft_tokens for s in specs)
-        return SpecConfig(d, k, min(n, k + (d - 1) * k * k + 1) if k > 1 else d + 1)
+        m = max(s.prompt_lookup_num_tokens for s in specs)
+        return SpecConfig(d, k, min(n, k + (d - 1) * k * k + 1) if k > 1 else d + 1, prompt_lookup_num_tokens=m)

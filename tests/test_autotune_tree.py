@@ -303,3 +303,39 @@ def test_batch_one_greedy_row_also_measures_the_checked_shapes(tuned_dir, monkey
     checked = {f"({s.num_speculative_tokens},{s.top_k},{s.num_draft_tokens})" for s in (c.spec for c in res.checks)}
     assert len(checked) >= 3 and rows[1, "greedy"] == {"(1,1,2)"} | checked
     assert rows[2, "greedy"] == {"(1,1,2)"}
+
+
+def test_prompt_lookup_pass_keeps_the_fastest_and_the_runtime_runs_it(tuned_dir, monkeypatch):
+    """``prompt_lookup``: each row's winner is measured with the lookup lengths side by side; the
+    fastest is written (with its lookup fields) and ``spec=None`` runs it. Rates are rigged so the
+    outcome is known: the longest lookup wins the greedy row; the sampled chain row is left alone."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    real = tree_tuner.measure_generation
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        if specs == [None]:  # the plain baseline: real continuations for the acceptance profile
+            return real(rt, ids, max_new_tokens, specs)
+        rates = [10.0 + (0 if s is None else 1 + s.prompt_lookup_num_tokens) for s in specs]
+        return [Measured(100, 100 / r, 0.0, 4, 4, 0) for r in rates]
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    monkeypatch.setattr(tree_tuner, "candidates_at", lambda b, greedy, *a, **k: [ts.SpecConfig.chain(2)])
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    res = tune_tree(
+        model, drafter, random_prompts(24, [5, 7], seed=1), max_new_tokens=8, max_depth=2, top_ks=(1,),
+        max_draft_tokens=3, reps=1, out_dir=tuned_dir, validate=False, sampled=True, prompt_lookup=(3, 0, 5),
+    )  # fmt: skip
+    rows = {(r["batch_size"], r["sampling"]): r for r in res.shapes}
+    greedy, sampled = rows[1, "greedy"], rows[1, "sampled"]
+    assert greedy["spec"] == ts.SpecConfig(2, 1, 3, prompt_lookup_num_tokens=5)
+    assert set(greedy["lookup_decode_tokens_per_s"]) == {"(2,1,3)", "(2,1,3)+lookup 3", "(2,1,3)+lookup 5"}
+    assert sampled["spec"] == ts.SpecConfig.chain(2) and "lookup_decode_tokens_per_s" not in sampled
+    data = json.loads(res.profile_path.read_text())
+    assert data["shapes"][0]["spec"]["prompt_lookup_num_tokens"] == 5
+    rt = runtime(model, drafter, spec=None)
+    assert rt.shape_policy.choose(1, True).spec == greedy["spec"]
+    out = rt.generate(random_prompts(24, [6], seed=2), max_new_tokens=12)  # caches sized for the lookup
+    assert out.token_ids == rt.generate(random_prompts(24, [6], seed=2), max_new_tokens=12, speculative=False).token_ids
+    with pytest.raises(ValueError, match="lengths must be >= 0"):
+        tune_tree(model, drafter, [[1, 2]], prompt_lookup=(-1,), dry_run=True)
