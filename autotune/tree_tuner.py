@@ -317,20 +317,23 @@ def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compi
 
 
 def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) -> None:
-    """Step 7 for one ``shapes`` row: its shape and the shape with each prompt-lookup length, side by
-    side at the row's batch size and temperature; the fastest goes into the row (in place)."""
+    """Step 7 for one ``shapes`` row: plain decoding, its shape and the shape with each prompt-lookup
+    length, side by side at the row's batch size and temperature; the fastest shape goes into the
+    row (in place), the rates into its ``lookup_decode_tokens_per_s``."""
     spec, b, temp = row["spec"], row["batch_size"], row.get("temperature", 0.0)
     sampled_chain = spec is not None and spec.top_k == 1 and spec.sample_chain_drafts and row["sampling"] == "sampled"
     if spec is None or sampled_chain:  # plain decoding, or a sampled chain (verified against q: no lookup)
         return
     cands = [spec] + [replace(spec, prompt_lookup_num_tokens=m) for m in lookups]
-    ms = measure_generation(rt, ids, max_new_tokens, cands, batch_size=b, temperature=temp)
+    plain, *ms = measure_generation(rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp)
     rates = [m.decode_tokens_per_s for m in ms]
     i = max(range(len(cands)), key=rates.__getitem__)
-    row["spec"] = cands[i]
-    row["lookup_decode_tokens_per_s"] = {c.label: round(r, 2) for c, r in zip(cands, rates)}
+    row["spec"] = cands[i]  # plain decoding lost this row's first pass; it is measured again for the ratios
+    row["lookup_decode_tokens_per_s"] = {"plain": round(plain.decode_tokens_per_s, 2)} | {
+        c.label: round(r, 2) for c, r in zip(cands, rates)
+    }
     say(
-        f"[autotune tree] batch {b} {row['sampling']} prompt lookup: "
+        f"[autotune tree] batch {b} {row['sampling']} prompt lookup: plain {plain.decode_tokens_per_s:.1f}, "
         + ", ".join(f"{c.label} {r:.1f} tok/s" for c, r in zip(cands, rates))
         + f" -> {cands[i].label}"
     )

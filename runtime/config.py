@@ -30,7 +30,9 @@ class SpecConfig:
         transformers' prompt lookup), verified in the same target forward as the drafter's tree;
         0 (default) drafts with the drafter alone. Not used by the sampled chain
         (``sample_chain_drafts`` at temperature > 0), whose verification needs the drafter's q.
-    prompt_lookup_max, prompt_lookup_min : the longest and shortest suffix matched (vLLM names).
+    prompt_lookup_max, prompt_lookup_min : the longest and shortest suffix matched (vLLM names);
+        default 3 and 2: a one-token match proposes too often what does not follow (SmolLM2, 6 chat
+        prompts: min 1 cost 3% against no lookup, min 2 gained 3%; on HumanEval both gained 20-26%).
 
     The sizes are integers (numpy and torch integers are converted to ``int``); a float, a bool or
     a string raises ``UserError`` naming it, as does a value out of range.
@@ -47,7 +49,7 @@ class SpecConfig:
     sample_chain_drafts: bool = True
     prompt_lookup_num_tokens: int = 0
     prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
+    prompt_lookup_min: int = 2
 
     def __post_init__(self) -> None:
         for name in (

@@ -4,7 +4,9 @@ One round, for a batch of B rows with committed target length ``L[b]`` and root 
 ``root[b]`` (emitted, not yet in the cache)::
 
     draft   the drafter expands an EAGLE-2 tree from its last catch-up state (``tree.py``), or
-            draws a chain from its distribution (``top_k=1`` at temperature > 0)
+            draws a chain from its distribution (``top_k=1`` at temperature > 0); with
+            ``prompt_lookup_num_tokens``, a prompt-lookup chain from the token history ``hist`` is
+            grafted onto the tree (``ngram.py``)
     verify  the target runs [root + N-1 nodes] at slots L..L+N-1 under the tree mask; greedy or
             lossless sampling verification picks the accepted path and the bonus token
     commit  the accepted path's K/V moves to slots L..L+a (kv_compact); the drafter re-encodes
@@ -525,7 +527,8 @@ class Decoder:
         return spec.top_k == 1 and spec.sample_chain_drafts and not self.sampling.greedy and not self.deterministic
 
     def draft_nodes(self, spec: SpecConfig | None = None) -> int:
-        """Draft nodes a speculative round sends to verification (the root excluded)."""
+        """Draft nodes a speculative round sends to verification (the root excluded); with a lookup
+        branch, at most that many (eager CPU rounds verify only the nodes actually grafted)."""
         spec = spec or self.spec
         return spec.num_draft_tokens - 1 + (0 if self._sampled_chain(spec) else spec.prompt_lookup_num_tokens)
 

@@ -201,6 +201,18 @@ def test_captured_round_with_lookup_equals_eager():
     assert graph._graphs.replays >= 3 and not graph._graphs.failed
 
 
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_captured_round_with_lookup_has_no_host_sync(temperature):
+    """The lookup and the graft are fixed-shape device work: a whole-cache round (what a CUDA graph
+    captures) reads nothing back to the host (``test_cuda_graphs.py``'s detector)."""
+    from test_cuda_graphs import _round_without_sync
+
+    model, drafter = perm_pair("llama", vocab=24, seed=1, alpha=0.3)
+    rt = runtime(model, drafter, spec=dataclasses.replace(SPECS["tree"], prompt_lookup_num_tokens=4), cuda_graphs=False)
+    dec = _round_without_sync(rt, temperature)
+    assert torch.equal(dec.out[:3], _round_without_sync(rt, temperature, detect=False).out[:3])
+
+
 def test_sampled_tree_with_lookup_keeps_the_first_token_law():
     """Lossless sampling through the grafted tree: the first emitted token after a fixed prompt
     follows the target's distribution (chi-square over 600 seeded requests at a fixed budget)."""
