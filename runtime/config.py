@@ -101,9 +101,10 @@ class SpecConfig:
 
     @property
     def label(self) -> str:
-        """``(D,K,N)``, then ``+lookup M`` when the shape has a prompt-lookup branch (tables, logs)."""
+        """``(D,K,N)``, then ``+lookupM`` when the shape has a prompt-lookup branch (tables, logs,
+        the CLI stats line, whose fields are split on spaces)."""
         m = self.prompt_lookup_num_tokens
-        return f"({self.num_speculative_tokens},{self.top_k},{self.num_draft_tokens})" + (f"+lookup {m}" if m else "")
+        return f"({self.num_speculative_tokens},{self.top_k},{self.num_draft_tokens})" + (f"+lookup{m}" if m else "")
 
     @property
     def max_candidates(self) -> int:

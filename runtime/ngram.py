@@ -13,9 +13,10 @@ Per row, with the sequence ``x[0..L]`` (``x[L]`` the root: the last emitted toke
     lookup  for n = n_max .. n_min: the occurrences p of the suffix x[L-n+1..L] at p <= L-n;
             take the last one whose continuation x[p+n .. p+n+M-1] is known (<= L) in full,
             else the last one; the first n with an occurrence wins. g = x[p+n ..], cut at x[L]
-    graft   walk g down the tree from the root: while g[i] is a child of the current node,
-            follow it; from the first g[i] that is not, append g[i..] as new nodes, a chain
-            under the last node matched. Appended node N+i has depth i+1; unused ones are padding
+    graft   walk g down the tree from the root: while g[k] is a child of the current node,
+            follow it; from the first g[k] that is not, append g[k..] as nodes N, N+1, .., a
+            chain under the last node matched (node N+r has depth k+r+1); the M-len(g)+k nodes
+            left over are padding, which eager CPU rounds cut off before verifying
 
 Siblings stay distinct, so both greedy verification (first matching child) and lossless tree
 sampling (sampling without replacement over the children, ``kernels/verify_sampling.py``) accept

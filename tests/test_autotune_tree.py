@@ -329,7 +329,7 @@ def test_prompt_lookup_pass_keeps_the_fastest_and_the_runtime_runs_it(tuned_dir,
     rows = {(r["batch_size"], r["sampling"]): r for r in res.shapes}
     greedy, sampled = rows[1, "greedy"], rows[1, "sampled"]
     assert greedy["spec"] == ts.SpecConfig(2, 1, 3, prompt_lookup_num_tokens=5)
-    assert set(greedy["lookup_decode_tokens_per_s"]) == {"plain", "(2,1,3)", "(2,1,3)+lookup 3", "(2,1,3)+lookup 5"}
+    assert set(greedy["lookup_decode_tokens_per_s"]) == {"plain", "(2,1,3)", "(2,1,3)+lookup3", "(2,1,3)+lookup5"}
     assert sampled["spec"] == ts.SpecConfig.chain(2) and "lookup_decode_tokens_per_s" not in sampled
     data = json.loads(res.profile_path.read_text())
     assert data["shapes"][0]["spec"]["prompt_lookup_num_tokens"] == 5

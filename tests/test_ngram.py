@@ -251,7 +251,7 @@ def test_spec_validation_and_profile_round_trip():
     with pytest.raises(ts.UserError, match="prompt_lookup_min"):
         ts.SpecConfig(prompt_lookup_max=2, prompt_lookup_min=3)
     s = ts.SpecConfig(4, 2, 8, prompt_lookup_num_tokens=6, prompt_lookup_max=2)
-    assert (s.tree_depth, s.verify_tokens, s.label) == (6, 14, "(4,2,8)+lookup 6")
+    assert (s.tree_depth, s.verify_tokens, s.label) == (6, 14, "(4,2,8)+lookup6")
     assert _read_spec(_spec_fields(s)) == s
     plain = ts.SpecConfig(4, 2, 8)
     assert sorted(_spec_fields(plain)) == sorted(["num_speculative_tokens", "top_k", "num_draft_tokens"])
