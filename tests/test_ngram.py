@@ -279,3 +279,19 @@ def test_eager_cpu_rounds_verify_only_the_grafted_nodes():
             dec.prefill([[t]], speculative=True)
             tree = dec.draft()
         assert SPECS["chain"].num_draft_tokens <= tree.tokens.shape[1] <= SPECS["chain"].num_draft_tokens + 1
+
+
+def test_lookup_at_the_cache_end_and_with_continuous_batching():
+    """A lookup branch longer than the drafter's depth, rows that reach ``max_seq_len`` and rows
+    refilled mid-run (each row's token history is its own): outputs equal plain decoding and the
+    rows' solo runs."""
+    model, drafter = perm_pair("llama", vocab=24, seed=4, alpha=0.9)
+    rt = runtime(model, drafter, ts.SpecConfig(2, 1, 3, prompt_lookup_num_tokens=12), max_seq_len=40, max_batch_size=3)
+    prompts = [[1, 2, 3, 4, 5] * 6, [7, 8, 9] * 9 + [1], [3]]
+    out = rt.generate(prompts, max_new_tokens=100)
+    assert out.token_ids == rt.generate(prompts, max_new_tokens=100, speculative=False).token_ids
+    assert [len(p) + len(t) for p, t in zip(prompts, out.token_ids)] == [40, 40, 40]
+    many = [[i % 5, (i + 1) % 7, 2, i % 5, (i + 1) % 7] * 3 for i in range(7)]
+    out = rt.generate(many, max_new_tokens=12)
+    assert out.stats.rows_refilled == 4
+    assert out.token_ids == [rt.generate([p], max_new_tokens=12).token_ids[0] for p in many]
