@@ -240,5 +240,5 @@ def read_prompts_file(path: str) -> list[str]:
 
 
 def shape_label(spec) -> str:
-    """``(D,K,N)`` of a shape, ``plain`` for none."""
+    """``SpecConfig.label`` of a shape, ``plain`` for none."""
     return "plain" if spec is None else spec.label

@@ -91,7 +91,5 @@ def test_defaults(benchmark, tmp_path, monkeypatch, variant, batch):
 
 
 def spec_name(spec: ts.SpecConfig | None) -> str:
-    """``"plain"`` or ``"(D,K,N)"``."""
-    if spec is None:
-        return "plain"
-    return f"({spec.num_speculative_tokens},{spec.top_k},{spec.num_draft_tokens})"
+    """``"plain"`` or ``SpecConfig.label`` (``"(D,K,N)"``, ``+lookupM`` with a lookup branch)."""
+    return "plain" if spec is None else spec.label

@@ -176,6 +176,7 @@ class Decoder:
         self.deterministic = False  # sample by position_race (runtime/deterministic.py); set by the engine
         self.pad_root = False  # plain rounds verify root + a padding node (deterministic mode on probed ops)
         self._kv_cap: int | None = None  # attention bound of a whole-cache round (``round(kv_cap=)``)
+        self._cut_nodes: int | None = None  # draft nodes of the last eager CPU round that cut its lookup padding
 
     def _fit(self, spec: SpecConfig) -> None:
         """Grow the caches (never shrink) so that ``spec`` fits: the target's ``max_seq_len + N``
@@ -316,6 +317,7 @@ class Decoder:
             t.zero_()
         self.sampling = sampling
         self.rng = None
+        self._cut_nodes = None
         if not sampling.greedy:
             seeds = [0] * B if seeds is None else list(seeds)
             self.rng = RowRandom(seeds + [0] * pad, self.device, key=bufs.key[:rows], counter=bufs.counter[:rows])
@@ -519,6 +521,7 @@ class Decoder:
             if not whole_cache and self.device.type == "cpu":  # eager on the CPU: verify no padding nodes
                 n = N + int(added.max())  # (a read, not a device sync; fixed shapes on GPUs and in compiled rounds)
                 node_tokens, par, depth, mask = node_tokens[:, :n], par[:, :n], depth[:, :n], mask[:, :n, :n]
+                self._cut_nodes = n - 1
         _add_time(timings, "draft", t0)
         return DraftTree(node_tokens, par, depth, mask, spec.tree_depth)
 
@@ -526,10 +529,14 @@ class Decoder:
         """Whether ``draft`` draws a sampled chain (verified against q, without the lookup branch)."""
         return spec.top_k == 1 and spec.sample_chain_drafts and not self.sampling.greedy and not self.deterministic
 
-    def draft_nodes(self, spec: SpecConfig | None = None) -> int:
-        """Draft nodes a speculative round sends to verification (the root excluded); with a lookup
-        branch, at most that many (eager CPU rounds verify only the nodes actually grafted)."""
-        spec = spec or self.spec
+    def take_draft_nodes(self) -> int:
+        """Draft nodes per row the last round sent to verification (the root excluded): the shape's
+        tree plus its lookup branch, or, after an eager CPU round that cut the lookup's padding nodes,
+        the nodes it kept (read once: a replayed graph round runs no Python and never cuts)."""
+        cut, self._cut_nodes = self._cut_nodes, None
+        if cut is not None:
+            return cut
+        spec = self.spec
         return spec.num_draft_tokens - 1 + (0 if self._sampled_chain(spec) else spec.prompt_lookup_num_tokens)
 
     def lookup(self, spec: SpecConfig, whole_cache: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

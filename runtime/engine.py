@@ -554,7 +554,7 @@ class SpeculativeRuntime:
                 self._dispatch_round(stats)
                 new = dec.collect()
             if use_draft:
-                stats.count_round([len(t) - 1 for t in new if t], dec.draft_nodes())
+                stats.count_round([len(t) - 1 for t in new if t], dec.take_draft_nodes())
             self._emit(dec, requests, slot_req, new)
             yield requests
         stats.wall_time_s = time.perf_counter() - t0

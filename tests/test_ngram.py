@@ -137,6 +137,11 @@ SPECS = {
 }
 
 
+def _grafted(stats, spec) -> int:
+    """Lookup nodes the rounds verified beyond the drafter's tree (eager CPU rounds count what they kept)."""
+    return stats.num_draft_tokens - stats.num_drafts * (spec.num_draft_tokens - 1)
+
+
 def _repetitive_prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     """Prompts that repeat a random phrase: the target's continuation often copies it."""
     g = torch.Generator().manual_seed(seed)
@@ -164,7 +169,11 @@ def test_greedy_with_lookup_equals_plain_and_accepts_the_branch(shape, batch):
         taus[s.prompt_lookup_num_tokens] = out.stats.mean_acceptance_length
         st_ = out.stats
         assert len(st_.accepted_per_position) == s.tree_depth
-        assert st_.num_draft_tokens == st_.num_drafts * (s.verify_tokens - 1)
+        if s.prompt_lookup_num_tokens:  # eager CPU rounds count the lookup nodes they kept: some, not always M
+            assert st_.num_drafts * (s.num_draft_tokens - 1) < st_.num_draft_tokens
+            assert st_.num_draft_tokens < st_.num_drafts * (s.verify_tokens - 1)
+        else:
+            assert st_.num_draft_tokens == st_.num_drafts * (s.num_draft_tokens - 1)
     assert taus[6] > taus[0] + 0.3, taus
 
 
@@ -177,6 +186,7 @@ def test_deterministic_sampling_with_lookup_equals_plain_and_batched():
     prompts = _repetitive_prompts(24, 4, seed=3)
     kw = dict(max_new_tokens=24, temperature=0.8, seed=[1, 2, 3, 4])
     out = rt.generate(prompts, **kw)
+    assert _grafted(out.stats, spec) > 0  # the branch took part
     assert out.token_ids == rt.generate(prompts, speculative=False, **kw).token_ids
     for i, p in enumerate(prompts):
         assert rt.generate([p], **(kw | {"seed": 1 + i})).token_ids[0] == out.token_ids[i]
@@ -198,6 +208,8 @@ def test_captured_round_with_lookup_equals_eager():
         b = graph.generate(prompts, max_new_tokens=24, **kw)
         assert a.token_ids == b.token_ids
         assert a.stats.num_accepted_tokens == b.stats.num_accepted_tokens
+        assert 0 < _grafted(a.stats, spec) < a.stats.num_drafts * spec.prompt_lookup_num_tokens  # eager: cut
+        assert b.stats.num_draft_tokens == b.stats.num_drafts * (spec.verify_tokens - 1)  # replayed: all M rows
     assert graph._graphs.replays >= 3 and not graph._graphs.failed
 
 
@@ -216,20 +228,26 @@ def test_captured_round_with_lookup_has_no_host_sync(temperature):
 def test_sampled_tree_with_lookup_keeps_the_first_token_law():
     """Lossless sampling through the grafted tree: the first emitted token after a fixed prompt
     follows the target's distribution (chi-square over 600 seeded requests at a fixed budget)."""
-    model, drafter = perm_pair("llama", vocab=8, seed=7, alpha=0.9)
-    prompt = [1, 2, 3, 1, 2, 3, 1, 2]
+    model, _ = perm_pair("llama", vocab=8, seed=7, alpha=0.9)
+    drafter = ts.Eagle3Drafter.for_target(model.config, seed=8)  # random: the lookup's tokens are seldom its own
+    prompt = list(range(8)) * 2 + [1, 2]  # every token occurs earlier: the lookup always proposes
     spec = dataclasses.replace(
-        ts.SpecConfig(num_speculative_tokens=2, top_k=2, num_draft_tokens=4), prompt_lookup_num_tokens=3
+        ts.SpecConfig(num_speculative_tokens=2, top_k=2, num_draft_tokens=4),
+        prompt_lookup_num_tokens=3,
+        prompt_lookup_min=1,
     )
     rt = runtime(model, drafter, spec, max_batch_size=4)
     with torch.no_grad():
         p = torch.softmax(model(torch.tensor([prompt])).logits[0, -1].double() / 0.9, -1)
     seeds = list(range(600))
     counts = torch.zeros(8, dtype=torch.float64)
+    grafted = 0  # lookup nodes verified (rounds that drew on them), so the law is tested on grafted trees
     for i in range(0, len(seeds), 4):
         out = rt.generate([prompt] * 4, max_new_tokens=2, temperature=0.9, seed=seeds[i : i + 4])
         for t in out.token_ids:
             counts[t[1]] += 1  # the token after the first: decided by a verify round
+        grafted += out.stats.num_draft_tokens - out.stats.num_drafts * (spec.num_draft_tokens - 1)
+    assert grafted >= 300, grafted
     # the second token's law: sum over the first token of p(t1) p(t2 | t1), computed by the target
     law = torch.zeros(8, dtype=torch.float64)
     with torch.no_grad():
@@ -279,6 +297,8 @@ def test_eager_cpu_rounds_verify_only_the_grafted_nodes():
             dec.prefill([[t]], speculative=True)
             tree = dec.draft()
         assert SPECS["chain"].num_draft_tokens <= tree.tokens.shape[1] <= SPECS["chain"].num_draft_tokens + 1
+        assert dec.take_draft_nodes() == tree.tokens.shape[1] - 1  # what the stats count for this round
+        assert dec.take_draft_nodes() == spec.verify_tokens - 1  # read once: a replayed round keeps the shape's
 
 
 def test_lookup_at_the_cache_end_and_with_continuous_batching():
