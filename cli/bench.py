@@ -66,13 +66,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         sets = {Path(args.prompts).stem: read_prompts(args.prompts)}
     bench = Bench(target, drafters, draft_lm, max_seq_len=args.max_seq_len, device=args.device)
     results = []
-    for name, prompts in sets.items():
-        for system in systems:
-            if bench.available(system, args.batch) is None:
-                results.append(
-                    bench.run(
-                        system, prompts[: args.num_prompts], name, args.temperature, args.batch, args.max_new_tokens
-                    )
-                )
+    runnable = [s for s in systems if bench.available(s, args.batch) is None]
+    for s in systems:
+        if s not in runnable:
+            print(f"# {s}: skipped ({bench.available(s, args.batch)})")
+    for name, prompts in sets.items():  # the systems interleaved prompt by prompt (Bench.run_interleaved)
+        res = bench.run_interleaved(
+            runnable, prompts[: args.num_prompts], name, args.temperature, args.batch, args.max_new_tokens
+        )
+        results += res.values()
     print(format_table(results))
     return 0

@@ -26,7 +26,12 @@ SMOLLM2_SETS = ("humaneval", "chat", "long")  # perf/conftest.py
 
 def load(path: Path) -> list[dict]:
     data = json.loads(path.read_text())
-    rows = [b["extra_info"] for b in data["benchmarks"] if b.get("extra_info", {}).get("system")]
+    rows = []
+    for b in data["benchmarks"]:
+        info = b.get("extra_info", {})
+        if info.get("system"):  # one system per benchmark (perf/bench_smollm2.py, older e2e files)
+            rows.append(info)
+        rows += info.get("systems", [])  # one interleaved group per benchmark (perf/bench_e2e.py)
     if not rows:
         raise SystemExit(
             f"{path} has no end-to-end results (run perf/bench_e2e.py or perf/bench_smollm2.py with --benchmark-json)"

@@ -179,19 +179,60 @@ class Bench:
         max_new_tokens: int = 64,
         seed: int = 0,
     ) -> BenchResult:
+        """One system on ``prompts`` in chunks of ``batch`` (``run_interleaved`` with one system)."""
+        return self.run_interleaved([system], prompts, prompt_set, temperature, batch, max_new_tokens, seed)[system]
+
+    def run_interleaved(
+        self,
+        systems: Sequence[str],
+        prompts: Sequence[str | Sequence[int] | Sequence[dict]],
+        prompt_set: str = "",
+        temperature: float = 0.0,
+        batch: int = 1,
+        max_new_tokens: int = 64,
+        seed: int = 0,
+    ) -> dict[str, BenchResult]:
+        """Every system on the same chunks of ``batch`` prompts, interleaved: chunk ``i`` runs each
+        system in turn (the order rotated by ``i``, so no system always runs right after another),
+        each system's wall time summing its own chunks. Load swings on a shared machine then fall on
+        all systems alike, which runs one after another do not (single runs here move 10-35%).
+
+        Each system first gets one untimed call (a 2-token generation of the first chunk; with
+        ``compile=True`` our runtimes get an untimed pass over every chunk, which compiles each key
+        the timed pass meets: ``compile_s``). Chunk ``i`` samples with seed ``seed + i``.
+
+        Examples
+        --------
+        >>> res = bench.run_interleaved(["ours-plain", "ours-eagle3.1"], prompts, "chat")  # doctest: +SKIP
+        >>> res["ours-eagle3.1"].tokens_per_second / res["ours-plain"].tokens_per_second  # doctest: +SKIP
+        """
+        systems = list(dict.fromkeys(systems))
+        if not systems:
+            raise UserError("no systems to run: pass at least one of " + ", ".join(SYSTEMS))
         if not prompts:
             raise UserError("no prompts to run: pass at least one prompt")
         for name, v in (("batch", batch), ("max_new_tokens", max_new_tokens)):
             if v < 1:
                 raise UserError(f"{name}={v} must be >= 1")
-        why = self.available(system, batch)
-        if why:
-            raise ValueError(f"{system} at batch {batch}: {why}")
+        for system in systems:
+            if system not in SYSTEMS:
+                raise UserError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
+            why = self.available(system, batch)
+            if why:
+                raise ValueError(f"{system} at batch {batch}: {why}")
         ids = [self.prompt_ids(p) for p in prompts]
         chunks = [ids[i : i + batch] for i in range(0, len(ids), batch)]
-        if system.startswith("ours-"):
-            return self._ours(system, chunks, prompt_set, temperature, batch, max_new_tokens, seed)
-        return self._hf(system, chunks, prompt_set, temperature, batch, max_new_tokens, seed)
+        runners = {
+            s: (_OursRunner if s.startswith("ours-") else _HFRunner)(self, s, temperature, max_new_tokens, seed)
+            for s in systems
+        }
+        for r in runners.values():
+            r.warm(chunks)
+        for i, c in enumerate(chunks):
+            k = i % len(systems)
+            for s in systems[k:] + systems[:k]:
+                runners[s].timed(i, c)
+        return {s: r.result(prompt_set, temperature, batch, len(ids)) for s, r in runners.items()}
 
     def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
         """The ids every system gets for ``prompt``: a string tokenized as raw text, a token-id list as
@@ -217,101 +258,117 @@ class Bench:
             raise UserError(f"token id {bad} in a prompt lies outside the target's vocabulary [0, {vocab})")
         return ids
 
-    def _ours(self, system, chunks, prompt_set, temperature, batch, max_new_tokens, seed) -> BenchResult:
-        rt = self.runtimes[system]
-        spec = system != "ours-plain"
-        tokens = drafts = accepted = 0
-        outs: list[list[int]] = []
-        per_pos = torch.zeros(0)  # grows to the deepest shape the requests ran (it may differ per batch)
 
-        def generate_all() -> list:
-            return [
-                rt.generate(
-                    c,
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    seed=seed + i,
-                    stop_token_ids=[],
-                    speculative=spec,
-                )
-                for i, c in enumerate(chunks)
-            ]
+class _Runner:
+    """One system's side of ``Bench.run_interleaved``: an untimed ``warm`` call, ``timed`` chunks
+    (wall time summed, outputs and counts kept), then ``result``."""
 
-        compile_s = 0.0
-        if self.compile is True:  # an untimed pass first: it compiles every key the timed one meets
-            t0 = time.perf_counter()  # (batch bucket x attention bound, which grows with the lengths)
-            generate_all()
-            compile_s = time.perf_counter() - t0
-        else:  # eager: one short untimed call, so first-call costs (buffers sized for this batch and
-            # shape) stay out of the timing; they fell on whichever configuration a runtime met first
-            rt.generate(
-                chunks[0], max_new_tokens=2, temperature=temperature, seed=seed, stop_token_ids=[], speculative=spec
-            )
+    def __init__(self, bench: Bench, system: str, temperature: float, max_new_tokens: int, seed: int):
+        self.bench, self.system = bench, system
+        self.temperature, self.max_new_tokens, self.seed = temperature, max_new_tokens, seed
+        self.wall = self.compile_s = 0.0
+        self.tokens = self.drafts = self.accepted = 0
+        self.outs: list[list[int]] = []
+        self.per_pos = torch.zeros(0)  # grows to the deepest shape the requests ran (it may differ per chunk)
+
+    def warm(self, chunks: list[list[list[int]]]) -> None:
+        raise NotImplementedError
+
+    def generate(self, i: int, chunk: list[list[int]], max_new_tokens: int) -> None:
+        raise NotImplementedError
+
+    def timed(self, i: int, chunk: list[list[int]]) -> None:
         t0 = time.perf_counter()
-        results = generate_all()
-        wall = time.perf_counter() - t0
-        for out in results:
-            s = out.stats
-            outs += [list(map(int, t)) for t in out.token_ids]
-            tokens += s.num_new_tokens
-            drafts += s.num_drafts
-            accepted += s.num_accepted_tokens
-            if spec:
-                a = torch.tensor(s.accepted_per_position, dtype=torch.float32)
-                per_pos = torch.nn.functional.pad(per_pos, (0, max(len(a) - len(per_pos), 0)))
-                per_pos[: len(a)] += a
+        self.generate(i, chunk, self.max_new_tokens)
+        self.wall += time.perf_counter() - t0
+
+    def result(self, prompt_set: str, temperature: float, batch: int, prompts: int) -> BenchResult:
+        spec = self.system.startswith("ours-eagle")
         return BenchResult(
-            system,
+            self.system,
             prompt_set,
             temperature,
             batch,
-            sum(len(c) for c in chunks),
-            tokens,
-            wall,
-            tau=(1 + accepted / drafts) if spec and drafts else None,
-            accepted_per_position=(per_pos / max(drafts, 1)).tolist() if spec else [],
-            compiled=self.compile is True,
-            compile_s=compile_s,
-            token_ids=outs,
+            prompts,
+            self.tokens,
+            self.wall,
+            tau=(1 + self.accepted / self.drafts) if spec and self.drafts else None,
+            accepted_per_position=(self.per_pos / max(self.drafts, 1)).tolist() if spec else [],
+            compiled=self.system.startswith("ours-") and self.bench.compile is True,
+            compile_s=self.compile_s,
+            token_ids=self.outs,
         )
 
-    @torch.inference_mode()
-    def _hf(self, system, chunks, prompt_set, temperature, batch, max_new_tokens, seed) -> BenchResult:
-        tok = self.tokenizer
-        pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
-        kw: dict[str, Any] = dict(
-            max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, pad_token_id=pad, eos_token_id=None
+
+class _OursRunner(_Runner):
+    def warm(self, chunks):
+        if self.bench.compile is True:  # an untimed pass first: it compiles every key the timed one meets
+            t0 = time.perf_counter()  # (batch bucket x attention bound, which grows with the lengths)
+            for i, c in enumerate(chunks):
+                self.generate(i, c, self.max_new_tokens, keep=False)
+            self.compile_s = time.perf_counter() - t0
+        else:  # eager: one short untimed call, so first-call costs (buffers sized for this batch and
+            # shape) stay out of the timing; they fell on whichever configuration a runtime met first
+            self.generate(0, chunks[0], 2, keep=False)
+
+    def generate(self, i, chunk, max_new_tokens, keep=True):
+        out = self.bench.runtimes[self.system].generate(
+            chunk,
+            max_new_tokens=max_new_tokens,
+            temperature=self.temperature,
+            seed=self.seed + i,
+            stop_token_ids=[],
+            speculative=self.system != "ours-plain",
         )
-        if temperature > 0:
-            kw.update(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
+        if not keep:
+            return
+        s = out.stats
+        self.outs += [list(map(int, t)) for t in out.token_ids]
+        self.tokens += s.num_new_tokens
+        self.drafts += s.num_drafts
+        self.accepted += s.num_accepted_tokens
+        if self.system != "ours-plain":
+            a = torch.tensor(s.accepted_per_position, dtype=torch.float32)
+            self.per_pos = torch.nn.functional.pad(self.per_pos, (0, max(len(a) - len(self.per_pos), 0)))
+            self.per_pos[: len(a)] += a
+
+
+class _HFRunner(_Runner):
+    def __init__(self, *a):
+        super().__init__(*a)
+        tok = self.bench.tokenizer
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else (tok.eos_token_id or 0)
+        kw: dict[str, Any] = dict(pad_token_id=self.pad, eos_token_id=None)
+        if self.temperature > 0:
+            kw.update(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0)
         else:
             kw.update(do_sample=False)
-        if system == "hf-prompt-lookup":
+        if self.system == "hf-prompt-lookup":
             kw["prompt_lookup_num_tokens"] = 10
-        if system == "hf-assisted":
-            kw["assistant_model"] = self.draft_lm
-        tokens = 0
-        outs: list[list[int]] = []
+        if self.system == "hf-assisted":
+            kw["assistant_model"] = self.bench.draft_lm
+        self.kw = kw
 
-        def batch_of(c: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
-            width = max(len(x) for x in c)
-            input_ids = torch.tensor([[pad] * (width - len(x)) + x for x in c], device=self.device)
-            mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in c], device=self.device)
-            return input_ids, mask, width
+    def warm(self, chunks):  # one short untimed call, as for our runtimes
+        self.generate(0, chunks[0], 2, keep=False)
 
-        ids0, mask0, _ = batch_of(chunks[0])  # one short untimed call, as for our runtimes
-        self.hf.generate(input_ids=ids0, attention_mask=mask0, **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
-        t0 = time.perf_counter()
-        for i, c in enumerate(chunks):
-            torch.manual_seed(seed + i)
-            input_ids, mask, width = batch_of(c)
-            out = self.hf.generate(input_ids=input_ids, attention_mask=mask, **kw)
-            tokens += (out.shape[1] - width) * len(c)
-            outs += out[:, width:].tolist()
-        wall = time.perf_counter() - t0
-        return BenchResult(
-            system, prompt_set, temperature, batch, sum(len(c) for c in chunks), tokens, wall, token_ids=outs
+    @torch.inference_mode()
+    def generate(self, i, chunk, max_new_tokens, keep=True):
+        dev = self.bench.device
+        torch.manual_seed(self.seed + i)
+        width = max(len(x) for x in chunk)  # left padding
+        input_ids = torch.tensor([[self.pad] * (width - len(x)) + x for x in chunk], device=dev)
+        mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in chunk], device=dev)
+        out = self.bench.hf.generate(
+            input_ids=input_ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            min_new_tokens=max_new_tokens,
+            **self.kw,
         )
+        if keep:
+            self.tokens += (out.shape[1] - width) * len(chunk)
+            self.outs += out[:, width:].tolist()
 
 
 def format_table(results: list[BenchResult]) -> str:

@@ -1,0 +1,86 @@
+"""runtime/bench.py: systems measured side by side, interleaved chunk by chunk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tritonspec.runtime.bench import Bench, _Runner
+from tritonspec.runtime.errors import UserError
+from tritonspec.runtime.tiny import tiny_random_pair
+
+SYSTEMS = ["ours-plain", "hf-greedy", "ours-eagle3.1"]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    torch.set_num_threads(1)
+    t, d = tiny_random_pair(tmp_path_factory.mktemp("pair"))
+    return Bench(t, {"eagle3.1": d}, None, max_seq_len=256)
+
+
+PROMPTS = ["def f(x):", "import os\n", "class A:\n    pass\n", "x = 1\ny = 2\n", "for i in range(3):"]
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_interleaved_runs_equal_runs_one_at_a_time(bench, batch):
+    """The interleaved group gives each system the tokens (and τ) it gives alone; greedy speculative
+    output equals plain output."""
+    res = bench.run_interleaved(SYSTEMS, PROMPTS, "s", 0.0, batch, 7)
+    assert list(res) == SYSTEMS
+    for s in SYSTEMS:
+        alone = bench.run(s, PROMPTS, "s", 0.0, batch, 7)
+        r = res[s]
+        assert (r.system, r.prompts, r.new_tokens, r.batch) == (s, len(PROMPTS), len(PROMPTS) * 7, batch)
+        assert r.token_ids == alone.token_ids, s
+        assert r.wall_time_s > 0 and r.tokens_per_second > 0
+        assert r.tau == alone.tau
+    assert res["ours-eagle3.1"].token_ids == res["ours-plain"].token_ids
+    assert res["ours-plain"].tau is None and res["ours-eagle3.1"].tau >= 1
+    assert len(res["ours-eagle3.1"].accepted_per_position) > 0
+
+
+def test_interleaved_order_rotates_per_chunk(bench, monkeypatch):
+    """Chunk i runs every system once, starting at system i mod n; each system's wall time sums only
+    its own chunks (an inverse: a system made slow is the only one whose time grows)."""
+    order = []
+    timed = _Runner.timed
+
+    def record(self, i, chunk):
+        order.append((i, self.system))
+        if self.system == "hf-greedy":  # a slow system
+            import time
+
+            time.sleep(0.05)
+        timed(self, i, chunk)
+
+    monkeypatch.setattr(_Runner, "timed", record)
+    res = bench.run_interleaved(SYSTEMS, PROMPTS[:4], "s", 0.0, 1, 3)
+    assert order == [
+        (0, "ours-plain"), (0, "hf-greedy"), (0, "ours-eagle3.1"),
+        (1, "hf-greedy"), (1, "ours-eagle3.1"), (1, "ours-plain"),
+        (2, "ours-eagle3.1"), (2, "ours-plain"), (2, "hf-greedy"),
+        (3, "ours-plain"), (3, "hf-greedy"), (3, "ours-eagle3.1"),
+    ]  # fmt: skip
+    assert res["hf-greedy"].wall_time_s >= 0.2
+    assert res["ours-plain"].wall_time_s < res["hf-greedy"].wall_time_s - 0.15
+
+
+def test_interleaved_sampling_seeds_per_chunk(bench):
+    """Chunk i samples with seed + i, as a system run alone does: same seeds, same tokens."""
+    a = bench.run_interleaved(["ours-plain", "ours-eagle3.1"], PROMPTS[:3], "s", 1.0, 1, 6, seed=5)
+    b = bench.run("ours-eagle3.1", PROMPTS[:3], "s", 1.0, 1, 6, seed=5)
+    assert a["ours-eagle3.1"].token_ids == b.token_ids
+    c = bench.run("ours-eagle3.1", PROMPTS[:3], "s", 1.0, 1, 6, seed=6)
+    assert c.token_ids != b.token_ids  # the seed is used
+
+
+def test_interleaved_bad_input_names_the_problem(bench):
+    with pytest.raises(UserError, match="unknown system 'nope'"):
+        bench.run_interleaved(["ours-plain", "nope"], PROMPTS, "s")
+    with pytest.raises(UserError, match="no systems"):
+        bench.run_interleaved([], PROMPTS, "s")
+    with pytest.raises(UserError, match="no prompts"):
+        bench.run_interleaved(SYSTEMS, [], "s")
+    with pytest.raises(ValueError, match="hf-prompt-lookup at batch 2"):
+        bench.run_interleaved(["ours-plain", "hf-prompt-lookup"], PROMPTS, "s", batch=2)
