@@ -15,6 +15,9 @@ included); τ = 1 + accepted / drafts; ``accepted_per_position[i]`` / drafts = a
 i+1; speedup = tokens/s ÷ ours-plain tokens/s for the same prompt set, temperature and batch.
 transformers' prompt lookup and assisted generation run one prompt at a time (transformers
 supports batch 1 only there), so at batch 4 they are reported as not applicable.
+``Bench.run_interleaved`` measures several systems on the same chunks of prompts with the chunks
+interleaved (chunk i runs every system in turn, the order rotated per chunk), so load swings on a
+shared machine fall on all of them alike; ``Bench.run`` is that with one system.
 
 Prompts are strings (tokenized once, without a chat template), token-id lists (e.g. a chat prompt
 rendered by ``runtime/requests.py::chat_ids``) or chat conversations (rendered here the same way);
