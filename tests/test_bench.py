@@ -42,19 +42,26 @@ def test_interleaved_runs_equal_runs_one_at_a_time(bench, batch):
 
 def test_interleaved_order_rotates_per_chunk(bench, monkeypatch):
     """Chunk i runs every system once, starting at system i mod n; each system's wall time sums only
-    its own chunks (an inverse: a system made slow is the only one whose time grows)."""
+    its own chunks (an inverse: a system made slow inside its timed call is the only one whose time
+    grows)."""
+    import time
+
+    from tritonspec.runtime.bench import _HFRunner
+
     order = []
-    timed = _Runner.timed
+    timed, generate = _Runner.timed, _HFRunner.generate
 
     def record(self, i, chunk):
         order.append((i, self.system))
-        if self.system == "hf-greedy":  # a slow system
-            import time
-
-            time.sleep(0.05)
         timed(self, i, chunk)
 
+    def slow(self, i, chunk, max_new_tokens, keep=True):  # a slow system: 0.25 s more per timed chunk
+        if keep:
+            time.sleep(0.25)
+        return generate(self, i, chunk, max_new_tokens, keep)
+
     monkeypatch.setattr(_Runner, "timed", record)
+    monkeypatch.setattr(_HFRunner, "generate", slow)
     res = bench.run_interleaved(SYSTEMS, PROMPTS[:4], "s", 0.0, 1, 3)
     assert order == [
         (0, "ours-plain"), (0, "hf-greedy"), (0, "ours-eagle3.1"),
@@ -62,8 +69,9 @@ def test_interleaved_order_rotates_per_chunk(bench, monkeypatch):
         (2, "ours-eagle3.1"), (2, "ours-plain"), (2, "hf-greedy"),
         (3, "ours-plain"), (3, "hf-greedy"), (3, "ours-eagle3.1"),
     ]  # fmt: skip
-    assert res["hf-greedy"].wall_time_s >= 0.2
-    assert res["ours-plain"].wall_time_s < res["hf-greedy"].wall_time_s - 0.15
+    assert res["hf-greedy"].wall_time_s >= 1.0
+    assert res["ours-plain"].wall_time_s < res["hf-greedy"].wall_time_s - 0.9
+    assert res["ours-eagle3.1"].wall_time_s < res["hf-greedy"].wall_time_s - 0.9
 
 
 def test_interleaved_sampling_seeds_per_chunk(bench):
