@@ -274,6 +274,11 @@ class _Runner:
         self.outs: list[list[int]] = []
         self.per_pos = torch.zeros(0)  # grows to the deepest shape the requests ran (it may differ per chunk)
 
+    @property
+    def speculative(self) -> bool:
+        """Our runtime with a drafter (ours-eagle*): the systems with τ and acceptance per depth."""
+        return self.system.startswith("ours-eagle")
+
     def warm(self, chunks: list[list[list[int]]]) -> None:
         raise NotImplementedError
 
@@ -286,7 +291,7 @@ class _Runner:
         self.wall += time.perf_counter() - t0
 
     def result(self, prompt_set: str, temperature: float, batch: int, prompts: int) -> BenchResult:
-        spec = self.system.startswith("ours-eagle")
+        spec = self.speculative
         return BenchResult(
             self.system,
             prompt_set,
@@ -321,7 +326,7 @@ class _OursRunner(_Runner):
             temperature=self.temperature,
             seed=self.seed + i,
             stop_token_ids=[],
-            speculative=self.system != "ours-plain",
+            speculative=self.speculative,
         )
         if not keep:
             return
@@ -330,7 +335,7 @@ class _OursRunner(_Runner):
         self.tokens += s.num_new_tokens
         self.drafts += s.num_drafts
         self.accepted += s.num_accepted_tokens
-        if self.system != "ours-plain":
+        if self.speculative:
             a = torch.tensor(s.accepted_per_position, dtype=torch.float32)
             self.per_pos = torch.nn.functional.pad(self.per_pos, (0, max(len(a) - len(self.per_pos), 0)))
             self.per_pos[: len(a)] += a
