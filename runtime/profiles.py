@@ -316,7 +316,8 @@ def _read_spec(fields: Any) -> SpecConfig:
 
 def policy_from_profile(data: dict, source: str, device: torch.device | str, path: str | None = None) -> ShapePolicy:
     """The ``ShapePolicy`` of a profile: its ``shapes`` table, and the rule scaled to its batch-1
-    shape (``num_draft_tokens`` = the device's row budget) for the batches the table lacks."""
+    shape (``num_draft_tokens`` = the device's row budget) for the batches the table lacks (every
+    batch above 1 when the table measured batch 1 only)."""
     spec = _read_spec(data["spec"])
     table = {(1, "greedy"): spec}
     for row in data.get("shapes") or []:

@@ -13,7 +13,9 @@ Where the shapes come from, first match wins:
    CPU of the same architecture and vector ISA, e.g. ``cpu-x86_64-avx512``). A profile's
    ``shapes`` table gives the measured best shape per batch size and mode (``tritonspec autotune
    tree --batch-sizes 1,2,4,8``); batches between its rows take the row of the next smaller batch,
-   and a profile without a table scales its batch-1 shape by the rule below;
+   and a profile without a table, or whose table measured batch 1 only, scales its batch-1 shape by
+   the rule below for larger batches (a batch-1 shape run at batch 4 verifies four times its rows:
+   SmolLM2's (3,2,5)+lookup4 ran at 0.49-0.77x of plain decoding there, 2026-12-03);
 3. the rule (``source="heuristic"``), derived from the tree tuner's cost model: a verify forward
    costs about one decode step as long as the rows it verifies, summed over the batch, stay within
    the device's *row budget* R (``verify(N) ~ verify(1)`` up to N ~ R on the measured cost curves:
@@ -93,7 +95,7 @@ class ShapePolicy:
             return ShapeChoice(self.fixed, self.source)
         mode = "greedy" if greedy else "sampled"
         rows = sorted(b for b, m in self.table if m == mode and b <= batch_size)
-        if rows:
+        if rows and (rows[-1] == batch_size or max(b for b, _ in self.table) > 1):
             return ShapeChoice(self.table[rows[-1], mode], self.source, self.path)
         source = "heuristic" if self.source == "heuristic" else f"{self.source} rule"
         return ShapeChoice(rule_shape(batch_size, greedy, self.budget, self.device_type), source, self.path)

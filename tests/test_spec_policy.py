@@ -60,6 +60,23 @@ def test_policy_table_rows_then_the_rule():
     assert big.num_speculative_tokens >= 5 and big.num_draft_tokens >= 6
 
 
+def test_a_batch_one_table_says_nothing_about_larger_batches():
+    """A profile tuned at batch 1 only (greedy and sampled rows) scales by the rule above batch 1
+    instead of running its batch-1 shape on every row of a larger batch (which verifies B times the
+    rows the shape was tuned for: SmolLM2's (3,2,5)+lookup4 ran 0.49-0.77x of plain at batch 4)."""
+    b1 = ts.SpecConfig(3, 2, 5, prompt_lookup_num_tokens=4)
+    p = ShapePolicy("profile", 5, table={(1, "greedy"): b1, (1, "sampled"): C(3)}, path="f")
+    assert p.choose(1, True).spec == b1 and p.choose(1, False).spec == C(3)
+    for batch in (2, 3, 4, 8):
+        for greedy in (True, False):
+            got = p.choose(batch, greedy)
+            assert got.spec == rule_shape(batch, greedy, 5) and got.source == "profile rule", (batch, greedy)
+    assert p.choose(2, True).spec == C(1) and p.choose(4, True).spec is None  # 5 // 4 rows: plain decoding
+    # the inverse: a table that measured a larger batch keeps its rows for the batches between them
+    q = ShapePolicy("profile", 5, table={(1, "greedy"): b1, (2, "greedy"): C(2)}, path="f")
+    assert q.choose(4, True).spec == C(2) and q.choose(4, True).source == "profile"
+
+
 def test_runtime_without_profile_runs_the_rule_per_request(tuned_dir):
     model, drafter = perm_pair("llama", vocab=24, seed=3, alpha=0.3)
     rt = runtime(model, drafter, spec=None, max_batch_size=8)
