@@ -95,6 +95,8 @@ class ShapePolicy:
             return ShapeChoice(self.fixed, self.source)
         mode = "greedy" if greedy else "sampled"
         rows = sorted(b for b, m in self.table if m == mode and b <= batch_size)
+        # a row covers larger batches only when the table measured some batch above 1; a table of
+        # batch-1 rows says nothing about batches (its shape would verify B times the rows): the rule
         if rows and (rows[-1] == batch_size or max(b for b, _ in self.table) > 1):
             return ShapeChoice(self.table[rows[-1], mode], self.source, self.path)
         source = "heuristic" if self.source == "heuristic" else f"{self.source} rule"

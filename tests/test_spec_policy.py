@@ -72,6 +72,14 @@ def test_a_batch_one_table_says_nothing_about_larger_batches():
             got = p.choose(batch, greedy)
             assert got.spec == rule_shape(batch, greedy, 5) and got.source == "profile rule", (batch, greedy)
     assert p.choose(2, True).spec == C(1) and p.choose(4, True).spec is None  # 5 // 4 rows: plain decoding
+    # the same from a profile file's fields (policy_from_profile builds that table)
+    data = {"spec": {"num_speculative_tokens": 3, "top_k": 2, "num_draft_tokens": 5, "prompt_lookup_num_tokens": 4}}
+    sampled = {"num_speculative_tokens": 3, "top_k": 1, "num_draft_tokens": 4}
+    data["shapes"] = [{"batch_size": 1, "sampling": "sampled", "spec": sampled}]
+    filed = prof.policy_from_profile(data, "shipped profile", "cpu", "f")
+    assert filed.choose(1, True).spec == b1 and filed.choose(1, False).spec == C(3)
+    assert filed.choose(4, True).spec is None and filed.choose(4, True).source == "shipped profile rule"
+    assert filed.choose(2, False).spec == C(1)
     # the inverse: a table that measured a larger batch keeps its rows for the batches between them
     q = ShapePolicy("profile", 5, table={(1, "greedy"): b1, (2, "greedy"): C(2)}, path="f")
     assert q.choose(4, True).spec == C(2) and q.choose(4, True).source == "profile"
