@@ -17,8 +17,14 @@
 7. optionally (``prompt_lookup``), each row's winning shape generated again side by side with a
    prompt-lookup branch of each given length grafted on (``runtime/ngram.py``; its gain depends on
    how much the outputs repeat the prompts, which no acceptance profile of the drafter predicts,
-   so it is measured, never modelled); the fastest stays in the row
-8. the profile written for the runtime to pick up (``runtime/profiles.write_profile``)
+   so it is measured, never modelled); the fastest stays in the row. A greedy row that plain
+   decoding won tries the one-token chain with each lookup branch instead (kept only if faster)
+8. optionally (``long_prompts``), the batch-1 rows again on long prompts: the short prompts'
+   winner, the same candidates as step 6 and plain decoding side by side (then step 7 on the
+   winner). Every verified row attends over the whole context, so long prompts often want smaller
+   trees. These rows carry ``"context": T``, T the geometric mean of the two prompt sets' median
+   lengths: the runtime runs them for prompts of at least T tokens (``runtime/spec_policy.py``)
+9. the profile written for the runtime to pick up (``runtime/profiles.write_profile``)
 
 ``compile=True`` (CPU) measures steps 5-6 with compiled rounds (``SpeculativeRuntime(compile=True)``;
 each shape compiles once, untimed) and writes a ``rounds=compiled`` profile, which runtimes with
@@ -127,6 +133,7 @@ def tune_tree(
     device_kind: bool = False,
     compile: bool = False,
     prompt_lookup: Sequence[int] = (),
+    long_prompts: Sequence[str] | Sequence[Sequence[int]] = (),
     log=None,
 ) -> TreeTuneResult:
     """Measure costs and the acceptance profile, pick the best shape, check it, write the profile.
@@ -141,6 +148,8 @@ def tune_tree(
     exact one, as the profiles shipped with the package are. ``compile``: measure with compiled CPU
     rounds and write a ``rounds=compiled`` profile (module docstring). ``prompt_lookup``: lengths of
     a prompt-lookup branch to try on each row's winning shape (step 7; e.g. ``(4, 8)``).
+    ``long_prompts``: prompts (strings or token ids) much longer than ``prompts``, for the
+    long-context rows of step 8 (batch 1, greedy and, with ``sampled``, sampled).
     """
     from ..runtime.drafter import Eagle3Drafter
     from ..runtime.engine import SpeculativeRuntime
@@ -157,10 +166,14 @@ def tune_tree(
     lookups = sorted({int(m) for m in prompt_lookup} - {0})
     if any(m < 0 for m in lookups):
         raise ValueError(f"prompt_lookup={list(prompt_lookup)}: lengths must be >= 0")
-    if any(isinstance(p, str) for p in prompts) and tok is None:
+    if any(isinstance(p, str) for p in [*prompts, *long_prompts]) and tok is None:
         raise ValueError("string prompts need the target's tokenizer; pass token id lists")
     ids = [list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
-    longest = max(len(p) for p in ids)
+    long_ids = [
+        list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p) for p in long_prompts
+    ]
+    threshold = _context_threshold(ids, long_ids) if long_ids else 0
+    longest = max(len(p) for p in ids + long_ids)
     big = SpecConfig(
         max_depth,
         kmax,
@@ -258,10 +271,38 @@ def tune_tree(
             shapes.append({"batch_size": 1, "sampling": "greedy", "spec": best.spec, "temperature": 0.0})
     for row in shapes if lookups else []:
         _lookup_at(rt, ids, max_new_tokens, row, lookups, say)
+    if long_ids:  # step 8: batch-1 rows on long prompts, for prompts of at least `threshold` tokens
+        n = _median_len(long_ids)
+        say(f"[autotune tree] long prompts ({len(long_ids)}, median {n} tokens): rows for prompts >= {threshold}")
+        for mode, temp in modes:
+            short = next((r for r in shapes if (r["batch_size"], r["sampling"]) == (1, mode)), None)
+            short_spec = short["spec"] if short else best.spec if mode == "greedy" else None
+            extra = [short_spec] if short_spec is not None else []
+            row = _best_at(rt, long_ids, max_new_tokens, 1, mode, temp, best.spec, big, say, compile, extra)
+            row.update(context=threshold, prompt_tokens=n)
+            if lookups:
+                _lookup_at(rt, long_ids, max_new_tokens, row, lookups, say)
+            shapes.append(row)
     path = None
     if not dry_run:
         path = _write_profile(out_dir, key, best, costs, acc, checks, plain, n_roots, max_new_tokens, shapes)
     return TreeTuneResult(best, checks, costs, acc, plain, n_roots, path, key, ranked[:10], shapes)
+
+
+def _median_len(ids: Sequence[Sequence[int]]) -> int:
+    return sorted(len(p) for p in ids)[len(ids) // 2]
+
+
+def _context_threshold(ids: Sequence[Sequence[int]], long_ids: Sequence[Sequence[int]]) -> int:
+    """Prompt length from which the long-context rows apply: the geometric mean of the two sets'
+    median lengths (the long set must be at least twice as long, or the rows say nothing new)."""
+    short, long = _median_len(ids), _median_len(long_ids)
+    if long < 2 * short:
+        raise ValueError(
+            f"long_prompts: their median length ({long} tokens) must be at least twice the prompts' ({short}); "
+            "pass prompts of a few thousand tokens (e.g. a document followed by a question)"
+        )
+    return round((short * long) ** 0.5)
 
 
 def candidates_at(
@@ -302,7 +343,7 @@ def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compi
     win = cands[i] if rates[i] > plain.decode_tokens_per_s else None
     say(
         f"[autotune tree] batch {b} {mode}: plain {plain.decode_tokens_per_s:.1f} tok/s, best "
-        f"{cands[i]} {rates[i]:.1f} tok/s -> {win or 'plain decoding'}"
+        f"{cands[i].label} {rates[i]:.1f} tok/s -> {win.label if win else 'plain decoding'}"
     )
     return {
         "batch_size": b,
@@ -322,12 +363,20 @@ def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) 
     row (in place), the rates into its ``lookup_decode_tokens_per_s``."""
     spec, b, temp = row["spec"], row["batch_size"], row.get("temperature", 0.0)
     sampled_chain = spec is not None and spec.top_k == 1 and spec.sample_chain_drafts and row["sampling"] == "sampled"
-    if spec is None or sampled_chain:  # plain decoding, or a sampled chain (verified against q: no lookup)
+    if sampled_chain or (spec is None and row["sampling"] == "sampled"):  # verified against q: no lookup
         return
-    cands = [spec] + [replace(spec, prompt_lookup_num_tokens=m) for m in lookups]
+    if spec is None:  # plain decoding won: a lookup branch on the cheapest chain may still pay (quoting prompts)
+        cands = [replace(SpecConfig.chain(1), prompt_lookup_num_tokens=m) for m in lookups]
+    else:
+        cands = [spec] + [replace(spec, prompt_lookup_num_tokens=m) for m in lookups]
     plain, *ms = measure_generation(rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp)
     rates = [m.decode_tokens_per_s for m in ms]
     i = max(range(len(cands)), key=rates.__getitem__)
+    if spec is None and rates[i] <= plain.decode_tokens_per_s:
+        row["lookup_decode_tokens_per_s"] = {"plain": round(plain.decode_tokens_per_s, 2)} | {
+            c.label: round(r, 2) for c, r in zip(cands, rates)
+        }
+        return
     row["spec"] = cands[i]  # plain decoding lost this row's first pass; it is measured again for the ratios
     row["lookup_decode_tokens_per_s"] = {"plain": round(plain.decode_tokens_per_s, 2)} | {
         c.label: round(r, 2) for c, r in zip(cands, rates)

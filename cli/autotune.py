@@ -79,10 +79,19 @@ checks it, two neighbours and the default shape by generating (measured vs predi
     t.add_argument(
         "--prompts",
         default=None,
-        help='a .jsonl of {"prompt"|"text": ...} rows or a text file (blank-line separated); default: '
-        "the demo's standard set for 'demo', else a few built-in code prompts",
+        help='a .jsonl of {"prompt"|"text": ...} or {"messages": [...]} rows (chat, rendered by the target\'s '
+        "template) or a text file (blank-line separated); default: the demo's standard set for 'demo', else "
+        "a few built-in code prompts",
     )
     t.add_argument("--num-prompts", type=int, default=8, help="use the first N prompts (default 8)")
+    t.add_argument(
+        "--long-prompts",
+        default=None,
+        help="also tune batch-1 rows on these long prompts (same formats as --prompts; a few thousand tokens "
+        "each, e.g. a document and a question): the runtime runs them for prompts of at least the geometric "
+        "mean of both sets' median lengths, where smaller trees often win",
+    )
+    t.add_argument("--num-long-prompts", type=int, default=4, help="use the first N long prompts (default 4)")
     t.add_argument("--max-new-tokens", type=int, default=64)
     t.add_argument("--max-depth", type=int, default=8, help="deepest num_speculative_tokens searched (default 8)")
     t.add_argument("--top-k", default="1,2,4,8", help="top_k values searched (default 1,2,4,8)")
@@ -167,21 +176,48 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
+def read_tune_prompts(path: str, target: str | Path) -> list:
+    """Prompts for the tree tuner: strings, or token ids for ``{"messages": [...]}`` JSONL rows (the
+    target's chat template with the generation prompt, as ``generate`` renders chat)."""
+    from ..runtime.drift import read_prompts
+
+    if Path(path).suffix != ".jsonl":
+        return read_prompts(path)
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not any(isinstance(r, dict) and "messages" in r for r in rows):
+        return read_prompts(path)
+    from ..runtime.requests import chat_ids
+    from ..runtime.weights import load_tokenizer
+
+    tok = load_tokenizer(Path(target))
+    if tok is None:
+        raise ValueError(f"{path}: chat rows need the target's tokenizer and chat template; {target} has none")
+    out = []
+    for i, r in enumerate(rows):
+        if isinstance(r, dict) and "messages" in r:
+            out.append(chat_ids(tok, r["messages"], f"{path}, row {i}"))
+        elif isinstance(r, dict) and isinstance(r.get("prompt", r.get("text")), str):
+            out.append(r.get("prompt", r.get("text")))
+        else:
+            raise ValueError(f"{path}, row {i}: needs a 'messages' list or a 'prompt'/'text' string")
+    return out
+
+
 def cmd_tree(args: argparse.Namespace) -> int:
     from ..autotune.tree_tuner import tune_tree
-    from ..runtime.drift import read_prompts
 
     demo = is_demo(args.target)
     target, drafter = resolve_pair(args.target, args.drafter)
     if drafter is None:
         raise ValueError("--drafter is required (a tree needs a drafter)")
     if args.prompts:
-        prompts = read_prompts(args.prompts)
+        prompts = read_tune_prompts(args.prompts, target)
     elif demo:
         prompts = demo_prompts("standard")
     else:
         prompts = DEFAULT_PROMPTS
     prompts = prompts[: args.num_prompts]
+    long_prompts = read_tune_prompts(args.long_prompts, target)[: args.num_long_prompts] if args.long_prompts else []
     if not (Path(target) / "tokenizer.json").exists() and not (Path(target) / "tokenizer_config.json").exists():
         import torch
 
@@ -221,6 +257,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
         device_kind=args.device_kind,
         compile=args.compile,
         prompt_lookup=lookups,
+        long_prompts=long_prompts,
         log=lambda m: print(m, file=sys.stderr),
     )
     b = res.best
@@ -241,7 +278,8 @@ def cmd_tree(args: argparse.Namespace) -> int:
         s = row["spec"]
         shape = "plain decoding" if s is None else s.label
         why = row.get("decode_tokens_per_s") or f"measured {row.get('speedup', 0):.2f}x at batch 1"
-        print(f"batch {row['batch_size']} {row['sampling']}: {shape}  (decode tok/s: {why})")
+        where = f", prompts >= {row['context']} tokens" if row.get("context") else ""
+        print(f"batch {row['batch_size']} {row['sampling']}{where}: {shape}  (decode tok/s: {why})")
     print(
         f"device={res.key['device']} backend={res.key['backend']} dtype={res.key['dtype']} "
         f"rounds={res.key.get('rounds', 'eager')} "

@@ -161,7 +161,8 @@ class SpeculativeRuntime:
     @property
     def shape_policy(self) -> ShapePolicy:
         """How requests get their shape (``runtime/spec_policy.py``): ``rt.shape_policy.choose(batch_size,
-        greedy)`` tells which shape a request would run and why."""
+        greedy, context)`` tells which shape a request would run and why (``context``: its longest
+        prompt, in tokens)."""
         return self._policy
 
     @property
@@ -468,7 +469,8 @@ class SpeculativeRuntime:
         seeds = row_seeds(seed, len(batch), sampling)
         if speculative and self.drafter is None:
             warnings.warn("no drafter loaded: speculative=True runs plain decoding", stacklevel=3)
-        choice = self._choose_shape(min(len(batch), self.max_batch_size), sampling, speculative)
+        context = max(len(p) for p in batch)  # long prompts may get smaller trees (a profile's context rows)
+        choice = self._choose_shape(min(len(batch), self.max_batch_size), sampling, speculative, context)
         requests = RequestRows(
             [len(p) for p in batch],
             max_new_tokens=max_new_tokens,
@@ -481,13 +483,16 @@ class SpeculativeRuntime:
         )
         return _Run(self._decode(batch, requests, sampling, seeds, choice), sampling, self._lock)
 
-    def _choose_shape(self, batch_size: int, sampling: SamplingParams, speculative: bool) -> ShapeChoice:
-        """The shape this request runs (None: plain decoding) and why (``runtime/spec_policy.py``)."""
+    def _choose_shape(
+        self, batch_size: int, sampling: SamplingParams, speculative: bool, context: int = 0
+    ) -> ShapeChoice:
+        """The shape this request runs (None: plain decoding) and why (``runtime/spec_policy.py``);
+        ``context``: its longest prompt, in tokens."""
         if not speculative:
             return ShapeChoice(None, "speculative=False")
         if self.drafter is None:
             return ShapeChoice(None, "no drafter")
-        return self._policy.choose(batch_size, sampling.greedy)
+        return self._policy.choose(batch_size, sampling.greedy, context)
 
     def _decode(
         self,

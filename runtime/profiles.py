@@ -15,7 +15,8 @@ This module owns the file's schema for both sides: ``write_profile`` (called by 
 tuned for (``target``, ``drafter``, ``device_name``, ``dtype``, ``backend``, ``rounds``), provenance
 (``versions``, ``threads``, ``created``), ``spec`` (the batch-1 greedy shape), optionally
 ``shapes`` (the measured best shape per batch size and sampling mode: rows ``{"batch_size",
-"sampling": "greedy"|"sampled", "spec": {...} or null for plain decoding}``) and the tuner's
+"sampling": "greedy"|"sampled", "spec": {...} or null for plain decoding}``, plus ``"context": T``
+on rows measured on long prompts, which apply to prompts of at least T tokens) and the tuner's
 evidence, kept for people, not read back: ``predicted``, ``measured_with``, ``costs``,
 ``acceptance``, ``checks``.
 
@@ -299,6 +300,9 @@ def read_profile(path: str | Path) -> dict:
         b = row.get("batch_size")
         if type(b) is not int or b < 1:
             raise ValueError(f"bad shapes row {row!r}: batch_size must be an integer >= 1")
+        t = row.get("context", 0)
+        if type(t) is not int or t < 0:
+            raise ValueError(f"bad shapes row {row!r}: context must be an integer >= 0 (prompt tokens)")
         if row.get("spec") is not None:
             _read_spec(row["spec"])
     return data
@@ -317,13 +321,21 @@ def _read_spec(fields: Any) -> SpecConfig:
 def policy_from_profile(data: dict, source: str, device: torch.device | str, path: str | None = None) -> ShapePolicy:
     """The ``ShapePolicy`` of a profile: its ``shapes`` table, and the rule scaled to its batch-1
     shape (``num_draft_tokens`` = the device's row budget) for the batches the table lacks (every
-    batch above 1 when the table measured batch 1 only)."""
+    batch above 1 when the table measured batch 1 only). Rows with a ``context`` threshold form a
+    sub-policy per threshold (``ShapePolicy.contexts``), scaled by their own batch-1 greedy row."""
     spec = _read_spec(data["spec"])
-    table = {(1, "greedy"): spec}
+    tables: dict[int, dict] = {0: {(1, "greedy"): spec}}
     for row in data.get("shapes") or []:
+        table = tables.setdefault(row.get("context", 0), {})
         table[row["batch_size"], row["sampling"]] = _read_spec(row["spec"]) if row.get("spec") else None
     kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
-    return ShapePolicy(source, spec.num_draft_tokens, kind, table, path=path)
+    base = tables.pop(0)
+    policy = ShapePolicy(source, spec.num_draft_tokens, kind, base, path=path)
+    for t, table in tables.items():  # long-context buckets: the rule there scales their own batch-1 shape
+        b1 = table.get((1, "greedy"), spec)
+        budget = b1.num_draft_tokens if b1 is not None else 1  # plain decoding won batch 1: plain above it too
+        policy.contexts[t] = ShapePolicy(source, budget, kind, table, path=path)
+    return policy
 
 
 def shape_policy(target: Any, drafter: Any, backend: str, compiled: bool = False) -> ShapePolicy:

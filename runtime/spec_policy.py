@@ -1,9 +1,9 @@
 """Which draft-tree shape a request runs when the caller gave none: per batch size and sampling mode.
 
 ``SpeculativeRuntime(spec=None)`` asks a ``ShapePolicy`` at every ``generate``/``stream``:
-``policy.choose(batch_size, greedy)`` returns a ``ShapeChoice`` (the ``SpecConfig``, or None for
-plain decoding, and where it came from), reported in ``SpecStats.spec`` / ``spec_source`` and on
-the CLI's stats line.
+``policy.choose(batch_size, greedy, context)`` returns a ``ShapeChoice`` (the ``SpecConfig``, or None
+for plain decoding, and where it came from), reported in ``SpecStats.spec`` / ``spec_source`` and on
+the CLI's stats line. ``context`` is the longest prompt of the request, in tokens.
 
 Where the shapes come from, first match wins:
 
@@ -28,6 +28,13 @@ Where the shapes come from, first match wins:
                  sum min(p, q), trees of deterministic top-k drafts far less often); N < 2: plain
 
    A profile's batch-1 shape sets R = its ``num_draft_tokens`` (the budget that device was tuned to).
+
+Long contexts: every verified row attends over the whole context, so a tree that pays on short
+prompts can lose on long ones (SmolLM2 on AVX2, ~2,400-token prompts: (3,2,5)+lookup 4 0.84x of plain
+decoding, (1,1,2) 1.12x). A profile tuned with ``--long-prompts`` holds rows measured on long
+prompts, marked ``"context": T`` (they apply to prompts of at least T tokens; ``contexts`` here:
+one sub-policy per threshold, with its own table and budget). A request takes the bucket of the
+largest threshold at or below its longest prompt; a bucket's rows and rule work as above.
 """
 
 from __future__ import annotations
@@ -72,7 +79,9 @@ class ShapePolicy:
 
     ``table``: ``{(batch_size, "greedy"|"sampled"): SpecConfig | None}`` measured rows (may be
     empty); ``budget``: the row budget of the rule for what the table lacks; ``fixed``: the
-    caller's shape, which overrides everything."""
+    caller's shape, which overrides everything; ``contexts``: ``{T: ShapePolicy}``, the policies
+    of prompts of at least T tokens (long-context rows; this policy's own table and budget serve
+    shorter prompts)."""
 
     source: str
     budget: int
@@ -80,6 +89,7 @@ class ShapePolicy:
     table: dict[tuple[int, str], SpecConfig | None] = field(default_factory=dict)
     fixed: SpecConfig | None = None
     path: str | None = None
+    contexts: dict[int, ShapePolicy] = field(default_factory=dict)  # threshold (prompt tokens) -> its policy
 
     @classmethod
     def caller(cls, spec: SpecConfig) -> ShapePolicy:
@@ -90,9 +100,16 @@ class ShapePolicy:
         kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
         return cls("heuristic", ROW_BUDGET[kind], kind)
 
-    def choose(self, batch_size: int, greedy: bool) -> ShapeChoice:
+    def choose(self, batch_size: int, greedy: bool, context: int = 0) -> ShapeChoice:
+        """The shape for ``batch_size`` rows, greedy or sampled, whose longest prompt has ``context``
+        tokens (module docstring)."""
         if self.fixed is not None:
             return ShapeChoice(self.fixed, self.source)
+        above = [t for t in self.contexts if t <= context]
+        if above:
+            t = max(above)
+            c = self.contexts[t].choose(batch_size, greedy)
+            return ShapeChoice(c.spec, f"{c.source}, context >= {t}", c.path)
         mode = "greedy" if greedy else "sampled"
         rows = sorted(b for b, m in self.table if m == mode and b <= batch_size)
         # a row covers larger batches only when the table measured some batch above 1; a table of
@@ -104,7 +121,10 @@ class ShapePolicy:
 
     def largest(self, max_batch_size: int) -> SpecConfig:
         """A shape at least as deep, wide and long as any this policy picks (sizes the caches)."""
-        specs = [self.choose(b, g).spec for b in range(1, max_batch_size + 1) for g in (True, False)]
+        contexts = [0, *self.contexts]
+        specs = [
+            self.choose(b, g, c).spec for b in range(1, max_batch_size + 1) for g in (True, False) for c in contexts
+        ]
         specs = [s for s in specs if s is not None] or [SpecConfig.chain(1)]
         d = max(s.num_speculative_tokens for s in specs)
         k = max(s.top_k for s in specs)

@@ -339,3 +339,100 @@ def test_prompt_lookup_pass_keeps_the_fastest_and_the_runtime_runs_it(tuned_dir,
     assert out.token_ids == rt.generate(random_prompts(24, [6], seed=2), max_new_tokens=12, speculative=False).token_ids
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         tune_tree(model, drafter, [[1, 2]], prompt_lookup=(-1,), dry_run=True)
+
+
+def test_long_prompts_get_rows_of_their_own_that_the_runtime_runs_on_long_prompts(tuned_dir, monkeypatch):
+    """``long_prompts``: the batch-1 rows measured again on long prompts are written with a
+    ``context`` threshold (the geometric mean of both sets' median lengths) and the runtime runs them
+    for prompts that long, the base rows below. Rates are rigged so the outcome is known: a deep
+    chain wins on short prompts, a one-token chain on long ones (as on SmolLM2 / AVX2)."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    real = tree_tuner.measure_generation
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        if specs == [None]:  # the plain baseline: real continuations for the acceptance profile
+            return real(rt, ids, max_new_tokens, specs)
+        long = min(len(p) for p in ids) >= 20
+        rates = [
+            10.0 if s is None else (14.0 - s.num_draft_tokens if long else 12.0 + s.num_draft_tokens) for s in specs
+        ]
+        return [Measured(100, 100 / r, 0.0, 4, 4, 0) for r in rates]
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    monkeypatch.setattr(tree_tuner, "candidates_at", lambda *a, **k: [ts.SpecConfig.chain(1), ts.SpecConfig.chain(3)])
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    short, long = random_prompts(24, [4, 5, 6], seed=1), random_prompts(24, [30, 40, 50], seed=2)
+    kw = dict(max_new_tokens=8, max_depth=3, top_ks=(1,), max_draft_tokens=4, reps=1, validate=False)
+    res = tune_tree(model, drafter, short, out_dir=tuned_dir, sampled=True, long_prompts=long, **kw)
+    rows = {(r["batch_size"], r["sampling"], r.get("context", 0)): r for r in res.shapes}
+    t = round((5 * 40) ** 0.5)
+    assert set(rows) == {(1, "greedy", 0), (1, "sampled", 0), (1, "greedy", t), (1, "sampled", t)}
+    assert rows[1, "greedy", 0]["spec"] == ts.SpecConfig.chain(3) and rows[1, "greedy", t][
+        "spec"
+    ] == ts.SpecConfig.chain(1)
+    assert rows[1, "sampled", t]["prompt_tokens"] == 40
+    from tritonspec.runtime import profiles as prof
+
+    data = prof.read_profile(res.profile_path)
+    assert [r.get("context", 0) for r in data["shapes"]] == [0, 0, t, t]
+    rt = runtime(model, drafter, spec=None, max_seq_len=96)
+    assert rt.shape_policy.choose(1, True).spec == ts.SpecConfig.chain(3)
+    out = rt.generate(random_prompts(24, [t + 1], seed=3), max_new_tokens=6)
+    assert out.stats.spec == ts.SpecConfig.chain(1) and out.stats.spec_source == f"profile, context >= {t}"
+    assert rt.generate(short[:1], max_new_tokens=6).stats.spec == ts.SpecConfig.chain(3)
+    # the inverse: "long" prompts no longer than the others are refused, not written as a bucket
+    with pytest.raises(ValueError, match="at least twice"):
+        tune_tree(model, drafter, short, long_prompts=random_prompts(24, [6, 7], seed=4), dry_run=True, **kw)
+
+
+def test_cli_reads_chat_prompt_rows(tmp_path, monkeypatch):
+    """``--prompts``/``--long-prompts`` JSONL rows of ``{"messages": [...]}`` are rendered by the
+    target's chat template (token ids); plain rows stay strings; a chat file for a target without a
+    tokenizer is a clear error."""
+    from tritonspec.cli.autotune import read_tune_prompts
+    from tritonspec.runtime import weights
+    from tritonspec.runtime.requests import chat_ids
+    from tritonspec.runtime.weights import load_tokenizer
+
+    t, _ = ts.demo_pair("eagle3.1")
+    tok = load_tokenizer(t)
+    tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"
+    monkeypatch.setattr(weights, "load_tokenizer", lambda path: tok if str(path) == str(t) else None)
+    msgs = [{"role": "user", "content": "hello"}]
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"messages": msgs}) + "\n" + json.dumps({"prompt": "def f(x):"}) + "\n")
+    assert read_tune_prompts(str(f), t) == [chat_ids(tok, msgs), "def f(x):"]
+    with pytest.raises(ValueError, match="chat template"):
+        read_tune_prompts(str(f), tmp_path)
+
+
+@pytest.mark.parametrize("lookup_wins", [True, False])
+def test_a_row_plain_decoding_won_tries_the_lookup_on_the_cheapest_chain(tuned_dir, monkeypatch, lookup_wins):
+    """Step 7 on a greedy row whose winner is plain decoding: the one-token chain with each lookup
+    length is measured against plain decoding and kept only if faster (the inverse: it loses and
+    the row stays plain). Sampled rows that plain decoding won are left alone."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    real = tree_tuner.measure_generation
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        if specs == [None]:
+            return real(rt, ids, max_new_tokens, specs)
+        lookup = 30.0 if lookup_wins else 5.0
+        rates = [20.0 if s is None else lookup if s.prompt_lookup_num_tokens else 10.0 for s in specs]
+        return [Measured(100, 100 / r, 0.0, 4, 4, 0) for r in rates]
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    monkeypatch.setattr(tree_tuner, "candidates_at", lambda *a, **k: [ts.SpecConfig.chain(2)])
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    res = tune_tree(
+        model, drafter, random_prompts(24, [5, 7], seed=1), max_new_tokens=8, max_depth=2, top_ks=(1,),
+        max_draft_tokens=3, reps=1, out_dir=tuned_dir, validate=False, sampled=True, prompt_lookup=(4,),
+    )  # fmt: skip
+    rows = {(r["batch_size"], r["sampling"]): r for r in res.shapes}
+    greedy, sampled = rows[1, "greedy"], rows[1, "sampled"]
+    assert set(greedy["lookup_decode_tokens_per_s"]) == {"plain", "(1,1,2)+lookup4"}
+    want = ts.SpecConfig(1, 1, 2, prompt_lookup_num_tokens=4) if lookup_wins else None
+    assert greedy["spec"] == want
+    assert sampled["spec"] is None and "lookup_decode_tokens_per_s" not in sampled

@@ -85,6 +85,108 @@ def test_a_batch_one_table_says_nothing_about_larger_batches():
     assert q.choose(4, True).spec == C(2) and q.choose(4, True).source == "profile"
 
 
+def test_long_prompts_take_the_rows_measured_on_long_prompts():
+    """Rows with a ``context`` threshold (``autotune tree --long-prompts``) serve prompts of at least
+    that many tokens; shorter prompts keep the base rows; each bucket scales its own batch-1 row
+    for batches it did not measure; ``largest`` covers every bucket (it sizes the caches)."""
+    b1 = ts.SpecConfig(3, 2, 5, prompt_lookup_num_tokens=4)
+    data = {
+        "spec": {"num_speculative_tokens": 3, "top_k": 2, "num_draft_tokens": 5, "prompt_lookup_num_tokens": 4},
+        "shapes": [
+            {
+                "batch_size": 1,
+                "sampling": "sampled",
+                "spec": {"num_speculative_tokens": 3, "top_k": 1, "num_draft_tokens": 4},
+            },
+            {
+                "batch_size": 1,
+                "sampling": "greedy",
+                "context": 700,
+                "spec": {"num_speculative_tokens": 1, "top_k": 1, "num_draft_tokens": 2},
+            },
+            {"batch_size": 1, "sampling": "sampled", "context": 700, "spec": None},
+            {"batch_size": 1, "sampling": "greedy", "context": 5000, "spec": None},
+        ],
+    }
+    p = prof.policy_from_profile(data, "shipped profile", "cpu", "f")
+    assert sorted(p.contexts) == [700, 5000]
+    for context in (0, 1, 699):
+        assert p.choose(1, True, context).spec == b1 and p.choose(1, True, context).source == "shipped profile"
+        assert p.choose(1, False, context).spec == C(3)
+    long = p.choose(1, True, 700)
+    assert long.spec == C(1) and long.source == "shipped profile, context >= 700" and long.path == "f"
+    assert p.choose(1, True, 4999).spec == C(1) and p.choose(1, False, 2000).spec is None  # plain won there
+    assert (
+        p.choose(1, True, 5000).spec is None and p.choose(1, True, 10**6).source == "shipped profile, context >= 5000"
+    )
+    # batch 2 at a long context: the rule scaled by that bucket's batch-1 row (2 rows: 2 // 2 = 1, plain)
+    two = p.choose(2, True, 800)
+    assert two.spec is None and two.source == "shipped profile rule, context >= 700"
+    assert p.choose(2, True, 100).spec == rule_shape(2, True, 5)  # short prompts: the base budget
+    # a bucket whose batch-1 greedy row is plain decoding decodes plainly at every batch and mode
+    assert p.choose(4, False, 6000).spec is None and p.choose(1, False, 6000).spec is None
+    big = p.largest(4)
+    assert big.num_speculative_tokens >= 3 and big.top_k >= 2 and big.prompt_lookup_num_tokens >= 4
+    # the inverse: without context rows every prompt length gets the base rows
+    base = prof.policy_from_profile({**data, "shapes": data["shapes"][:1]}, "shipped profile", "cpu")
+    assert not base.contexts and base.choose(1, True, 10**6).spec == b1
+    # a caller's shape is never replaced by a context row
+    assert ShapePolicy.caller(C(2)).choose(1, True, 10**6).spec == C(2)
+
+
+@pytest.mark.parametrize("context", [-1, 1.5, "700"])
+def test_a_bad_context_threshold_is_refused(tmp_path, context):
+    row = {"batch_size": 1, "sampling": "greedy", "context": context, "spec": None}
+    path = tmp_path / "p.json"
+    path.write_text(
+        json.dumps(
+            {
+                "kind": prof.KIND,
+                "spec": {"num_speculative_tokens": 1, "top_k": 1, "num_draft_tokens": 2},
+                "shapes": [row],
+            }
+        )
+    )
+    with pytest.raises(ValueError, match="context must be an integer"):
+        prof.read_profile(path)
+
+
+def test_the_runtime_picks_the_long_context_row_by_the_longest_prompt(fresh_cache, tmp_path, monkeypatch):
+    """End to end through a user profile: a request whose longest prompt reaches the threshold runs
+    the long-context row (stats and source say so); shorter requests run the base row; greedy
+    output equals plain decoding either way."""
+    t, d, shipped, tm = _shipped_here(monkeypatch, tmp_path, "eagle3.1")
+    data = prof.read_profile(shipped)
+    spec = {"num_speculative_tokens": 4, "top_k": 1, "num_draft_tokens": 5}
+    rows = [
+        {"batch_size": 1, "sampling": "greedy", "spec": spec},
+        {
+            "batch_size": 1,
+            "sampling": "greedy",
+            "context": 40,
+            "spec": {"num_speculative_tokens": 1, "top_k": 1, "num_draft_tokens": 2},
+        },
+        {"batch_size": 2, "sampling": "greedy", "context": 40, "spec": None},
+    ]
+    user = dict(data, device_name=prof.device_key("cpu"), spec=spec, shapes=rows)
+    fresh_cache.mkdir(parents=True)
+    (
+        fresh_cache / prof.profile_name(data["target"], data["drafter"], prof.device_key("cpu"), "float32", "torch")
+    ).write_text(json.dumps(user))
+    rt = ts.SpeculativeRuntime.from_pretrained(t, d, max_batch_size=2, max_seq_len=256)
+    short, long = "def f(x):", "def f(x):\n    return x + 1\n\n" * 6
+    n_short, n_long = (len(rt.tokenizer(p)["input_ids"]) for p in (short, long))
+    assert n_short < 40 <= n_long
+    a = rt.generate(short, max_new_tokens=8)
+    assert a.stats.spec == C(4) and a.stats.spec_source == "profile"
+    b = rt.generate(long, max_new_tokens=8)
+    assert b.stats.spec == C(1) and b.stats.spec_source == "profile, context >= 40"
+    c = rt.generate([short, long], max_new_tokens=8)  # the longest prompt decides the batch's bucket
+    assert c.stats.spec is None and c.stats.spec_source == "profile, context >= 40"
+    for out, prompts in ((a, short), (b, long), (c, [short, long])):
+        assert out.token_ids == rt.generate(prompts, max_new_tokens=8, speculative=False).token_ids
+
+
 def test_runtime_without_profile_runs_the_rule_per_request(tuned_dir):
     model, drafter = perm_pair("llama", vocab=24, seed=3, alpha=0.3)
     rt = runtime(model, drafter, spec=None, max_batch_size=8)

