@@ -546,7 +546,7 @@ def audit(
         "batch_size": batch_size,
         "speculative": speculative,
         "shapes": {
-            f"batch {b} {mode}": _shape(rt.shape_policy.choose(b, mode == "greedy"))
+            f"batch {b} {mode}": _shape(rt.shape_policy.choose(b, mode == "greedy", max(map(len, ids))))
             for b in sorted({1, batch_size})
             for mode, _ in modes
         },

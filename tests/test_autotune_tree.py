@@ -436,3 +436,20 @@ def test_a_row_plain_decoding_won_tries_the_lookup_on_the_cheapest_chain(tuned_d
     want = ts.SpecConfig(1, 1, 2, prompt_lookup_num_tokens=4) if lookup_wins else None
     assert greedy["spec"] == want
     assert sampled["spec"] is None and "lookup_decode_tokens_per_s" not in sampled
+
+
+@pytest.mark.parametrize("batch, gap, kept", [(1, 0.02, True), (1, 0.05, False), (2, 0.02, False)])
+def test_a_lookup_branch_within_the_tie_margin_is_kept_at_batch_one(tuned_dir, monkeypatch, batch, gap, kept):
+    """``LOOKUP_TIE``: at batch 1 the lookup variant stays when it measures within 3% of the fastest
+    shape (its cost is bounded where outputs do not quote the prompt, its gain large where they do);
+    the inverse: 5% slower, or a tie at batch 2 (where every row's branch adds verified rows), drops it."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        rates = [10.0 if s is None else 20.0 * (1 - gap) if s.prompt_lookup_num_tokens else 20.0 for s in specs]
+        return [Measured(100, 100 / r, 0.0, 4, 4, 0) for r in rates]
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    row = {"batch_size": batch, "sampling": "greedy", "spec": ts.SpecConfig.chain(2), "temperature": 0.0}
+    tree_tuner._lookup_at(None, [[1, 2]], 8, row, (4,), lambda *_: None)
+    assert row["spec"] == (ts.SpecConfig(2, 1, 3, prompt_lookup_num_tokens=4) if kept else ts.SpecConfig.chain(2))
