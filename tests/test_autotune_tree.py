@@ -453,3 +453,22 @@ def test_a_lookup_branch_within_the_tie_margin_is_kept_at_batch_one(tuned_dir, m
     row = {"batch_size": batch, "sampling": "greedy", "spec": ts.SpecConfig.chain(2), "temperature": 0.0}
     tree_tuner._lookup_at(None, [[1, 2]], 8, row, (4,), lambda *_: None)
     assert row["spec"] == (ts.SpecConfig(2, 1, 3, prompt_lookup_num_tokens=4) if kept else ts.SpecConfig.chain(2))
+
+
+@pytest.mark.parametrize("gain, wins", [(1.02, False), (1.05, True)])
+def test_a_shape_must_beat_plain_decoding_by_the_margin_to_take_a_row(monkeypatch, gain, wins):
+    """``PLAIN_MARGIN``: a row goes to a speculative shape only when it measures more than 3% faster
+    than plain decoding (a tie on the tuning prompts risks a loss elsewhere); 5% faster wins it."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        return [Measured(100, 100 / (10.0 if s is None else 10.0 * gain), 0.0, 4, 4, 0) for s in specs]
+
+    class Rt:
+        device = torch.device("cpu")
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    monkeypatch.setattr(tree_tuner, "candidates_at", lambda *a, **k: [ts.SpecConfig.chain(2)])
+    big = ts.SpecConfig(3, 1, 4)
+    row = tree_tuner._best_at(Rt(), [[1, 2]], 8, 4, "greedy", 0.0, big, big, lambda *_: None)
+    assert row["spec"] == (ts.SpecConfig.chain(2) if wins else None)
