@@ -12,10 +12,11 @@ Where the shapes come from, first match wins:
    with the package for this device or for this *kind* of device (a CPU profile applies to every
    CPU of the same architecture and vector ISA, e.g. ``cpu-x86_64-avx512``). A profile's
    ``shapes`` table gives the measured best shape per batch size and mode (``tritonspec autotune
-   tree --batch-sizes 1,2,4,8``); batches between its rows take the row of the next smaller batch,
-   and a profile without a table, or whose table measured batch 1 only, scales its batch-1 shape by
-   the rule below for larger batches (a batch-1 shape run at batch 4 verifies four times its rows:
-   SmolLM2's (3,2,5)+lookup4 ran at 0.49-0.77x of plain decoding there, 2026-12-03);
+   tree --batch-sizes 1,2,4,8``); a batch it did not measure runs the rule below within the rows
+   the next smaller measured batch verified (budget = that batch x its greedy row's
+   ``num_draft_tokens``; plain decoding if plain won that row), never a smaller batch's shape on
+   more rows (a batch-1 shape run at batch 4 verifies four times its rows: SmolLM2's
+   (3,2,5)+lookup4 ran at 0.49-0.77x of plain decoding there, 2026-12-03);
 3. the rule (``source="heuristic"``), derived from the tree tuner's cost model: a verify forward
    costs about one decode step as long as the rows it verifies, summed over the batch, stay within
    the device's *row budget* R (``verify(N) ~ verify(1)`` up to N ~ R on the measured cost curves:
@@ -112,12 +113,21 @@ class ShapePolicy:
             return ShapeChoice(c.spec, f"{c.source}, context >= {t}", c.path)
         mode = "greedy" if greedy else "sampled"
         rows = sorted(b for b, m in self.table if m == mode and b <= batch_size)
-        # a row covers larger batches only when the table measured some batch above 1; a table of
-        # batch-1 rows says nothing about batches (its shape would verify B times the rows): the rule
-        if rows and (rows[-1] == batch_size or max(b for b, _ in self.table) > 1):
-            return ShapeChoice(self.table[rows[-1], mode], self.source, self.path)
+        if rows and rows[-1] == batch_size:  # measured
+            return ShapeChoice(self.table[batch_size, mode], self.source, self.path)
         source = "heuristic" if self.source == "heuristic" else f"{self.source} rule"
-        return ShapeChoice(rule_shape(batch_size, greedy, self.budget, self.device_type), source, self.path)
+        # a batch the table did not measure: a smaller batch's shape would verify more rows than it was
+        # measured at (SmolLM2's batch-1 (3,2,5)+lookup4 ran 0.49-0.77x of plain decoding at batch 4), so
+        # the rule, within the rows the next smaller measured batch verified (its greedy row's)
+        lo = rows[-1] if rows else 1
+        if rows and self.table[lo, mode] is None:  # plain decoding won at a smaller batch: more rows cost more
+            return ShapeChoice(None, source, self.path)
+        if (lo, "greedy") in self.table:
+            g = self.table[lo, "greedy"]
+            budget = lo * (g.num_draft_tokens if g is not None else 1)
+        else:
+            budget = lo * self.budget
+        return ShapeChoice(rule_shape(batch_size, greedy, budget, self.device_type), source, self.path)
 
     def largest(self, max_batch_size: int) -> SpecConfig:
         """A shape at least as deep, wide and long as any this policy picks (sizes the caches)."""

@@ -49,9 +49,12 @@ def test_rule_shrinks_the_verified_rows_as_the_batch_grows(batch, greedy, budget
 
 def test_policy_table_rows_then_the_rule():
     p = ShapePolicy("profile", 7, table={(1, "greedy"): C(5), (4, "greedy"): C(2), (2, "sampled"): None}, path="f")
-    assert p.choose(1, True).spec == C(5) and p.choose(3, True).spec == C(5)  # the next smaller row
-    assert p.choose(6, True).spec == C(2) and p.choose(6, True).source == "profile"
-    assert p.choose(2, False).spec is None and p.choose(8, False).spec is None  # plain decoding won there
+    assert p.choose(1, True).spec == C(5) and p.choose(4, True).spec == C(2) and p.choose(4, True).source == "profile"
+    # batches between and above the rows: the rule within the rows the next smaller row verified
+    assert p.choose(3, True).spec == rule_shape(3, True, 1 * 6) == C(1) and p.choose(3, True).source == "profile rule"
+    assert p.choose(6, True).spec == rule_shape(6, True, 4 * 3) == C(1)
+    assert p.choose(12, True).spec is None  # 4 x 3 rows over 12 requests: plain decoding
+    assert p.choose(2, False).spec is None and p.choose(8, False).spec is None  # plain decoding won at 2
     r = p.choose(1, False)  # no sampled row at or below batch 1: the rule at this profile's budget
     assert r.spec == rule_shape(1, False, 7) and r.source == "profile rule" and r.path == "f"
     assert ShapePolicy.caller(C(2)).choose(8, False).spec == C(2)
@@ -80,9 +83,15 @@ def test_a_batch_one_table_says_nothing_about_larger_batches():
     assert filed.choose(1, True).spec == b1 and filed.choose(1, False).spec == C(3)
     assert filed.choose(4, True).spec is None and filed.choose(4, True).source == "shipped profile rule"
     assert filed.choose(2, False).spec == C(1)
-    # the inverse: a table that measured a larger batch keeps its rows for the batches between them
-    q = ShapePolicy("profile", 5, table={(1, "greedy"): b1, (2, "greedy"): C(2)}, path="f")
-    assert q.choose(4, True).spec == C(2) and q.choose(4, True).source == "profile"
+    # nor does a larger measured batch's row: batch 3 of a table measured at 1, 2 and 4 is the rule
+    # within batch 2's verified rows, never batch 2's shape on 3 rows
+    q = ShapePolicy("profile", 5, table={(1, "greedy"): b1, (2, "greedy"): C(2), (4, "greedy"): C(1)}, path="f")
+    assert q.choose(2, True).spec == C(2) and q.choose(4, True).spec == C(1) and q.choose(4, True).source == "profile"
+    assert q.choose(3, True).spec == rule_shape(3, True, 2 * 3) == C(1) and q.choose(3, True).source == "profile rule"
+    assert q.choose(8, True).spec is None  # 4 x 2 rows over 8 requests
+    # the inverse: rows measured at every batch are taken as measured
+    full = ShapePolicy("profile", 5, table={(b, "greedy"): C(3) for b in (1, 2, 3, 4)}, path="f")
+    assert all(full.choose(b, True).spec == C(3) and full.choose(b, True).source == "profile" for b in (1, 2, 3, 4))
 
 
 def test_long_prompts_take_the_rows_measured_on_long_prompts():
