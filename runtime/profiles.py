@@ -319,9 +319,9 @@ def _read_spec(fields: Any) -> SpecConfig:
 
 
 def policy_from_profile(data: dict, source: str, device: torch.device | str, path: str | None = None) -> ShapePolicy:
-    """The ``ShapePolicy`` of a profile: its ``shapes`` table, and the rule scaled to its batch-1
-    shape (``num_draft_tokens`` = the device's row budget) for the batches the table lacks (every
-    batch above 1 when the table measured batch 1 only). Rows with a ``context`` threshold form a
+    """The ``ShapePolicy`` of a profile: its ``shapes`` table, and the rule for the batches the
+    table lacks, within the rows the next smaller measured batch verified (``ShapePolicy.choose``;
+    the batch-1 shape's ``num_draft_tokens`` is the budget). Rows with a ``context`` threshold form a
     sub-policy per threshold (``ShapePolicy.contexts``), scaled by their own batch-1 greedy row."""
     spec = _read_spec(data["spec"])
     tables: dict[int, dict] = {0: {(1, "greedy"): spec}}
