@@ -384,8 +384,9 @@ def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) 
         return
     if spec is None:  # plain decoding won: a lookup branch on the cheapest chain may still pay (quoting prompts)
         cands = [replace(SpecConfig.chain(1), prompt_lookup_num_tokens=m) for m in lookups]
-    else:
-        cands = [spec] + [replace(spec, prompt_lookup_num_tokens=m) for m in lookups]
+    else:  # the shape without a branch and with each (a winner that already has one is measured bare too)
+        bare = replace(spec, prompt_lookup_num_tokens=0)
+        cands = [bare] + [replace(bare, prompt_lookup_num_tokens=m) for m in lookups]
     # twice, the order reversed on the second pass: a lookup branch's gain is often a few percent, the
     # size of a load swing during one pass
     plain, *ms = measure_generation(rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp, repeats=2)

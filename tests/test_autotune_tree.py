@@ -472,3 +472,24 @@ def test_a_shape_must_beat_plain_decoding_by_the_margin_to_take_a_row(monkeypatc
     big = ts.SpecConfig(3, 1, 4)
     row = tree_tuner._best_at(Rt(), [[1, 2]], 8, 4, "greedy", 0.0, big, big, lambda *_: None)
     assert row["spec"] == (ts.SpecConfig.chain(2) if wins else None)
+
+
+def test_a_winner_with_a_lookup_branch_is_measured_bare_and_with_each_length(monkeypatch):
+    """A row whose winner already has a branch (the short prompts' shape winning a long-context row)
+    is measured without it and with each length, once each."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    seen = []
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        seen.extend(specs)
+        return [
+            Measured(100, 100 / (10.0 if s is None else 20.0 + s.prompt_lookup_num_tokens), 0.0, 4, 4, 0) for s in specs
+        ]
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    spec = ts.SpecConfig(3, 1, 4, prompt_lookup_num_tokens=4)
+    row = {"batch_size": 1, "sampling": "greedy", "spec": spec, "temperature": 0.0}
+    tree_tuner._lookup_at(None, [[1, 2]], 8, row, (4, 8), lambda *_: None)
+    assert set(row["lookup_decode_tokens_per_s"]) == {"plain", "(3,1,4)", "(3,1,4)+lookup4", "(3,1,4)+lookup8"}
+    assert len(seen) == 4 and row["spec"] == ts.SpecConfig(3, 1, 4, prompt_lookup_num_tokens=8)
