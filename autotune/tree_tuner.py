@@ -342,7 +342,7 @@ def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compi
     plain, *ms = measure_generation(rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp)
     rates = [m.decode_tokens_per_s for m in ms]
     i = max(range(len(cands)), key=rates.__getitem__)
-    win = cands[i] if rates[i] > (1 + PLAIN_MARGIN) * plain.decode_tokens_per_s else None
+    win = cands[i] if _beats_plain(rates[i], plain) else None
     say(
         f"[autotune tree] batch {b} {mode}: plain {plain.decode_tokens_per_s:.1f} tok/s, best "
         f"{cands[i].label} {rates[i]:.1f} tok/s -> {win.label if win else 'plain decoding'}"
@@ -364,6 +364,12 @@ def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compi
 # prompts (SmolLM2 EAGLE-3.1 at batch 4: (1,1,2) 99.0 vs plain 97.6 tokens/s on held-out prompts,
 # where the same shape ran 0.85-0.90x of plain decoding on the benchmark's sets).
 PLAIN_MARGIN = 0.03
+
+
+def _beats_plain(rate: float, plain: Measured) -> bool:
+    """Whether a shape's decode rate takes a row from plain decoding (by more than ``PLAIN_MARGIN``)."""
+    return rate > (1 + PLAIN_MARGIN) * plain.decode_tokens_per_s
+
 
 # At batch 1, a lookup branch within this fraction of the fastest shape's rate is kept. Its cost is
 # bounded where outputs do not quote the prompt (no match: its nodes are cut before the verify),
@@ -396,7 +402,7 @@ def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) 
     j = max(with_lookup, key=rates.__getitem__, default=i)
     if b == 1 and rates[j] >= (1 - LOOKUP_TIE) * rates[i]:  # a tie at batch 1 keeps the branch (LOOKUP_TIE)
         i = j
-    win = cands[i] if spec is not None or rates[i] > (1 + PLAIN_MARGIN) * plain.decode_tokens_per_s else None
+    win = cands[i] if spec is not None or _beats_plain(rates[i], plain) else None
     row["spec"] = win  # plain decoding lost this row's first pass; it is measured again for the ratios
     row["lookup_decode_tokens_per_s"] = {"plain": round(plain.decode_tokens_per_s, 2)} | {
         c.label: round(r, 2) for c, r in zip(cands, rates)
