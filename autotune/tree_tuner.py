@@ -19,7 +19,8 @@
    prompt-lookup branch of each given length grafted on (``runtime/ngram.py``; its gain depends on
    how much the outputs repeat the prompts, which no acceptance profile of the drafter predicts,
    so it is measured, never modelled); the fastest stays in the row (at batch 1, a branch within 3%
-   of the fastest is kept: ``LOOKUP_TIE``). A greedy row that plain
+   of the fastest is kept: ``LOOKUP_TIE``), unless plain decoding, measured again beside them, is
+   faster still (then the row goes to plain decoding). A greedy row that plain
    decoding won tries the one-token chain with each lookup branch instead (kept only if faster)
 8. optionally (``long_prompts``), the batch-1 rows again on long prompts: the short prompts'
    winner, the same candidates as step 6 and plain decoding side by side (then step 7 on the
@@ -383,7 +384,8 @@ def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) 
     """Step 7 for one ``shapes`` row: plain decoding, its shape and the shape with each prompt-lookup
     length, side by side at the row's batch size and temperature (two passes, A B C then C B A);
     the fastest shape goes into the row (in place; at batch 1 the fastest with a lookup branch when
-    within ``LOOKUP_TIE`` of it), the rates into its ``lookup_decode_tokens_per_s``."""
+    within ``LOOKUP_TIE`` of it; plain decoding when it measures faster than every shape here), the
+    rates into its ``lookup_decode_tokens_per_s``."""
     spec, b, temp = row["spec"], row["batch_size"], row.get("temperature", 0.0)
     sampled_chain = spec is not None and spec.top_k == 1 and spec.sample_chain_drafts and row["sampling"] == "sampled"
     if sampled_chain or (spec is None and row["sampling"] == "sampled"):  # verified against q: no lookup
@@ -402,8 +404,11 @@ def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) 
     j = max(with_lookup, key=rates.__getitem__, default=i)
     if b == 1 and rates[j] >= (1 - LOOKUP_TIE) * rates[i]:  # a tie at batch 1 keeps the branch (LOOKUP_TIE)
         i = j
-    win = cands[i] if spec is not None or _beats_plain(rates[i], plain) else None
-    row["spec"] = win  # plain decoding lost this row's first pass; it is measured again for the ratios
+    # a shape from the row pass (which beat plain decoding by PLAIN_MARGIN) must still beat it in this
+    # pass's two runs; a greedy row plain decoding won needs the margin again for the chain + branch
+    wins = rates[i] > plain.decode_tokens_per_s if spec is not None else _beats_plain(rates[i], plain)
+    win = cands[i] if wins else None
+    row["spec"] = win
     row["lookup_decode_tokens_per_s"] = {"plain": round(plain.decode_tokens_per_s, 2)} | {
         c.label: round(r, 2) for c, r in zip(cands, rates)
     }
