@@ -402,12 +402,15 @@ def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) 
     i = max(range(len(cands)), key=rates.__getitem__)
     with_lookup = [j for j, c in enumerate(cands) if c.prompt_lookup_num_tokens]
     j = max(with_lookup, key=rates.__getitem__, default=i)
-    if b == 1 and rates[j] >= (1 - LOOKUP_TIE) * rates[i]:  # a tie at batch 1 keeps the branch (LOOKUP_TIE)
+
+    def beats_plain(rate: float) -> bool:
+        # a shape from the row pass (which beat plain decoding by PLAIN_MARGIN) must still beat it in
+        # this pass's two runs; a greedy row plain decoding won needs the margin again (chain + branch)
+        return rate > plain.decode_tokens_per_s if spec is not None else _beats_plain(rate, plain)
+
+    if b == 1 and rates[j] >= (1 - LOOKUP_TIE) * rates[i] and beats_plain(rates[j]):  # a tie keeps the branch
         i = j
-    # a shape from the row pass (which beat plain decoding by PLAIN_MARGIN) must still beat it in this
-    # pass's two runs; a greedy row plain decoding won needs the margin again for the chain + branch
-    wins = rates[i] > plain.decode_tokens_per_s if spec is not None else _beats_plain(rates[i], plain)
-    win = cands[i] if wins else None
+    win = cands[i] if beats_plain(rates[i]) else None
     row["spec"] = win
     row["lookup_decode_tokens_per_s"] = {"plain": round(plain.decode_tokens_per_s, 2)} | {
         c.label: round(r, 2) for c, r in zip(cands, rates)

@@ -495,19 +495,30 @@ def test_a_winner_with_a_lookup_branch_is_measured_bare_and_with_each_length(mon
     assert len(seen) == 4 and row["spec"] == ts.SpecConfig(3, 1, 4, prompt_lookup_num_tokens=8)
 
 
-@pytest.mark.parametrize("plain_rate, kept", [(19.0, True), (21.0, False)])
-def test_the_lookup_pass_gives_a_row_to_plain_decoding_when_plain_measures_faster(monkeypatch, plain_rate, kept):
+@pytest.mark.parametrize(
+    "batch, plain_rate, lookup_rate, want",
+    [
+        (4, 19.0, 16.0, "bare"),  # still faster than plain decoding (by less than PLAIN_MARGIN): kept
+        (4, 21.0, 16.0, None),  # slower than plain decoding here, with or without a branch: plain
+        (1, 19.0, 19.5, "lookup"),  # a branch within LOOKUP_TIE that beats plain decoding: kept
+        (1, 19.7, 19.5, "bare"),  # within LOOKUP_TIE but slower than plain decoding: the bare shape
+    ],
+)
+def test_the_lookup_pass_gives_a_row_to_plain_decoding_when_plain_measures_faster(
+    monkeypatch, batch, plain_rate, lookup_rate, want
+):
     """The lookup pass measures plain decoding again beside the row's shape (two runs): a shape that
-    won the row pass but runs slower than plain decoding here, with or without a branch, loses the
-    row; the inverse: a shape still faster than plain decoding (by less than ``PLAIN_MARGIN``) keeps it."""
+    won the row pass but runs slower than plain decoding here loses the row; a shape still faster
+    keeps it; a lookup branch kept for a tie at batch 1 must beat plain decoding too."""
     from tritonspec.autotune.tree_measure import Measured
 
     def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
-        rates = [plain_rate if s is None else 20.0 - s.prompt_lookup_num_tokens for s in specs]
+        rates = [plain_rate if s is None else lookup_rate if s.prompt_lookup_num_tokens else 20.0 for s in specs]
         return [Measured(100, 100 / r, 0.0, 4, 4, 0) for r in rates]
 
     monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
-    row = {"batch_size": 4, "sampling": "greedy", "spec": ts.SpecConfig(1, 1, 2), "temperature": 0.0}
+    row = {"batch_size": batch, "sampling": "greedy", "spec": ts.SpecConfig(1, 1, 2), "temperature": 0.0}
     tree_tuner._lookup_at(None, [[1, 2]], 8, row, (4,), lambda *_: None)
-    assert row["spec"] == (ts.SpecConfig(1, 1, 2) if kept else None)
+    expect = {"bare": ts.SpecConfig(1, 1, 2), "lookup": ts.SpecConfig(1, 1, 2, prompt_lookup_num_tokens=4), None: None}
+    assert row["spec"] == expect[want]
     assert row["lookup_decode_tokens_per_s"]["plain"] == plain_rate
