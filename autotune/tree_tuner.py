@@ -367,9 +367,9 @@ def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compi
 PLAIN_MARGIN = 0.03
 
 
-def _beats_plain(rate: float, plain: Measured) -> bool:
-    """Whether a shape's decode rate takes a row from plain decoding (by more than ``PLAIN_MARGIN``)."""
-    return rate > (1 + PLAIN_MARGIN) * plain.decode_tokens_per_s
+def _beats_plain(rate: float, plain: Measured, margin: float = PLAIN_MARGIN) -> bool:
+    """Whether a shape's decode rate takes a row from plain decoding (by more than ``margin``)."""
+    return rate > (1 + margin) * plain.decode_tokens_per_s
 
 
 # At batch 1, a lookup branch within this fraction of the fastest shape's rate is kept. Its cost is
@@ -402,15 +402,12 @@ def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) 
     i = max(range(len(cands)), key=rates.__getitem__)
     with_lookup = [j for j, c in enumerate(cands) if c.prompt_lookup_num_tokens]
     j = max(with_lookup, key=rates.__getitem__, default=i)
-
-    def beats_plain(rate: float) -> bool:
-        # a shape from the row pass (which beat plain decoding by PLAIN_MARGIN) must still beat it in
-        # this pass's two runs; a greedy row plain decoding won needs the margin again (chain + branch)
-        return rate > plain.decode_tokens_per_s if spec is not None else _beats_plain(rate, plain)
-
-    if b == 1 and rates[j] >= (1 - LOOKUP_TIE) * rates[i] and beats_plain(rates[j]):  # a tie keeps the branch
-        i = j
-    win = cands[i] if beats_plain(rates[i]) else None
+    # a shape from the row pass (which beat plain decoding by PLAIN_MARGIN) must still beat it in this
+    # pass's two runs; a greedy row plain decoding won needs the margin again (chain + branch)
+    margin = 0.0 if spec is not None else PLAIN_MARGIN
+    if b == 1 and rates[j] >= (1 - LOOKUP_TIE) * rates[i] and _beats_plain(rates[j], plain, margin):
+        i = j  # a tie at batch 1 keeps the branch (LOOKUP_TIE)
+    win = cands[i] if _beats_plain(rates[i], plain, margin) else None
     row["spec"] = win
     row["lookup_decode_tokens_per_s"] = {"plain": round(plain.decode_tokens_per_s, 2)} | {
         c.label: round(r, 2) for c, r in zip(cands, rates)

