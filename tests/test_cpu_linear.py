@@ -120,6 +120,35 @@ def test_bad_inputs_are_named():
         cl.cpu_linear(torch.randn(2, 8), w, torch.randn(5))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dispatch_row_limit_per_dtype(monkeypatch, dtype):
+    """float32 calls above ``MAX_ROWS_F32`` rows (a prompt's forward) run F.linear, bfloat16 ones up to
+    ``MAX_ROWS``; at the limit both run the kernel (counted at its launch, so the test sees which path ran)."""
+    if cl.available(dtype) is not None:
+        pytest.skip(f"no CPU kernel for {dtype} here: {cl.available(dtype)}")
+    monkeypatch.setattr(cl, "SIZE_FLOORS", False)
+    monkeypatch.setattr(cl, "MAX_ROWS_F32", 7)  # the limit is per dtype, whatever its value on this CPU
+    launches = []
+    launch = cl._launch
+    monkeypatch.setattr(cl, "_launch", lambda *a: launches.append(a[0].shape[0]) or launch(*a))
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(300, 96, generator=g).to(dtype)
+    limit = 7 if dtype == torch.float32 else cl.MAX_ROWS
+    at, above = (torch.randn(n, 96, generator=g).to(dtype) for n in (limit, limit + 1))
+    y = cl.linear(at, w)
+    assert launches == [limit] and torch.equal(y, cl.cpu_linear(at, w))  # the kernel ran
+    launches.clear()
+    y = cl.linear(above, w)
+    assert launches == [] and torch.equal(y, F.linear(above, w))
+    if dtype == torch.float32:  # bfloat16 runs the kernel above the float32 limit
+        assert not torch.equal(cl.cpu_linear(above, w), y)  # the two paths differ on these inputs
+        b = above[: limit + 1].bfloat16()
+        if cl.available(torch.bfloat16) is None:
+            launches.clear()
+            cl.linear(b, w.bfloat16())
+            assert launches == [limit + 1]
+
+
 @needs[torch.float32]
 @pytest.mark.parametrize("floors", [True, False])
 def test_dispatch_falls_back_where_the_kernel_does_not_apply(monkeypatch, floors):
