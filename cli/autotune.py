@@ -8,7 +8,8 @@ import json
 import sys
 from pathlib import Path
 
-from .common import add_command, demo_prompts, is_demo, parse_dtype, resolve_pair
+from ..demo import tuning_prompts
+from .common import add_command, is_demo, parse_dtype, resolve_pair
 
 DEFAULT_PROMPTS = [
     "def fibonacci(n):",
@@ -80,8 +81,8 @@ checks it, two neighbours and the default shape by generating (measured vs predi
         "--prompts",
         default=None,
         help='a .jsonl of {"prompt"|"text": ...} or {"messages": [...]} rows (chat, rendered by the target\'s '
-        "template) or a text file (blank-line separated); default: the demo's standard set for 'demo', else "
-        "a few built-in code prompts",
+        "template) or a text file (blank-line separated); default: the demo's tuning prompts for 'demo' "
+        "(demo/prompts/tune.jsonl: files no benchmark prompt comes from), else a few built-in code prompts",
     )
     t.add_argument("--num-prompts", type=int, default=8, help="use the first N prompts (default 8)")
     t.add_argument(
@@ -89,7 +90,8 @@ checks it, two neighbours and the default shape by generating (measured vs predi
         default=None,
         help="also tune batch-1 rows on these long prompts (same formats as --prompts; a few thousand tokens "
         "each, e.g. a document and a question): the runtime runs them for prompts of at least the geometric "
-        "mean of both sets' median lengths, where smaller trees often win",
+        "mean of both sets' median lengths, where smaller trees often win; 'demo': the demo pair's long "
+        "tuning prompts (demo/prompts/tune_long.jsonl)",
     )
     t.add_argument("--num-long-prompts", type=int, default=4, help="use the first N long prompts (default 4)")
     t.add_argument("--max-new-tokens", type=int, default=64)
@@ -207,17 +209,23 @@ def cmd_tree(args: argparse.Namespace) -> int:
     from ..autotune.tree_tuner import tune_tree
 
     demo = is_demo(args.target)
+    if args.long_prompts == "demo" and not demo:
+        raise ValueError("--long-prompts demo names the demo pair's long tuning prompts: use it with --target demo")
     target, drafter = resolve_pair(args.target, args.drafter)
     if drafter is None:
         raise ValueError("--drafter is required (a tree needs a drafter)")
     if args.prompts:
         prompts = read_tune_prompts(args.prompts, target)
     elif demo:
-        prompts = demo_prompts("standard")
+        prompts = [r["prompt"] for r in tuning_prompts("standard")]  # not the benchmark's rows
     else:
         prompts = DEFAULT_PROMPTS
     prompts = prompts[: args.num_prompts]
-    long_prompts = read_tune_prompts(args.long_prompts, target)[: args.num_long_prompts] if args.long_prompts else []
+    if args.long_prompts == "demo":
+        long_prompts = [r["prompt"] for r in tuning_prompts("long")]
+    else:
+        long_prompts = read_tune_prompts(args.long_prompts, target) if args.long_prompts else []
+    long_prompts = long_prompts[: args.num_long_prompts]
     if not (Path(target) / "tokenizer.json").exists() and not (Path(target) / "tokenizer_config.json").exists():
         import torch
 

@@ -16,6 +16,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VARIANTS = {"eagle3": "drafter-eagle3", "eagle3.1": "drafter-eagle3.1"}
 PROMPT_SETS = ("standard", "long", "perturbed")
+# prompts the benchmarks take from the front of each set (perf/bench_e2e.py and the others: 8 per set)
+BENCH_ROWS = 8
+# tuning slices (``tuning_prompts``): rows of the standard and long sets from source files that none of
+# the benchmark rows come from, one per file, so `autotune tree --target demo` never tunes on what the
+# reports measure
+TUNING_SETS = {"standard": "tune.jsonl", "long": "tune_long.jsonl"}
 
 
 def available() -> bool:
@@ -56,4 +62,23 @@ def prompt_set(name: str) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-__all__ = ["demo_pair", "prompt_set", "available", "VARIANTS", "PROMPT_SETS"]
+def tuning_prompts(name: str = "standard") -> list[dict]:
+    """Rows ``{"id", "source", "prompt"}`` for tuning on the demo pair: ``"standard"`` (16 rows) or
+    ``"long"`` (8 rows), drawn from the set of that name after its first ``BENCH_ROWS`` rows and
+    from files that no benchmark row of any set comes from (one row per file). ``autotune tree
+    --target demo`` uses them by default (``--long-prompts demo`` for the long rows).
+
+    >>> [r["source"] for r in tuning_prompts("long")][:2]   # doctest: +SKIP
+    ['encodings/mac_iceland.py', 'fileinput.py']
+    """
+    import json
+
+    if name not in TUNING_SETS:
+        raise ValueError(f"tuning set {name!r}: use one of {sorted(TUNING_SETS)}")
+    path = ROOT / "prompts" / TUNING_SETS[name]
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: reinstall tritonspec (it ships with the demo prompts)")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+__all__ = ["demo_pair", "prompt_set", "tuning_prompts", "available", "VARIANTS", "PROMPT_SETS", "BENCH_ROWS"]

@@ -82,3 +82,30 @@ def test_recipe_smoke_budget_builds_a_loadable_bundle(tmp_path):
     rt = ts.SpeculativeRuntime.from_pretrained(tdir, ddir, backend="torch", max_seq_len=256)
     r = rt.generate("def f(x):", max_new_tokens=8)
     assert r.token_ids == rt.generate("def f(x):", max_new_tokens=8, speculative=False).token_ids
+
+
+@pytest.mark.parametrize("name,rows", [("standard", 16), ("long", 8)])
+def test_demo_tuning_prompts_share_no_file_with_a_benchmark_prompt(name, rows):
+    """``demo.tuning_prompts`` (what `autotune tree --target demo` tunes on) come from the set of that
+    name, after its benchmark rows, one per file, and from files that no benchmark row of any set
+    (the first ``BENCH_ROWS``) comes from; the inverse: a benchmark row slipped in is caught."""
+    tune = demo.tuning_prompts(name)
+    full = {r["id"]: r for r in demo.prompt_set(name)}
+    bench = {r["source"] for s in demo.PROMPT_SETS for r in demo.prompt_set(s)[: demo.BENCH_ROWS]}
+    assert len(tune) == rows and len({r["source"] for r in tune}) == rows
+    assert all(full[r["id"]] == r for r in tune)  # rows of the set itself, unchanged
+    assert not bench & {r["source"] for r in tune}
+    leaked = [*tune, demo.prompt_set("perturbed")[3]]
+    assert bench & {r["source"] for r in leaked}  # the inverse
+    with pytest.raises(ValueError, match="tuning set"):
+        demo.tuning_prompts("perturbed")
+
+
+def test_autotune_long_prompts_demo_needs_the_demo_target(tmp_path, capsys):
+    """``--long-prompts demo`` names the demo pair's long tuning rows: with another target it is an
+    error that says so (exit status 2)."""
+    from tritonspec.cli import main
+
+    argv = ["autotune", "tree", "--target", str(tmp_path), "--drafter", str(tmp_path), "--long-prompts", "demo"]
+    assert main(argv) == 2
+    assert "--long-prompts demo names the demo pair's long tuning prompts" in capsys.readouterr().err
