@@ -19,8 +19,10 @@ PROMPT_SETS = ("standard", "long", "perturbed")
 # prompts the benchmarks take from the front of each set (perf/bench_e2e.py and the others: 8 per set)
 BENCH_ROWS = 8
 # tuning slices (``tuning_prompts``): rows of the standard and long sets from source files that none of
-# the benchmark rows come from, one per file, so `autotune tree --target demo` never tunes on what the
-# reports measure
+# the first BENCH_ROWS rows of any set come from, one per file, so `autotune tree --target demo` does not
+# tune on what the speedup reports (bench_e2e, bench_deterministic, bench_defaults) measure;
+# perf/bench_continuous.py (static vs continuous batching, standard[:32], long[:16]) and bench_soak do
+# include them
 TUNING_SETS = {"standard": "tune.jsonl", "long": "tune_long.jsonl"}
 
 

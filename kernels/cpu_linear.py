@@ -60,15 +60,16 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 # Largest row count routed to the kernel by the torch backend: every decode-round call (verify of
 # batch x tree rows, drafter steps, plain steps) fits; prefill chunks above it run F.linear.
 MAX_ROWS = 256
-# ``MAX_ROWS_F32`` (set below ``isa()``): float32 calls with more rows run F.linear (MKL) on AVX2 CPUs:
-# the kernel's fixed per-output instruction sequence (16-lane accumulators, then a reduction tree) runs at ~15-17 G
-# multiply-adds a second per core there, where MKL's packed GEMM reaches ~28-38 G once a call has
-# enough rows to be compute-bound. Measured (2-core AMD EPYC, Zen 3, 2026-12-03, SmolLM2's weights,
-# 2 threads): the kernel is faster up to ~48-64 rows (0.26-0.8x MKL's time at 4-32 rows, where a
-# verify runs), MKL from ~64-96 rows on; a prompt's forward of 82-125 tokens (8 HumanEval prompts)
-# took 2.3-2.6 s through MKL against 3.2-3.3 s through the kernel. bfloat16 keeps MAX_ROWS (MKL has
-# no fast bfloat16 path on AVX2), and AVX-512 CPUs keep it too (not measured there). Deterministic
-# mode does not use this dispatch (every row count runs the kernel).
+# ``MAX_ROWS_F32`` (set below ``isa()``): in a prompt's forward (``linear(..., prompt=True)``), float32 calls
+# with more rows run F.linear (MKL) on AVX2 CPUs. The kernel's fixed per-output instruction sequence
+# (16-lane accumulators, then a reduction tree) runs at ~15-20 G multiply-adds a second per core there,
+# MKL's packed GEMM at ~28 G on one thread (54 G on two) once a call is compute-bound
+# (perf/CPU_DECODE.md). Measured (2-core AMD EPYC, Zen 3, 2026-12-03, SmolLM2's weights): with
+# 2 threads the kernel is faster up to ~48-64 rows, MKL from ~64-96 on (with 1 thread from ~16-32 rows);
+# 8 HumanEval prompts (82-125 tokens) prefilled in 2.3-2.6 s through MKL against 3.2-3.3 s through the
+# kernel. Decode rounds are not prompts: their calls stay on the kernel up to MAX_ROWS rows, so a
+# verify row rounds like a decode step. bfloat16 keeps MAX_ROWS (MKL has no fast bfloat16 path on
+# AVX2), AVX-512 CPUs too (not measured there); deterministic mode does not use this dispatch.
 # Weights with fewer elements or columns run F.linear in the default mode: small ones sit in cache,
 # so streaming speed buys nothing, and the kernel's per-call cost (~7 us from Python) and its
 # per-output horizontal sum over a short K lose to MKL there (the demo target, hidden size 128:
@@ -484,10 +485,14 @@ def linear(
     x: torch.Tensor,  # [..., K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
+    prompt: bool = False,
 ) -> torch.Tensor:  # [..., N]
     """The CPU kernel where it applies (``x`` and ``weight`` of one dtype, a contiguous ``[N, K]``
     weight of at least ``MIN_WEIGHT`` elements and ``MIN_K`` columns where ``SIZE_FLOORS``, no
-    autograd, at most ``MAX_ROWS`` rows (``MAX_ROWS_F32`` in float32)), else ``F.linear``. The caller
+    autograd, at most ``MAX_ROWS`` rows, or ``MAX_ROWS_F32`` in a float32 ``prompt`` forward), else
+    ``F.linear``. ``prompt``: the call belongs to a prompt's forward (``meta.prefill``), whose rows
+    need not round like a decode step's; decode rounds (verify, drafter and plain steps) keep every
+    call up to ``MAX_ROWS`` rows on the kernel, so their rows stay invariant. The caller
     has checked that ``x`` is a float32/bfloat16 CPU tensor and ``enabled(x.dtype)``. While a graph is traced
     (``torch.compile``, ``make_fx``) the kernel is an opaque operator (``tritonspec_cpu::linear``,
     else the Python custom op ``tritonspec::cpu_linear``), so compiled and eager rounds compute the
@@ -498,7 +503,7 @@ def linear(
     elif (
         weight.dtype != x.dtype
         or (SIZE_FLOORS and (weight.numel() < MIN_WEIGHT or x.shape[-1] < MIN_K))
-        or x.numel() > (MAX_ROWS_F32 if x.dtype == torch.float32 else MAX_ROWS) * x.shape[-1]
+        or x.numel() > (MAX_ROWS_F32 if prompt and x.dtype == torch.float32 else MAX_ROWS) * x.shape[-1]
         or not weight.is_contiguous()
         or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))
         or (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)))

@@ -30,7 +30,7 @@ class TritonOps:
 
     name = "triton"
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, prompt: bool = False) -> None:
         """Nothing cached between layers (``TorchOps.begin_forward`` has the counterpart)."""
 
     def linear(self, x, weight, bias=None):

@@ -819,7 +819,7 @@ class DeterministicOps:
             torch.set_num_threads(n)
 
     # ------------------------------------------------------------------ ops
-    def begin_forward(self) -> None:
+    def begin_forward(self, prompt: bool = False) -> None:  # prompts run the same row-invariant ops
         self._layout = None
         if self._gpu is None and torch.get_num_threads() != FORWARD_THREADS and "threads" not in self._warned:
             self._warned.add("threads")

@@ -43,9 +43,11 @@ class Ops(Protocol):
 
     name: str  # "torch" or "triton"
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, prompt: bool = False) -> None:
         """A model forward starts (called before its first layer): drop anything cached for the
-        previous forward (the round updates ``prefix_lens`` in place between forwards)."""
+        previous forward (the round updates ``prefix_lens`` in place between forwards). ``prompt``:
+        this forward is a prompt's (``meta.prefill``), whose rows need not round like a decode
+        step's (the torch backend then runs float32 linear layers of many rows through MKL on AVX2)."""
 
     def linear(
         self,
@@ -169,7 +171,7 @@ class TorchOps:
         stored ``[K, N]`` (``TargetModel.weight_layout``); such a weight runs ``F.linear``. A weight
         packed for AMX (``weight_layout="amx"``) runs only the kernel."""
         if x.is_cpu and (self._cpu_kernel(x.dtype) or weight.dim() == 4):
-            return _cpu_linear.linear(x, weight, bias)
+            return _cpu_linear.linear(x, weight, bias, self._prompt)
         return F.linear(x, weight, bias)
 
     def _cpu_kernel(self, dtype: torch.dtype) -> bool:
@@ -210,11 +212,14 @@ class TorchOps:
         self.cpu_linear = cpu_linear  # "auto" ($TRITONSPEC_CPU_LINEAR; default: the kernel where it runs)
         self._kernel_for: dict[torch.dtype, bool] = {}  # dtype -> CPU linear runs kernels.cpu_linear
         self._vis: tuple | None = None  # (prefix_lens, tree_mask, kv_len, visibility) of this forward
+        self._prompt = False  # this forward is a prompt's (begin_forward): kernels.cpu_linear's prompt rows
 
-    def begin_forward(self) -> None:
+    def begin_forward(self, prompt: bool = False) -> None:
         """A new model forward starts: forget the cached visibility mask (the round updates
-        ``prefix_lens`` in place, so the same tensor object holds new lengths in the next forward)."""
+        ``prefix_lens`` in place, so the same tensor object holds new lengths in the next forward);
+        ``prompt``: a prompt's forward (``Ops.begin_forward``)."""
         self._vis = None
+        self._prompt = prompt
 
     def tree_attention(self, q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None):
         """``kernels.tree_attention.tree_attention_reference``. On the CPU, ``kernels.cpu_attention``

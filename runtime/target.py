@@ -501,7 +501,7 @@ class TargetModel:
         """
         assert self.k_cache is not None, "call allocate_cache() first"
         B, Q = tokens.shape
-        ops.begin_forward()
+        ops.begin_forward(prompt=meta.prefill)
         h = F.embedding(tokens, self.embed)  # [B, Q, H]
         aux_ids = self.aux_layer_ids if capture_aux else ()
         captured = {0: h} if 0 in aux_ids else {}

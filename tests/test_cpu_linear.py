@@ -121,9 +121,10 @@ def test_bad_inputs_are_named():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_dispatch_row_limit_per_dtype(monkeypatch, dtype):
-    """float32 calls above ``MAX_ROWS_F32`` rows (a prompt's forward) run F.linear, bfloat16 ones up to
-    ``MAX_ROWS``; at the limit both run the kernel (counted at its launch, so the test sees which path ran)."""
+def test_dispatch_row_limit_of_prompt_forwards(monkeypatch, dtype):
+    """In a prompt's forward (``prompt=True``) float32 calls above ``MAX_ROWS_F32`` rows run F.linear;
+    bfloat16 ones, and every call of a decode round (``prompt=False``: a verify's rows must round like
+    a decode step's), stay on the kernel up to ``MAX_ROWS`` (counted at its launch)."""
     if cl.available(dtype) is not None:
         pytest.skip(f"no CPU kernel for {dtype} here: {cl.available(dtype)}")
     monkeypatch.setattr(cl, "SIZE_FLOORS", False)
@@ -135,18 +136,31 @@ def test_dispatch_row_limit_per_dtype(monkeypatch, dtype):
     w = torch.randn(300, 96, generator=g).to(dtype)
     limit = 7 if dtype == torch.float32 else cl.MAX_ROWS
     at, above = (torch.randn(n, 96, generator=g).to(dtype) for n in (limit, limit + 1))
-    y = cl.linear(at, w)
+    y = cl.linear(at, w, prompt=True)
     assert launches == [limit] and torch.equal(y, cl.cpu_linear(at, w))  # the kernel ran
     launches.clear()
-    y = cl.linear(above, w)
+    y = cl.linear(above, w, prompt=True)
     assert launches == [] and torch.equal(y, F.linear(above, w))
-    if dtype == torch.float32:  # bfloat16 runs the kernel above the float32 limit
-        assert not torch.equal(cl.cpu_linear(above, w), y)  # the two paths differ on these inputs
-        b = above[: limit + 1].bfloat16()
-        if cl.available(torch.bfloat16) is None:
-            launches.clear()
-            cl.linear(b, w.bfloat16())
-            assert launches == [limit + 1]
+    if dtype == torch.float32:  # the inverse: the same rows in a decode round run the kernel
+        assert torch.equal(cl.linear(above, w), cl.cpu_linear(above, w)) and launches == [limit + 1] * 2
+    assert cl.MAX_ROWS_F32 <= cl.MAX_ROWS
+
+
+def test_torch_ops_route_only_prompt_forwards(monkeypatch):
+    """``TorchOps.begin_forward(prompt=True)`` (``TargetModel.forward`` passes ``meta.prefill``) sends
+    the forward's linear calls with ``prompt=True``; the next forward without it does not."""
+    from tritonspec.runtime.ops import TorchOps
+
+    seen = []
+    monkeypatch.setattr(cl, "linear", lambda x, w, b=None, prompt=False: seen.append(prompt) or F.linear(x, w, b))
+    ops = TorchOps()
+    monkeypatch.setattr(ops, "_cpu_kernel", lambda dtype: True)
+    x, w = torch.randn(3, 8), torch.randn(5, 8)
+    ops.begin_forward(prompt=True)
+    ops.linear(x, w)
+    ops.begin_forward()
+    ops.linear(x, w)
+    assert seen == [True, False]
 
 
 @needs[torch.float32]
