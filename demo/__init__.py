@@ -16,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent
 VARIANTS = {"eagle3": "drafter-eagle3", "eagle3.1": "drafter-eagle3.1"}
 PROMPT_SETS = ("standard", "long", "perturbed")
-# prompts the benchmarks take from the front of each set (perf/bench_e2e.py and the others: 8 per set)
+# prompts the benchmarks take from the front of each set (perf/bench_e2e.py, bench_deterministic.py,
+# bench_defaults.py: this many per set by default)
 BENCH_ROWS = 8
 # tuning slices (``tuning_prompts``): rows of the standard and long sets from source files that none of
 # the first BENCH_ROWS rows of any set come from, one per file, so `autotune tree --target demo` does not
@@ -52,16 +53,19 @@ def demo_pair(variant: str = "eagle3.1") -> tuple[Path, Path]:
     return target, drafter
 
 
-def prompt_set(name: str) -> list[dict]:
-    """Rows ``{"id", "source", "prompt"}`` of a bundled evaluation set (standard, long, perturbed)."""
+def _rows(path: Path, missing: str) -> list[dict]:
     import json
 
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: {missing}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def prompt_set(name: str) -> list[dict]:
+    """Rows ``{"id", "source", "prompt"}`` of a bundled evaluation set (standard, long, perturbed)."""
     if name not in PROMPT_SETS:
         raise ValueError(f"prompt set {name!r}: use one of {PROMPT_SETS}")
-    path = ROOT / "prompts" / f"{name}.jsonl"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: build the demo with the recipe")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _rows(ROOT / "prompts" / f"{name}.jsonl", "build the demo with the recipe")
 
 
 def tuning_prompts(name: str = "standard") -> list[dict]:
@@ -73,14 +77,9 @@ def tuning_prompts(name: str = "standard") -> list[dict]:
     >>> [r["source"] for r in tuning_prompts("long")][:2]   # doctest: +SKIP
     ['encodings/mac_iceland.py', 'fileinput.py']
     """
-    import json
-
     if name not in TUNING_SETS:
         raise ValueError(f"tuning set {name!r}: use one of {sorted(TUNING_SETS)}")
-    path = ROOT / "prompts" / TUNING_SETS[name]
-    if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: reinstall tritonspec (it ships with the demo prompts)")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _rows(ROOT / "prompts" / TUNING_SETS[name], "reinstall tritonspec (it ships with the demo prompts)")
 
 
 __all__ = ["demo_pair", "prompt_set", "tuning_prompts", "available", "VARIANTS", "PROMPT_SETS", "BENCH_ROWS"]

@@ -49,7 +49,7 @@ def test_defaults(benchmark, tmp_path, monkeypatch, variant, batch):
         chosen = rt.shape_policy.choose(1, True).spec or ts.SpecConfig.chain(1)
         largest = ts.SpecConfig(6, 2, 13)
         cands = [s for s in candidates_at(batch, True, chosen, largest) if s != default.spec]
-        n, tokens = (8, 48) if FULL else (batch, 4)
+        n, tokens = (ts.demo.BENCH_ROWS, 48) if FULL else (batch, 4)
         prompts = [r["prompt"][-1500:] for r in prompt_set("standard")[:n]]
         rt.spec = largest  # sizes the caches once for every shape measured
         others = [s for s in [None, *cands] if s != default.spec]  # plain and every candidate

@@ -35,7 +35,7 @@ def test_deterministic_cost(benchmark, tmp_path, monkeypatch, mode, shape):
         pytest.skip("plain decoding has no shape")
     monkeypatch.setenv("TRITONSPEC_CACHE", str(tmp_path))  # a fresh user cache: only shipped profiles
     full = not benchmark.disabled
-    n, tokens = (8, 48) if full else (1, 4)
+    n, tokens = (ts.demo.BENCH_ROWS, 48) if full else (1, 4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

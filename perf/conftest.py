@@ -127,9 +127,10 @@ def e2e(request, tmp_path_factory):
     quick = request.config.getoption("benchmark_disable", False)
     if quick:  # a correctness pass (CI): one thread avoids intra-op threads spinning on busy cores
         torch.set_num_threads(1)
-    n = request.config.getoption("--e2e-prompts") or (1 if quick else 8)
-    tokens = request.config.getoption("--e2e-tokens") or (8 if quick else 64)
     from tritonspec import demo
+
+    n = request.config.getoption("--e2e-prompts") or (1 if quick else demo.BENCH_ROWS)
+    tokens = request.config.getoption("--e2e-tokens") or (8 if quick else 64)
 
     if demo.available():
         target, d3 = demo.demo_pair("eagle3")

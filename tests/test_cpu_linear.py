@@ -163,6 +163,25 @@ def test_torch_ops_route_only_prompt_forwards(monkeypatch):
     assert seen == [True, False]
 
 
+def test_only_the_targets_prompt_forward_is_flagged_a_prompt(monkeypatch):
+    """``TargetModel.forward`` passes ``meta.prefill`` to ``begin_forward``: a generation flags its
+    target's prompt forward, and no verify, decode step or drafter forward."""
+    from _util import perm_pair, random_prompts, runtime
+
+    flags = []
+    begin = TorchOps.begin_forward
+    monkeypatch.setattr(
+        TorchOps, "begin_forward", lambda self, prompt=False: flags.append(prompt) or begin(self, prompt)
+    )
+    model, drafter = perm_pair("llama", vocab=24, seed=0)
+    for speculative in (False, True):
+        flags.clear()
+        runtime(model, drafter, spec=None).generate(
+            random_prompts(24, [9], seed=1), max_new_tokens=5, speculative=speculative
+        )
+        assert flags[0] is True and flags.count(True) == 1 and len(flags) > 2
+
+
 @needs[torch.float32]
 @pytest.mark.parametrize("floors", [True, False])
 def test_dispatch_falls_back_where_the_kernel_does_not_apply(monkeypatch, floors):

@@ -95,10 +95,35 @@ def test_demo_tuning_prompts_share_no_file_with_a_benchmark_prompt(name, rows):
     assert len(tune) == rows and len({r["source"] for r in tune}) == rows
     assert all(full[r["id"]] == r for r in tune)  # rows of the set itself, unchanged
     assert not bench & {r["source"] for r in tune}
-    leaked = [*tune, demo.prompt_set("perturbed")[3]]
-    assert bench & {r["source"] for r in leaked}  # the inverse
     with pytest.raises(ValueError, match="tuning set"):
         demo.tuning_prompts("perturbed")
+
+
+class _Tuned(Exception):
+    pass
+
+
+def test_autotune_tree_on_the_demo_tunes_on_the_tuning_prompts(monkeypatch):
+    """``autotune tree --target demo`` hands the tuner ``demo.tuning_prompts()`` (the first
+    ``--num-prompts``), and ``--long-prompts demo`` the long ones: not the benchmark's rows."""
+    from tritonspec.autotune import tree_tuner
+    from tritonspec.cli import main
+
+    if not demo.available():
+        pytest.skip("the demo pair is not built")
+    seen = {}
+
+    def tune(target, drafter, prompts, **kw):
+        seen.update(prompts=prompts, long=kw["long_prompts"])
+        raise _Tuned
+
+    monkeypatch.setattr(tree_tuner, "tune_tree", tune)
+    with pytest.raises(_Tuned):
+        main(["autotune", "tree", "--target", "demo", "--num-prompts", "5", "--long-prompts", "demo"])
+    assert seen["prompts"] == [r["prompt"] for r in demo.tuning_prompts("standard")[:5]]
+    assert seen["long"] == [r["prompt"] for r in demo.tuning_prompts("long")[:4]]
+    bench = {r["prompt"] for s in demo.PROMPT_SETS for r in demo.prompt_set(s)[: demo.BENCH_ROWS]}
+    assert not bench & {*seen["prompts"], *seen["long"]}
 
 
 def test_autotune_long_prompts_demo_needs_the_demo_target(tmp_path, capsys):
