@@ -16,6 +16,13 @@ same instruction sequence whatever the number of rows, the other rows or the thr
 result is bit-identical in a one-row decode step and in a 64-row verify forward, so speculative
 greedy output equals plain greedy output by construction.
 
+Float32 weights packed into 16-column panels (``pack_f32``, ``[N/16, K, 16]``; the target's default
+float32 layout ``weight_layout="panels"`` and the drafter's ``pack_for_cpu``) run a second kernel,
+an outer product: each output one fused multiply-add chain over k in ascending order from +0.0,
+then the bias, whatever register tile computes it. Also row-invariant by construction, 0.6-0.75x
+the ``[N, K]`` kernel's time at 1-3 rows and ~0.5x from 64 rows on SmolLM2's weights, faster than
+MKL up to 256 rows (perf/CPU_DECODE.md); a packed weight runs it at every row count.
+
 It is a C kernel, not Triton, because Triton has no CPU target here. It is built on first use with
 the system C compiler (``$CC``, else ``gcc``, else ``cc``; ``-O3 -march=native -fopenmp``, about a
 second), cached under ``$TRITONSPEC_CACHE/cpu_kernels`` keyed by the source, the compiler and the
@@ -196,7 +203,7 @@ def _library() -> ctypes.CDLL:
         _build(out, [[cc, *CFLAGS, "-o", "{tmp}", *map(str, SOURCES)]], ", ".join(f.name for f in SOURCES))
     lib = ctypes.CDLL(str(out))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    for name in ("tritonspec_linear_f32", "tritonspec_linear_bf16"):
+    for name in ("tritonspec_linear_f32", "tritonspec_linear_bf16", "tritonspec_linear_f32_panels"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
         fn.restype = None
@@ -304,13 +311,63 @@ def amx_available() -> str | None:
 
 
 def is_packed(weight: torch.Tensor) -> bool:
-    """Whether ``weight`` is a ``pack_bf16`` weight (4-D ``[N/16, K/32, 16, 32]``)."""
-    return weight.dim() == 4
+    """Whether ``weight`` is packed for the CPU kernel: ``pack_bf16`` (AMX, 4-D ``[N/16, K/32, 16, 32]``)
+    or ``pack_f32`` (float32 panels, 3-D ``[N/16, K, 16]``). Only the kernel runs a packed weight."""
+    return weight.dim() in (3, 4)
 
 
 def out_features(weight: torch.Tensor) -> int:
     """N of a ``[N, K]`` weight, packed or not."""
-    return weight.shape[0] * 16 if weight.dim() == 4 else weight.shape[0]
+    return weight.shape[0] * 16 if weight.dim() in (3, 4) else weight.shape[0]
+
+
+def in_features(weight: torch.Tensor) -> int:
+    """K of a ``[N, K]`` weight, packed or not."""
+    return weight.shape[1] * 32 if weight.dim() == 4 else weight.shape[1] if weight.dim() == 3 else weight.shape[-1]
+
+
+def packable_f32(weight: torch.Tensor) -> bool:
+    """Whether ``pack_f32`` takes ``weight``: a float32 CPU ``[N, K]`` tensor with N % 16 == 0 and
+    K > 0, on a machine where the float32 kernel runs (``available()`` is None)."""
+    return (
+        weight.dim() == 2
+        and weight.dtype == torch.float32
+        and weight.device.type == "cpu"
+        and weight.shape[0] % 16 == 0
+        and weight.numel() > 0
+        and available(torch.float32) is None
+    )
+
+
+def panels_pay(weight: torch.Tensor) -> bool:
+    """Whether the float32 layout (``weight_layout="panels"``, ``Eagle3Drafter.pack_for_cpu``) packs
+    ``weight``: ``packable_f32``, and where ``SIZE_FLOORS`` applies (Intel: MKL won on small,
+    cache-resident weights against the ``[N, K]`` kernel; the panel kernel is not measured there) at
+    least ``MIN_WEIGHT`` elements and ``MIN_K`` columns. Smaller weights stay ``[N, K]``."""
+    if not packable_f32(weight):
+        return False
+    return not SIZE_FLOORS or (weight.numel() >= MIN_WEIGHT and weight.shape[1] >= MIN_K)
+
+
+def pack_f32(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K, 16]
+    """``weight [N, K]`` in the float32 panel layout (``kernels/cpu/linear.c``): ``wp[p, k, j] =
+    w[16 p + j, k]``, so each 16-column panel's k-steps are consecutive 64-byte lines. The packed
+    tensor replaces the weight (same bytes); ``linear`` and ``torch.ops.tritonspec_cpu.linear`` run it
+    on the outer-product kernel (each output one fused multiply-add chain over k in ascending order,
+    row-invariant at any row count, faster than the ``[N, K]`` kernel and than MKL up to 256 rows);
+    ``unpack`` gives the ``[N, K]`` values back.
+
+    Example
+    -------
+    >>> w = torch.randn(32, 64)
+    >>> torch.equal(unpack(pack_f32(w)), w)  # doctest: +SKIP
+    True
+    """
+    if not packable_f32(weight):
+        why = available(torch.float32) or "it needs a float32 CPU [N, K] weight with N % 16 == 0"
+        raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} into panels: {why}")
+    N, K = weight.shape
+    return weight.contiguous().view(N // 16, 16, K).transpose(1, 2).contiguous()
 
 
 def packable(weight: torch.Tensor) -> bool:
@@ -347,12 +404,19 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K/32, 16, 32]
     return w.permute(0, 2, 3, 1, 4).contiguous().view(N // 16, K // 32, 16, 32)
 
 
-def unpack_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N, K]
-    """The ``[N, K]`` values of a ``pack_bf16`` weight (a copy); any other tensor is returned as is."""
-    if not is_packed(weight):
+def unpack(weight: torch.Tensor) -> torch.Tensor:  # [N, K]
+    """The ``[N, K]`` values of a ``pack_bf16`` or ``pack_f32`` weight (a copy; a slice of whole
+    blocks or panels unpacks to their rows); any other tensor is returned as is."""
+    if weight.dim() == 3:
+        P, K = weight.shape[:2]
+        return weight.transpose(1, 2).reshape(P * 16, K)
+    if weight.dim() != 4:
         return weight
     NB, KB = weight.shape[:2]
-    return weight.view(NB, KB, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(NB * 16, KB * 32)
+    return weight.reshape(NB, KB, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(NB * 16, KB * 32)
+
+
+unpack_bf16 = unpack  # the name before float32 panels existed
 
 
 def enabled(dtype: torch.dtype, choice: str = "auto") -> bool:
@@ -404,7 +468,13 @@ def cpu_linear(
             f"cpu_linear takes float32 or bfloat16 x, weight and bias of one dtype, got "
             f"{x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
         )
-    if is_packed(weight):
+    if weight.dim() == 3:
+        if tuple(weight.shape[1:]) != (K, 16) or not weight.is_contiguous() or x.dtype != torch.float32:
+            raise ValueError(
+                f"a panel-packed weight {tuple(weight.shape)} ({weight.dtype}) does not match {x.dtype} x with "
+                f"K={K} (pack_f32 of a float32 [N, {K}])"
+            )
+    elif is_packed(weight):
         if tuple(weight.shape[1:]) != (K // 32, 16, 32) or K % 32 or not weight.is_contiguous():
             raise ValueError(f"a packed weight {tuple(weight.shape)} does not match x's K={K} (pack_bf16 of [N, {K}])")
     elif weight.dim() != 2 or weight.shape[1] != K or not weight.is_contiguous():
@@ -457,14 +527,16 @@ def _launch_ctypes(
         return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
     lib = _library()
     fn = lib.tritonspec_linear_f32 if x.dtype == torch.float32 else lib.tritonspec_linear_bf16
-    if is_packed(weight):
+    if weight.dim() == 3:
+        fn = lib.tritonspec_linear_f32_panels
+    elif is_packed(weight):
         fn = lib.tritonspec_linear_bf16_packed
     rc = fn(
         x.data_ptr(), M, ldx, weight.data_ptr(), N, K,
         None if bias is None else bias.data_ptr(), y.data_ptr(), N,
         threads if threads is not None else (torch.get_num_threads() if M * N * K >= SMALL else 1),
     )  # fmt: skip
-    if is_packed(weight) and rc != 0:
+    if weight.dim() == 4 and rc != 0:
         raise CpuLinearUnavailable(
             "the weight is packed for AMX but AMX is off in this process: load it with weight_layout='nk'"
         )
@@ -496,10 +568,13 @@ def linear(
     has checked that ``x`` is a float32/bfloat16 CPU tensor and ``enabled(x.dtype)``. While a graph is traced
     (``torch.compile``, ``make_fx``) the kernel is an opaque operator (``tritonspec_cpu::linear``,
     else the Python custom op ``tritonspec::cpu_linear``), so compiled and eager rounds compute the
-    same bits. A ``pack_bf16`` weight always runs the kernel (any row count; no autograd)."""
+    same bits. A packed weight (``pack_bf16``, ``pack_f32``) always runs the kernel (any row count; no
+    autograd)."""
     if is_packed(weight):
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-            raise ValueError("a packed (AMX) weight has no autograd: load the model with weight_layout='nk' to train")
+            raise ValueError(
+                "a packed weight (AMX, panels) has no autograd: load the model with weight_layout='nk' to train"
+            )
     elif (
         weight.dtype != x.dtype
         or (SIZE_FLOORS and (weight.numel() < MIN_WEIGHT or x.shape[-1] < MIN_K))
@@ -525,7 +600,8 @@ def _fixed_values(n: int, seed: int) -> torch.Tensor:  # [n] float32 in [-1, 1)
 
 def kernel_digest(dtype: torch.dtype = torch.float32) -> str:
     """sha256 (16 hex digits) of the CPU kernels' outputs on a fixed battery of inputs (linear layers
-    of 1 to 5 and 64 rows over odd and SmolLM2-like shapes, tree and decode attention with GQA,
+    of 1 to 7 and 64 rows over odd and SmolLM2-like shapes, on ``[N, K]`` weights and, for float32,
+    on ``pack_f32`` panels; tree and decode attention with GQA,
     RMSNorm with a residual), in ``dtype``. The kernels are one instruction sequence per output, and
     ``kernels/cpu/avx2.h`` emulates the AVX-512 one lane for lane, so two machines whose digests
     match compute these kernels bit for bit alike; compare the value across CPUs (``perf/CPU_DECODE.md``
@@ -553,6 +629,13 @@ def kernel_digest(dtype: torch.dtype = torch.float32) -> str:
         b = (_fixed_values(n, seed + 100) * 0.1).to(dtype)
         for m in rows:
             put(cpu_linear(_fixed_values(m * k, seed + m).view(m, k).to(dtype), w, b, threads=1))
+    if dtype == torch.float32:  # the outer-product kernel on float32 panels (pack_f32: weight_layout="panels")
+        for n, k, rows in ((48, 99, (1, 2, 5)), (576, 576, (1, 3, 4, 64)), (64, 1536, (1, 6, 7))):
+            seed += 1
+            w = pack_f32(_fixed_values(n * k, seed).view(n, k))
+            b = _fixed_values(n, seed + 100) * 0.1
+            for m in rows:
+                put(cpu_linear(_fixed_values(m * k, seed + m).view(m, k), w, b, threads=1))
     for hq, hkv, d, s_len, q_len in ((9, 3, 64, 40, 6), (4, 4, 32, 70, 1), (8, 2, 48, 20, 3)):
         seed += 1
         kc = _fixed_values(2 * s_len * hkv * d, seed).view(2, s_len, hkv, d).to(dtype)

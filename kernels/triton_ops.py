@@ -34,7 +34,13 @@ class TritonOps:
         """Nothing cached between layers (``TorchOps.begin_forward`` has the counterpart)."""
 
     def linear(self, x, weight, bias=None):
-        """cuBLAS GEMMs (``F.linear``); the deterministic mode swaps in ``batch_invariant_matmul``."""
+        """cuBLAS GEMMs (``F.linear``); the deterministic mode swaps in ``batch_invariant_matmul``. A CPU
+        weight packed for the CPU kernel (``weight_layout="panels"``/``"amx"``, the interpreter's CPU
+        runs) runs that kernel: it is the only one that reads the packed layout."""
+        if weight.dim() >= 3:
+            from . import cpu_linear
+
+            return cpu_linear.linear(x, weight, bias)
         return torch.nn.functional.linear(x, weight, bias)
 
     rms_norm = staticmethod(rms_norm)  # (x, weight, eps, residual=None)

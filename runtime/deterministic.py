@@ -234,7 +234,7 @@ def _one_row_products(
 
 def _weight_layout(weight: torch.Tensor) -> str:
     if cpu_linear.is_packed(weight):
-        return "amx"
+        return "amx" if weight.dim() == 4 else "panels"
     return "kn" if weight.dim() == 2 and weight.stride(0) == 1 and weight.shape[1] > 1 else "nk"
 
 
@@ -656,7 +656,7 @@ class DeterministicOps:
     def _kernel_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether ``kernels.cpu_linear`` runs this weight: the torch backend on a CPU where it builds
         for the dtype (the runtime's ``cpu_linear``), a contiguous ``[N, K]`` weight; always for a weight
-        packed for AMX (``cpu_linear.pack_bf16``: it runs nowhere else)."""
+        packed for it (``cpu_linear.pack_bf16``, ``pack_f32``: it runs nowhere else)."""
         if cpu_linear.is_packed(weight):
             return True
         return (
@@ -790,7 +790,7 @@ class DeterministicOps:
             }
             heads.add((c.num_attention_heads, c.num_key_value_heads, c.head_dim, dt))
         for w, b in weights:
-            self._linear_probe(w, b, w.shape[1] * 32 if cpu_linear.is_packed(w) else w.shape[-1])
+            self._linear_probe(w, b, cpu_linear.in_features(w))
         for h, dt in norms:
             for residual in (False, True):
                 self._fast[(h, dt, residual)] = self._norm_probe(h, dt, residual)

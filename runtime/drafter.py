@@ -110,6 +110,7 @@ class Eagle3Drafter(nn.Module):
         self.has_own_embedding = False
         self.target_info: dict | None = None  # max_position_embeddings / rope of the target, for export checks
         self._rope: Rope | None = None
+        self._packed: tuple | None = None  # pack_for_cpu: (sources' versions, {name: packed weight})
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -182,7 +183,7 @@ class Eagle3Drafter(nn.Module):
         """A copy of this drafter on ``device`` in ``dtype``, leaving this one as it is (what a
         runtime runs when the caller's drafter sits elsewhere: modules shared between runtimes are
         never moved under another runtime). A borrowed target embedding is not copied: attach one."""
-        memo: dict[int, Any] = {id(self._rope): None}  # deepcopy returns memo[id(x)] for x
+        memo: dict[int, Any] = {id(self._rope): None, id(self._packed): None}  # deepcopy returns memo[id(x)]
         if self.embed_tokens is not None and not self.has_own_embedding:
             memo[id(self.embed_tokens)] = None
         return copy.deepcopy(self, memo).to(device=device, dtype=dtype)
@@ -201,6 +202,57 @@ class Eagle3Drafter(nn.Module):
         # a plain attribute, not a submodule: the target's table is shared, never saved or moved
         object.__setattr__(self, "embed_tokens", nn.Embedding.from_pretrained(embed, freeze=True))
 
+    # ------------------------------------------------------------------ CPU inference weights
+    def _pack_sources(self) -> dict[str, list[torch.Tensor]]:
+        a, m = self.midlayer.self_attn, self.midlayer.mlp
+        return {
+            "fc": [self.fc.weight],
+            "qkv": [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight],
+            "o": [a.o_proj.weight],
+            "gate_up": [m.gate_proj.weight, m.up_proj.weight],
+            "down": [m.down_proj.weight],
+            "head": [self.lm_head.weight],
+        }
+
+    def _versions(self) -> tuple:
+        return tuple((w._version, w.data_ptr()) for ws in self._pack_sources().values() for w in ws)
+
+    def pack_for_cpu(self, enable: bool = True) -> None:
+        """Keep a packed copy of the projection weights for the CPU kernel (``kernels.cpu_linear.pack_f32``:
+        float32 16-column panels, the target's ``weight_layout="panels"``), q/k/v and gate/up fused
+        into one weight each, used by ``step``, ``combine`` and ``logits`` while autograd is off; a
+        weight ``cpu_linear.panels_pay`` declines (N % 16 != 0; small ones on Intel) stays ``[N, K]``.
+        Each output's bits are those of the same weight packed alone (the kernel computes every
+        output on its own), so fusing changes none.
+        Repacked when a weight changes in place or moves; ``enable=False`` drops the copy. Only
+        backends whose ``ops.packs_cpu_weights`` is true (the torch backend where the float32 CPU
+        kernel runs) use it, so a runtime with ``cpu_linear="torch"`` sharing this module keeps
+        ``F.linear`` on its weights; the runtime packs when it attaches the drafter."""
+        if not enable:
+            self._packed = None
+            return
+        from ..kernels import cpu_linear
+
+        packed = {}
+        for name, ws in self._pack_sources().items():
+            w = (torch.cat(ws) if len(ws) > 1 else ws[0]).detach()
+            packed[name] = cpu_linear.pack_f32(w) if cpu_linear.panels_pay(w) else w.contiguous()
+        self._packed = (self._versions(), packed)
+
+    def _cpu_weights(self, ops: Any) -> dict[str, torch.Tensor] | None:
+        """The ``pack_for_cpu`` weights when they apply (``ops.packs_cpu_weights``, float32 CPU weights,
+        autograd off), packed on first use and again when stale."""
+        w = self.fc.weight
+        if not getattr(ops, "packs_cpu_weights", False) or torch.is_grad_enabled() or w.dtype != torch.float32:
+            return None
+        if not w.is_cpu:
+            return None
+        p = self._packed
+        if p is None or (not torch.compiler.is_compiling() and p[0] != self._versions()):
+            self.pack_for_cpu()
+            p = self._packed
+        return p[1]
+
     # ------------------------------------------------------------------ math
     def fc_norm_weight(self) -> torch.Tensor | None:
         """``[n_aux, H_t]`` stacked fc_norm weights, or None when fc_norm is off."""
@@ -211,7 +263,8 @@ class Eagle3Drafter(nn.Module):
         x = ops.aux_gather(aux, index, self.fc_norm_weight(), self.config.rms_norm_eps)
         if self.config.norm_before_fc:
             x = ops.rms_norm(x, self.input_norm.weight, self.config.rms_norm_eps)
-        return ops.linear(x, self.fc.weight)
+        packed = self._cpu_weights(ops)
+        return ops.linear(x, self.fc.weight if packed is None else packed["fc"])
 
     def rope(self, min_positions: int = 0) -> Rope:
         """cos/sin tables on the drafter's device and dtype, covering at least ``min_positions``."""
@@ -246,9 +299,16 @@ class Eagle3Drafter(nn.Module):
         v = ops.rms_norm(hidden, m.hidden_norm.weight, eps)
         z = torch.cat([e, v], dim=-1)  # [B, Q, 2H]: embedding first, hidden second
         a = m.self_attn
-        q = ops.linear(z, a.q_proj.weight).view(B, Q, c.num_attention_heads, c.head_dim)
-        k = ops.linear(z, a.k_proj.weight).view(B, Q, c.num_key_value_heads, c.head_dim)
-        val = ops.linear(z, a.v_proj.weight).view(B, Q, c.num_key_value_heads, c.head_dim)
+        packed = self._cpu_weights(ops)
+        hq, hkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+        if packed is None:
+            q, k, val = ops.linear(z, a.q_proj.weight), ops.linear(z, a.k_proj.weight), ops.linear(z, a.v_proj.weight)
+        else:  # one fused call: each output's bits are those of its own projection
+            q, k, val = ops.linear(z, packed["qkv"]).split((hq, hkv, hkv), dim=-1)
+            val = val.contiguous()  # kv_write: k's strides
+        q = q.view(B, Q, c.num_attention_heads, c.head_dim)
+        k = k.view(B, Q, c.num_key_value_heads, c.head_dim)
+        val = val.view(B, Q, c.num_key_value_heads, c.head_dim)
         rope = self.rope()
         tables = rope.tables(meta.positions)  # gathered once for q and k
         q, k = ops.rope(q, *tables), ops.rope(k, *tables)
@@ -257,18 +317,23 @@ class Eagle3Drafter(nn.Module):
             o = ops.prefill_attention(q, k, val, c.head_dim**-0.5)
         else:
             o = ops.tree_attention(q, cache.k, cache.v, meta.prefix_lens, meta.tree_mask, c.head_dim**-0.5, meta.kv_len)
-        o = ops.linear(o.reshape(B, Q, -1), a.o_proj.weight)
+        o = ops.linear(o.reshape(B, Q, -1), a.o_proj.weight if packed is None else packed["o"])
         x, r = ops.rms_norm(o, m.post_attention_layernorm.weight, eps, residual=v if c.norm_before_residual else hidden)
-        h = r + ops.linear(
-            F.silu(ops.linear(x, m.mlp.gate_proj.weight)) * ops.linear(x, m.mlp.up_proj.weight), m.mlp.down_proj.weight
-        )
+        if packed is None:
+            gate, up = ops.linear(x, m.mlp.gate_proj.weight), ops.linear(x, m.mlp.up_proj.weight)
+            h = r + ops.linear(F.silu(gate) * up, m.mlp.down_proj.weight)
+        else:
+            gate, up = ops.linear(x, packed["gate_up"]).chunk(2, dim=-1)
+            h = r + ops.linear(F.silu(gate) * up, packed["down"])
         hn = ops.rms_norm(h, self.norm.weight, eps)
         return hn, (hn if c.norm_output else h)
 
     def logits(self, hn: torch.Tensor, ops: Any = None) -> torch.Tensor:
         """Draft-vocabulary logits ``[..., V_d]`` (float32) from the normed hidden state; ``ops``:
         the backend whose ``linear`` runs the head (default ``F.linear``)."""
-        return (ops.linear if ops is not None else F.linear)(hn, self.lm_head.weight).float()
+        packed = self._cpu_weights(ops)
+        w = self.lm_head.weight if packed is None else packed["head"]
+        return (ops.linear if ops is not None else F.linear)(hn, w).float()
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

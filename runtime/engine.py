@@ -257,6 +257,8 @@ class SpeculativeRuntime:
             raise UserError(f"top_k={spec.top_k} exceeds the drafter's draft_vocab_size={c.draft_vocab_size}")
         d.eval()
         d.attach_target_embedding(t.embed, t.drafter_info())
+        if getattr(self.ops, "packs_cpu_weights", False) and d.fc.weight.dtype == torch.float32 and d.fc.weight.is_cpu:
+            d.pack_for_cpu()  # now, not at the first (perhaps compiled) round
         return d
 
     @classmethod

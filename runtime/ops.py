@@ -169,10 +169,16 @@ class TorchOps:
         """``F.linear``; on the CPU, ``kernels.cpu_linear`` (row-invariant, weights read at memory
         speed) for float32/bfloat16 where it builds (``TRITONSPEC_CPU_LINEAR``). The weight may be
         stored ``[K, N]`` (``TargetModel.weight_layout``); such a weight runs ``F.linear``. A weight
-        packed for AMX (``weight_layout="amx"``) runs only the kernel."""
-        if x.is_cpu and (self._cpu_kernel(x.dtype) or weight.dim() == 4):
+        packed for the kernel (``weight_layout="amx"`` or ``"panels"``) runs only the kernel."""
+        if x.is_cpu and (self._cpu_kernel(x.dtype) or weight.dim() >= 3):
             return _cpu_linear.linear(x, weight, bias, self._prompt)
         return F.linear(x, weight, bias)
+
+    @property
+    def packs_cpu_weights(self) -> bool:
+        """Whether float32 CPU weights run on the kernel here, so a drafter runs its projections packed
+        into panels (``Eagle3Drafter.pack_for_cpu``), as the target's ``weight_layout="panels"`` does."""
+        return self._cpu_kernel(torch.float32)
 
     def _cpu_kernel(self, dtype: torch.dtype) -> bool:
         on = self._kernel_for.get(dtype)

@@ -77,12 +77,17 @@ def target_fingerprint(target: Any) -> str:
         target.head_dim,
     ]
     last = target.layers[-1]
-    from ..kernels.cpu_linear import is_packed, unpack_bf16
+    from ..kernels.cpu_linear import is_packed, unpack
 
-    # the [N, K] values whatever weight_layout stored: a packed weight's corner tile unpacks to
-    # rows 16 nb.., columns 32 kb.. (not the whole head)
-    head = unpack_bf16(target.lm_head[-1:, :1]) if is_packed(target.lm_head) else target.lm_head
-    down = unpack_bf16(last.down[:1, :1]) if is_packed(last.down) else last.down
+    # the [N, K] values whatever weight_layout stored: a packed weight's corner block unpacks to
+    # rows 16 nb.., columns 32 kb.. (AMX) or a panel's first 32 columns (float32 panels), not the whole head
+    def corner(w: torch.Tensor, last_rows: bool) -> torch.Tensor:
+        if not is_packed(w):
+            return w
+        blocks = w[-1:] if last_rows else w[:1]
+        return unpack(blocks[:, :1] if w.dim() == 4 else blocks[:, :32].contiguous())
+
+    head, down = corner(target.lm_head, True), corner(last.down, False)
     return _digest(parts, [target.embed[:4, :32], head[-4:, :32], down[:4, :32], last.wq[-4:, :32]])
 
 

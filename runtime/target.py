@@ -151,7 +151,7 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (2, num_layers // 2, num_layers - 3)
 
 
-WEIGHT_LAYOUTS = ("auto", "nk", "kn", "amx")
+WEIGHT_LAYOUTS = ("auto", "nk", "kn", "amx", "panels")
 
 
 def prepare_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
@@ -160,9 +160,14 @@ def prepare_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
     shape: ``F.linear(x, w)`` then runs as ``x @ W_kn`` and, for the one-row decode step, streams
     the weights about twice as fast on a CPU (measured: issue 21, ``perf/bench_cpu_decode.py``).
     ``"amx"``: a bfloat16 weight with N % 16 == 0 and K % 32 == 0 packed into AMX tiles
-    (``kernels.cpu_linear.pack_bf16``, 4-D; only the CPU kernel runs it), any other as loaded."""
+    (``kernels.cpu_linear.pack_bf16``, 4-D; only the CPU kernel runs it), any other as loaded.
+    ``"panels"``: a float32 weight with N % 16 == 0 packed into 16-column panels
+    (``kernels.cpu_linear.pack_f32``, 3-D; only the CPU kernel runs it; ``panels_pay`` says which),
+    any other as loaded."""
     if layout == "amx":
         return _cpu_linear.pack_bf16(w) if _cpu_linear.packable(w) else w
+    if layout == "panels":
+        return _cpu_linear.pack_f32(w) if _cpu_linear.panels_pay(w) else w
     return w.t().contiguous().t() if layout == "kn" else w
 
 
@@ -186,7 +191,10 @@ def resolve_layout(
 ) -> str:
     """``auto``: for bfloat16 on a CPU with AMX where the CPU kernels run, ``amx`` (weights packed
     into AMX tiles: a verify forward of 4-16 rows costs about one row, where AVX512-BF16 costs 1.3x
-    at 4 rows and 2.3x at 8; one row streams as fast); else ``nk`` where the CPU linear kernel runs
+    at 4 rows and 2.3x at 8; one row streams as fast); for float32 where the CPU kernels run,
+    ``panels`` (16-column panels, the outer-product kernel: SmolLM2's projections and head at
+    0.6-0.75x the ``[N, K]`` kernel's time at 1-3 rows, ~0.7x at 6-16, ~0.5x from 64 rows, and
+    faster than MKL up to 256; perf/CPU_DECODE.md); else ``nk`` where the CPU linear kernel runs
     the dtype (``kernels.cpu_linear``), else ``kn`` for float32 on a CPU and ``nk`` otherwise.
     Measured in the model (SmolLM2, 2 threads, ``perf/bench_cpu_decode.py``): float32 plain steps
     cost the same in both layouts (30.1 vs 30.6 ms) and ``kn`` makes one-row-vs-many rounding
@@ -205,11 +213,20 @@ def resolve_layout(
             why = "the CPU kernels are off (cpu_linear='torch' or TRITONSPEC_CPU_LINEAR=torch)"
         if why is not None:
             raise UserError(f"weight_layout='amx' cannot run here: {why}; use 'auto' or 'nk'")
+    if layout == "panels":
+        why = "it packs float32 weights only" if dtype != torch.float32 or device.type != "cpu" else None
+        if why is None and not _cpu_linear.enabled(dtype, cpu_linear):
+            off = "the CPU kernels are off (cpu_linear='torch' or TRITONSPEC_CPU_LINEAR=torch)"
+            why = _cpu_linear.available(dtype) or off
+        if why is not None:
+            raise UserError(f"weight_layout='panels' cannot run here: {why}; use 'auto' or 'nk'")
     if layout != "auto":
         return layout
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _cpu_linear.enabled(dtype, cpu_linear):
         if dtype == torch.bfloat16 and _cpu_linear.amx_available() is None:
             return "amx"  # packed AMX tiles (kernels/cpu/linear.c): verify rows nearly free
+        if dtype == torch.float32:
+            return "panels"  # the outer-product kernel on 16-column panels (kernels/cpu/linear.c)
         return "nk"  # kernels.cpu_linear streams [N, K] rows (and is row-invariant)
     return "kn" if device.type == "cpu" and dtype == torch.float32 else "nk"
 
@@ -235,24 +252,24 @@ class _Layer:
     # [N, K] values (a copy when the weight is packed for AMX)
     @property
     def wq(self) -> torch.Tensor:
-        return _cpu_linear.unpack_bf16(self.wqkv)[: self.qkv_sizes[0]]
+        return _cpu_linear.unpack(self.wqkv)[: self.qkv_sizes[0]]
 
     @property
     def wk(self) -> torch.Tensor:
-        return _cpu_linear.unpack_bf16(self.wqkv)[self.qkv_sizes[0] : self.qkv_sizes[0] + self.qkv_sizes[1]]
+        return _cpu_linear.unpack(self.wqkv)[self.qkv_sizes[0] : self.qkv_sizes[0] + self.qkv_sizes[1]]
 
     @property
     def wv(self) -> torch.Tensor:
-        return _cpu_linear.unpack_bf16(self.wqkv)[self.qkv_sizes[0] + self.qkv_sizes[1] :]
+        return _cpu_linear.unpack(self.wqkv)[self.qkv_sizes[0] + self.qkv_sizes[1] :]
 
     @property
     def gate(self) -> torch.Tensor:
-        w = _cpu_linear.unpack_bf16(self.gate_up)
+        w = _cpu_linear.unpack(self.gate_up)
         return w[: w.shape[0] // 2]
 
     @property
     def up(self) -> torch.Tensor:
-        w = _cpu_linear.unpack_bf16(self.gate_up)
+        w = _cpu_linear.unpack(self.gate_up)
         return w[w.shape[0] // 2 :]
 
 
@@ -329,13 +346,14 @@ class TargetModel:
 
         # the embedding keeps its values and shape; in "kn" it is stored [H, V] so the (tied) head
         # streams fast, and a row lookup reads one strided row per token (no second copy). In "amx"
-        # the embedding stays [V, H] for lookups and a tied head is its one packed copy.
-        self.embed = prepare_weight(get("embed_tokens.weight"), "nk" if lay == "amx" else lay)
+        # and "panels" the embedding stays [V, H] for lookups and a tied head is its one packed copy.
+        packs = lay in ("amx", "panels")
+        self.embed = prepare_weight(get("embed_tokens.weight"), "nk" if packs else lay)
         self.norm = get("norm.weight")
         lm = state.get("lm_head.weight")
         tied = getattr(config, "tie_word_embeddings", False)
         if lm is None or tied:
-            self.lm_head = prepare_weight(self.embed, "amx") if lay == "amx" else self.embed
+            self.lm_head = prepare_weight(self.embed, lay) if packs else self.embed
         else:
             self.lm_head = prepare_weight(lm.to(device=device, dtype=dtype), lay)
         if lm is None and not tied:
@@ -384,9 +402,10 @@ class TargetModel:
         """From a Hugging Face model directory or a loaded ``transformers`` ``PreTrainedModel``.
 
         ``weight_layout``: how projection weights are stored (``prepare_weight``): ``"auto"`` (the
-        fast one for the device), ``"kn"``, ``"nk"`` or ``"amx"`` (bfloat16 on an AMX CPU: packed
-        tiles, and a tied head's one extra copy); values and results do not depend on it beyond the
-        last bits of a matmul.
+        fast one for the device), ``"kn"``, ``"nk"``, ``"amx"`` (bfloat16 on an AMX CPU: packed
+        tiles, and a tied head's one extra copy) or ``"panels"`` (float32 on a CPU where the kernels
+        run, the default there: 16-column panels, and a tied head's one extra copy); values and
+        results do not depend on it beyond the last bits of a matmul.
 
         Every tensor's shape is checked against the config (``check_weights``): a missing,
         unexpected or wrongly shaped tensor, or a layer count that disagrees with the weights, is a
@@ -423,7 +442,7 @@ class TargetModel:
         dtype: what ``save_pretrained`` / export write, whatever ``weight_layout`` runs."""
         out = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.norm}
         if not getattr(self.config, "tie_word_embeddings", False) and self.lm_head is not self.embed:
-            out["lm_head.weight"] = _cpu_linear.unpack_bf16(self.lm_head)
+            out["lm_head.weight"] = _cpu_linear.unpack(self.lm_head)
         for i, L in enumerate(self.layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             out |= {
@@ -432,10 +451,10 @@ class TargetModel:
                 a + "q_proj.weight": L.wq,
                 a + "k_proj.weight": L.wk,
                 a + "v_proj.weight": L.wv,
-                a + "o_proj.weight": _cpu_linear.unpack_bf16(L.wo),
+                a + "o_proj.weight": _cpu_linear.unpack(L.wo),
                 p + "mlp.gate_proj.weight": L.gate,
                 p + "mlp.up_proj.weight": L.up,
-                p + "mlp.down_proj.weight": _cpu_linear.unpack_bf16(L.down),
+                p + "mlp.down_proj.weight": _cpu_linear.unpack(L.down),
             }
             if L.bqkv is not None:
                 bq, bk, bv = L.bqkv.split(L.qkv_sizes)

@@ -42,7 +42,7 @@ def test_pack_layout_and_roundtrip(nb, kb, seed):
     w = bf16(16 * nb, 32 * kb, seed=seed)
     wp = cl.pack_bf16(w)
     assert wp.shape == (nb, kb, 16, 32) and wp.is_contiguous() and cl.is_packed(wp)
-    assert cl.out_features(wp) == 16 * nb and torch.equal(cl.unpack_bf16(wp), w)
+    assert cl.out_features(wp) == 16 * nb and torch.equal(cl.unpack(wp), w)
     g = torch.Generator().manual_seed(seed)
     for _ in range(20):  # wp[nb, kb, p, 2j + i] = w[16 nb + j, 32 kb + 2p + i]
         n, k = (int(torch.randint(0, s, (1,), generator=g)) for s in w.shape)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from ..kernels.cpu_linear import unpack_bf16
+from ..kernels.cpu_linear import unpack
 from ..runtime.drafter import Eagle3Drafter
 from ..runtime.gguf import resolve_target
 from ..runtime.metadata import AttentionMetadata
@@ -163,7 +163,7 @@ def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) 
     d.to(target.device)
     if cfg.init_lm_head_from_target and cfg.init_from is None:
         with torch.no_grad():
-            d.lm_head.weight.copy_(unpack_bf16(target.lm_head).float()[d.target_ids()])
+            d.lm_head.weight.copy_(unpack(target.lm_head).float()[d.target_ids()])
     d.attach_target_embedding(target.embed.float(), target.drafter_info())
     return d
 

@@ -18,6 +18,8 @@ void tritonspec_linear_f32(const float*, int64_t, int64_t, const float*, int64_t
                            int64_t, int);
 void tritonspec_linear_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t, const uint16_t*,
                             uint16_t*, int64_t, int);
+void tritonspec_linear_f32_panels(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
+                                  float*, int64_t, int);
 int tritonspec_linear_bf16_packed(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                                   const uint16_t*, uint16_t*, int64_t, int);
 int tritonspec_tree_attention_f32(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -49,14 +51,17 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
               "tritonspec_cpu::linear takes float32 or bfloat16, got ", x.scalar_type());
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && (!b || b->scalar_type() == x.scalar_type()),
               "tritonspec_cpu::linear: x, weight and bias must share one dtype");
-  // a 4-D weight is packed for AMX (cpu_linear.pack_bf16): [N/16, K/32, 16, 32] bfloat16
-  const bool packed = w.dim() == 4;
+  // a 4-D weight is packed for AMX (cpu_linear.pack_bf16): [N/16, K/32, 16, 32] bfloat16; a 3-D one into
+  // float32 panels (cpu_linear.pack_f32): [N/16, K, 16]
+  const bool packed = w.dim() == 4, panels = w.dim() == 3;
   TORCH_CHECK((w.dim() == 2 && w.size(1) == x.size(-1) && w.is_contiguous()) ||
                   (packed && x.scalar_type() == at::kBFloat16 && w.size(1) * 32 == x.size(-1) && w.size(2) == 16 &&
-                   w.size(3) == 32 && w.is_contiguous()),
-              "tritonspec_cpu::linear needs a contiguous [N, K] weight with K = x.size(-1), or a bfloat16 weight "
-              "packed by cpu_linear.pack_bf16");
-  const int64_t K = x.size(-1), N = packed ? w.size(0) * 16 : w.size(0);
+                   w.size(3) == 32 && w.is_contiguous()) ||
+                  (panels && x.scalar_type() == at::kFloat && w.size(1) == x.size(-1) && w.size(2) == 16 &&
+                   w.is_contiguous()),
+              "tritonspec_cpu::linear needs a contiguous [N, K] weight with K = x.size(-1), a bfloat16 weight "
+              "packed by cpu_linear.pack_bf16 or a float32 one packed by cpu_linear.pack_f32");
+  const int64_t K = x.size(-1), N = packed || panels ? w.size(0) * 16 : w.size(0);
   TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == N && b->is_contiguous()),
               "tritonspec_cpu::linear: bias must be a contiguous [N] tensor");
   auto sizes = x.sizes().vec();
@@ -68,7 +73,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   at::Tensor xc = x.reshape({M, K});
   if (xc.stride(1) != 1) xc = xc.contiguous();
   const int nt = threads > 0 ? int(threads) : (M * N * K >= kSmall ? at::get_num_threads() : 1);
-  if (x.scalar_type() == at::kFloat) {
+  if (panels) {
+    tritonspec_linear_f32_panels(xc.const_data_ptr<float>(), M, xc.stride(0), w.const_data_ptr<float>(), N, K,
+                                 b ? b->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), N, nt);
+  } else if (x.scalar_type() == at::kFloat) {
     tritonspec_linear_f32(xc.const_data_ptr<float>(), M, xc.stride(0), w.const_data_ptr<float>(), N, K,
                           b ? b->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), N, nt);
   } else if (packed) {

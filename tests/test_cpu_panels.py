@@ -1,0 +1,184 @@
+"""Float32 weights packed into 16-column panels (``kernels.cpu_linear.pack_f32``, ``weight_layout="panels"``,
+the float32 CPU default): the outer-product kernel is close to the float64 reference, every row is
+bit-identical whatever shares the call and on any thread count, and the layout changes no value a
+user sees beyond a matmul's last bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tritonspec as ts
+from tritonspec.kernels import cpu_linear as cl
+from tritonspec.runtime.errors import UserError
+from tritonspec.runtime.target import resolve_layout
+
+WHY = cl.available(torch.float32)
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"CPU linear kernel unavailable for float32: {WHY}")
+
+
+def _ref(x, w, b=None):
+    return F.linear(x.double(), w.double(), None if b is None else b.double())
+
+
+@pytest.mark.parametrize("n", [16, 48, 112])
+@pytest.mark.parametrize("k", [1, 7, 99, 577])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 13])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_reference(n, k, m, bias):
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, x = torch.randn(n, k, generator=g), torch.randn(m, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    y = cl.cpu_linear(x, cl.pack_f32(w), b)
+    assert y.shape == (m, n) and y.dtype == torch.float32
+    # one rounding per fused multiply-add: the error grows with k like float32 summation does
+    tol = 1e-6 * (k + 1) * float(_ref(x.abs(), w.abs()).max() + 1)
+    assert float((y.double() - _ref(x, w, b)).abs().max()) <= tol
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    panels=st.integers(1, 9),
+    k=st.integers(1, 300),
+    rows=st.integers(1, 40),
+    seed=st.integers(0, 2**16),
+    threads=st.sampled_from([1, 2]),
+)
+def test_rows_are_invariant(panels, k, rows, seed, threads):
+    """A row's bits do not depend on how many rows share the call, which rows they are (each row
+    count picks another register tile), or the thread count."""
+    g = torch.Generator().manual_seed(seed)
+    w, x = cl.pack_f32(torch.randn(16 * panels, k, generator=g)), torch.randn(rows, k, generator=g)
+    b = torch.randn(16 * panels, generator=g)
+    full = cl.cpu_linear(x, w, b, threads=1)
+    for m in sorted({1, 2, 3, 4, 5, 6, 7, 9, rows}):
+        idx = torch.randperm(rows, generator=g)[: min(m, rows)]
+        assert torch.equal(cl.cpu_linear(x[idx], w, b, threads=threads), full[idx]), m
+    other = torch.randn(rows, k, generator=g) * 1e3  # other contents in the neighbouring rows
+    other[0] = x[0]
+    assert torch.equal(cl.cpu_linear(other, w, b, threads=threads)[0], full[0])
+
+
+def test_invariance_check_sees_a_changed_row():
+    """The inverse: the comparison above is not vacuous. MKL's one-row and eight-row calls round some
+    row differently on these shapes, and the panel kernel's bits differ from the ``[N, K]`` kernel's
+    (another summation order), so a path that switched between them would be caught."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(576, 1536, generator=g), torch.randn(8, 1536, generator=g)
+    panels, rows = cl.cpu_linear(x, cl.pack_f32(w)), cl.cpu_linear(x, w)
+    assert not torch.equal(panels, rows)
+    assert float((panels - rows).abs().max()) < 1e-3
+
+
+def test_pack_roundtrip_and_slices():
+    w = torch.randn(48, 33)
+    wp = cl.pack_f32(w)
+    assert wp.shape == (3, 33, 16) and cl.is_packed(wp)
+    assert (cl.out_features(wp), cl.in_features(wp)) == (48, 33)
+    assert torch.equal(cl.unpack(wp), w)
+    assert torch.equal(cl.unpack(wp[1:2]), w[16:32])  # one panel: its 16 rows
+    assert torch.equal(cl.unpack(wp[-1:, :5].contiguous()), w[32:, :5])
+    assert cl.unpack(w) is w
+
+
+def test_bad_inputs_are_named():
+    with pytest.raises(ValueError, match="N % 16"):
+        cl.pack_f32(torch.randn(17, 8))
+    with pytest.raises(ValueError, match="into panels"):
+        cl.pack_f32(torch.randn(16, 8).bfloat16())
+    wp = cl.pack_f32(torch.randn(16, 8))
+    with pytest.raises(ValueError, match="K=9"):
+        cl.cpu_linear(torch.randn(2, 9), wp)
+    with pytest.raises(ValueError, match="pack_f32"):
+        cl.cpu_linear(torch.randn(2, 8).bfloat16(), wp.bfloat16())
+    with pytest.raises(ValueError, match="no autograd"):
+        cl.linear(torch.randn(2, 8, requires_grad=True), wp)
+
+
+def test_native_operator_and_compiled_call_run_the_same_kernel():
+    w, x = cl.pack_f32(torch.randn(64, 99)), torch.randn(5, 99)
+    ref = cl._launch_ctypes(x, w, None, None)
+    assert torch.equal(cl.cpu_linear(x, w), ref)
+    if cl.native_op() is None:
+        assert torch.equal(torch.ops.tritonspec_cpu.linear(x, w, None, -1), ref)
+    fn = torch.compile(lambda a: cl.linear(a, w), fullgraph=True)
+    assert torch.equal(fn(x), ref)
+
+
+def test_layout_is_the_float32_default_and_checked():
+    cpu = torch.device("cpu")
+    assert resolve_layout("auto", cpu, torch.float32) == "panels"
+    assert resolve_layout("auto", cpu, torch.float32, "torch") == "kn"  # no kernel: F.linear's fast layout
+    with pytest.raises(UserError, match="weight_layout='panels'.*float32"):
+        resolve_layout("panels", cpu, torch.bfloat16)
+    with pytest.raises(UserError, match="kernels are off"):
+        resolve_layout("panels", cpu, torch.float32, "torch")
+
+
+@pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
+def test_panels_target_matches_nk_and_saves_the_same_weights(tmp_path):
+    """The demo target in both layouts: every projection packed (the tied head as its own packed copy,
+    the embedding kept for lookups), the same weights written back, logits equal to a matmul's last
+    bits, and the same greedy tokens."""
+    target, drafter = ts.demo.demo_pair()
+    nk = ts.TargetModel.from_pretrained(target, weight_layout="nk")
+    pn = ts.TargetModel.from_pretrained(target, weight_layout="panels")
+    assert pn.weight_layout == "panels" and pn.layers[0].wqkv.dim() == 3 and pn.lm_head.dim() == 3
+    assert pn.embed.dim() == 2 and torch.equal(cl.unpack(pn.lm_head), nk.lm_head)
+    assert torch.equal(pn.layers[-1].wq, nk.layers[-1].wq) and torch.equal(pn.layers[0].up, nk.layers[0].up)
+    a, b = nk.state_dict(), pn.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    from tritonspec.runtime import profiles
+
+    assert profiles.target_fingerprint(nk) == profiles.target_fingerprint(pn)  # tuned profiles still apply
+    tok = ts.runtime.engine.load_tokenizer(target)
+    ids = tok("def add(a, b):")["input_ids"]
+    outs = [
+        ts.SpeculativeRuntime(t, ts.Eagle3Drafter.from_pretrained(drafter), tok).generate(
+            ids, max_new_tokens=12, speculative=False
+        )
+        for t in (nk, pn)
+    ]
+    assert outs[0].token_ids == outs[1].token_ids
+
+
+@pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
+def test_drafter_runs_packed_only_where_its_runtime_runs_the_kernel(monkeypatch):
+    """A runtime whose ops run the float32 kernel packs its drafter (fused q/k/v and gate/up) and
+    every drafter projection reaches the kernel as a packed weight; a runtime with
+    ``cpu_linear="torch"`` sharing the same module keeps ``F.linear`` on its weights; the two give
+    the same greedy tokens (verification is exact), and a weight changed in place is repacked (the
+    inverse: a stale copy would keep the old logits)."""
+    target, drafter = ts.demo.demo_pair()
+    tok = ts.runtime.engine.load_tokenizer(target)
+    d = ts.Eagle3Drafter.from_pretrained(drafter)
+    kern = ts.SpeculativeRuntime(ts.TargetModel.from_pretrained(target), d, tok)
+    assert kern.drafter is d and d._packed is not None  # packed at attach
+    plain_ops = ts.SpeculativeRuntime(ts.TargetModel.from_pretrained(target), d, tok, cpu_linear="torch")
+    assert kern.ops.packs_cpu_weights and not plain_ops.ops.packs_cpu_weights
+    seen = []
+    real = cl.linear
+
+    def spy(x, w, b=None, prompt=False):
+        seen.append(w.dim())
+        return real(x, w, b, prompt)
+
+    ids = tok("def add(a, b):")["input_ids"]
+    monkeypatch.setattr(cl, "linear", spy)
+    hn = torch.randn(1, 1, d.config.hidden_size)
+    with torch.no_grad():
+        packed_logits = d.logits(hn, kern.ops)
+        assert seen == [3]  # the head, packed
+        assert torch.allclose(packed_logits, d.logits(hn, plain_ops.ops), atol=1e-4)
+        outs = [rt.generate(ids, max_new_tokens=10).token_ids for rt in (kern, plain_ops)]
+    assert outs[0] == outs[1]
+    with torch.no_grad():
+        d.lm_head.weight.mul_(2)  # in place: the packed copy is stale
+        assert torch.allclose(d.logits(hn, kern.ops), 2 * packed_logits, rtol=1e-5, atol=1e-5)
+    with torch.enable_grad():
+        seen.clear()
+        d.logits(hn, kern.ops)  # autograd on: the module's own [N, K] weight
+        assert seen == [] or seen == [2]
