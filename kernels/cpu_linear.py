@@ -405,8 +405,9 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K/32, 16, 32]
 
 
 def unpack(weight: torch.Tensor) -> torch.Tensor:  # [N, K]
-    """The ``[N, K]`` values of a ``pack_bf16`` or ``pack_f32`` weight (a copy; a slice of whole
-    blocks or panels unpacks to their rows); any other tensor is returned as is."""
+    """The ``[N, K]`` values of a ``pack_bf16`` or ``pack_f32`` weight (a copy, or a view of a single
+    panel: do not write into it; a slice of whole blocks or panels unpacks to their rows); any other
+    tensor is returned as is."""
     if weight.dim() == 3:
         P, K = weight.shape[:2]
         return weight.transpose(1, 2).reshape(P * 16, K)
@@ -571,6 +572,12 @@ def linear(
     same bits. A packed weight (``pack_bf16``, ``pack_f32``) always runs the kernel (any row count; no
     autograd)."""
     if is_packed(weight):
+        bad_bias = bias is not None and bias.dtype != x.dtype
+        if weight.dtype != x.dtype or in_features(weight) != x.shape[-1] or bad_bias:
+            raise ValueError(
+                f"a packed {weight.dtype} weight {tuple(weight.shape)} (K={in_features(weight)}) does not match "
+                f"{x.dtype} x with K={x.shape[-1]}" + ("" if bias is None else f" and a {bias.dtype} bias")
+            )
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             raise ValueError(
                 "a packed weight (AMX, panels) has no autograd: load the model with weight_layout='nk' to train"

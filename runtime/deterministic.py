@@ -238,6 +238,12 @@ def _weight_layout(weight: torch.Tensor) -> str:
     return "kn" if weight.dim() == 2 and weight.stride(0) == 1 and weight.shape[1] > 1 else "nk"
 
 
+def _version(t: torch.Tensor) -> int:
+    """``t._version``; 0 for an inference tensor (weights loaded under ``torch.inference_mode``), which
+    keeps no counter and cannot change outside inference mode."""
+    return 0 if t.is_inference() else t._version
+
+
 def _threads(device: torch.device) -> int:
     return torch.get_num_threads() if device.type == "cpu" else 0
 
@@ -848,10 +854,10 @@ class DeterministicOps:
             p = self._linear_probe(weight, bias, k)
             rows = p.min_rows if p.method in ("pad", "kn") else 0
             w = weight.t().contiguous().t() if p.method == "kn" else weight  # a [K, N]-stored copy, kept
-            hit = (weight, bias, k, rows, cpu_linear.out_features(weight) % ALIGN == 0, p.method, w, weight._version)
+            hit = (weight, bias, k, rows, cpu_linear.out_features(weight) % ALIGN == 0, p.method, w, _version(weight))
             self._fast[id(weight)] = hit
-        elif hit[5] == "kn" and hit[7] != weight._version:  # the weight changed in place: copy it again
-            hit = self._fast[id(weight)] = (*hit[:6], weight.t().contiguous().t(), weight._version)
+        elif hit[5] == "kn" and hit[7] != _version(weight):  # the weight changed in place: copy it again
+            hit = self._fast[id(weight)] = (*hit[:6], weight.t().contiguous().t(), _version(weight))
         rows, aligned, w = hit[3], hit[4], hit[6]
         m = x.numel() // max(k, 1)
         if hit[5] == "kernel":  # every row count, prefill included, through the one row-invariant kernel

@@ -215,29 +215,56 @@ class Eagle3Drafter(nn.Module):
         }
 
     def _versions(self) -> tuple:
-        return tuple((w._version, w.data_ptr()) for ws in self._pack_sources().values() for w in ws)
+        # an inference tensor (loaded under torch.inference_mode) keeps no version counter: 0
+        return tuple(
+            (0 if w.is_inference() else w._version, w.data_ptr()) for ws in self._pack_sources().values() for w in ws
+        )
 
     def pack_for_cpu(self, enable: bool = True) -> None:
         """Keep a packed copy of the projection weights for the CPU kernel (``kernels.cpu_linear.pack_f32``:
         float32 16-column panels, the target's ``weight_layout="panels"``), q/k/v and gate/up fused
         into one weight each, used by ``step``, ``combine`` and ``logits`` while autograd is off; a
         weight ``cpu_linear.panels_pay`` declines (N % 16 != 0; small ones on Intel) stays ``[N, K]``.
-        Each output's bits are those of the same weight packed alone (the kernel computes every
-        output on its own), so fusing changes none.
-        Repacked when a weight changes in place or moves; ``enable=False`` drops the copy. Only
-        backends whose ``ops.packs_cpu_weights`` is true (the torch backend where the float32 CPU
-        kernel runs) use it, so a runtime with ``cpu_linear="torch"`` sharing this module keeps
-        ``F.linear`` on its weights; the runtime packs when it attaches the drafter."""
+        On the kernel each output's bits are those of the same weight packed alone (it computes every
+        output on its own), so fusing changes none. Only backends whose ``ops.packs_cpu_weights`` is
+        true (the torch backend where the float32 CPU kernel runs) use it, so a runtime with
+        ``cpu_linear="torch"`` sharing this module keeps ``F.linear`` on its weights; the runtime
+        packs when it attaches the drafter. ``enable=False`` drops the copy.
+
+        Staleness: a weight changed in place (its version counter moves) or replaced is repacked at
+        the next eager drafter call and before every captured or compiled round
+        (``refresh_cpu_pack``), into the same tensors where the shapes allow, so captured rounds read
+        the new values. Writes that bypass the version counter (``p.data.copy_(...)``, weights
+        loaded as inference tensors and changed under ``torch.inference_mode``) are not seen: call
+        ``pack_for_cpu()`` after them."""
         if not enable:
             self._packed = None
             return
         from ..kernels import cpu_linear
 
+        old = self._packed[1] if self._packed is not None else {}
         packed = {}
-        for name, ws in self._pack_sources().items():
-            w = (torch.cat(ws) if len(ws) > 1 else ws[0]).detach()
-            packed[name] = cpu_linear.pack_f32(w) if cpu_linear.panels_pay(w) else w.contiguous()
+        # normal tensors even when the runtime's inference_mode is on (deterministic mode reads their versions)
+        with torch.inference_mode(False), torch.no_grad():
+            for name, ws in self._pack_sources().items():
+                w = (torch.cat(ws) if len(ws) > 1 else ws[0]).detach()
+                new = cpu_linear.pack_f32(w) if cpu_linear.panels_pay(w) else w.contiguous().clone()
+                was = old.get(name)
+                if was is not None and was.shape == new.shape and was.dtype == new.dtype and not was.is_inference():
+                    was.copy_(new)  # in place: a captured round keeps reading this tensor
+                    new = was
+                packed[name] = new
         self._packed = (self._versions(), packed)
+
+    def refresh_cpu_pack(self) -> None:
+        """Repack the ``pack_for_cpu`` copy if a weight changed since (eager; the runtime calls it
+        before each captured or compiled round); nothing when there is no copy."""
+        if self._packed is not None and self._packed[0] != self._versions():
+            self.pack_for_cpu()
+
+    def cpu_pack_tensors(self) -> list[torch.Tensor]:
+        """The packed copies a captured round reads (empty without ``pack_for_cpu``)."""
+        return [] if self._packed is None else list(self._packed[1].values())
 
     def _cpu_weights(self, ops: Any) -> dict[str, torch.Tensor] | None:
         """The ``pack_for_cpu`` weights when they apply (``ops.packs_cpu_weights``, float32 CPU weights,
@@ -247,11 +274,11 @@ class Eagle3Drafter(nn.Module):
             return None
         if not w.is_cpu:
             return None
-        p = self._packed
-        if p is None or (not torch.compiler.is_compiling() and p[0] != self._versions()):
+        if self._packed is None:
             self.pack_for_cpu()
-            p = self._packed
-        return p[1]
+        elif not torch.compiler.is_compiling():
+            self.refresh_cpu_pack()
+        return self._packed[1]
 
     # ------------------------------------------------------------------ math
     def fc_norm_weight(self) -> torch.Tensor | None:

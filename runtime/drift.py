@@ -206,10 +206,15 @@ def measure_drift(
     """
     from .drafter import Eagle3Drafter
     from .engine import SpeculativeRuntime
-    from .target import TargetModel
+    from .target import TargetModel, resolve_layout
 
     spec = spec or SpecConfig.chain(6)
-    tm = TargetModel.from_pretrained(target, device=device) if not isinstance(target, TargetModel) else target
+    if not isinstance(target, TargetModel):  # the layout the runtime's cpu_linear can run (as from_pretrained picks)
+        lin = runtime_kw.get("cpu_linear", "auto")
+        lay = "auto" if lin != "torch" else resolve_layout("auto", torch.device(device), None, "torch")
+        tm = TargetModel.from_pretrained(target, device=device, weight_layout=lay)
+    else:
+        tm = target
     tokenizer = runtime_kw.pop("tokenizer", None)
     if tokenizer is None and isinstance(target, (str, Path)):
         from .weights import load_tokenizer

@@ -91,6 +91,14 @@ class SpeculativeRuntime:
         self.backend = resolve_backend(backend, self.device)
         if cpu_linear not in CPU_LINEAR_MODES:  # checked for every backend, not only the torch one
             raise UserError(f"cpu_linear={cpu_linear!r} is not one of {CPU_LINEAR_MODES}")
+        layout = getattr(target, "weight_layout", None)
+        if cpu_linear == "torch" and layout in ("panels", "amx"):  # packed weights run nowhere but the kernel
+            raise UserError(
+                "cpu_linear='torch' but the target's weights are packed for the CPU kernel "
+                f"(weight_layout={layout!r}): "
+                "load it with TargetModel.from_pretrained(..., weight_layout='kn' or 'nk'), or use "
+                "SpeculativeRuntime.from_pretrained(..., cpu_linear='torch'), which does"
+            )
         self.ops = get_ops(self.backend, cpu_linear)
         self.deterministic = bool(deterministic)  # every op row-invariant (runtime/deterministic.py)
         if self.deterministic:
@@ -594,7 +602,7 @@ class SpeculativeRuntime:
         ts_ = [*self.decoder.bufs.tensors(), t.k_cache, t.v_cache, t.rope.cos, t.rope.sin]
         if self.drafter is not None:
             r, cache = self.drafter.rope(), self.decoder.draft_cache
-            ts_ += [r.cos, r.sin, cache.k, cache.v, *self.drafter.parameters()]
+            ts_ += [r.cos, r.sin, cache.k, cache.v, *self.drafter.parameters(), *self.drafter.cpu_pack_tensors()]
         return tuple(x.data_ptr() for x in ts_)
 
     def _rows(self, live: int) -> int:
@@ -608,6 +616,8 @@ class SpeculativeRuntime:
         """Replay (or capture) the round's graph for this bucket, or run it eagerly."""
         g, dec = self._graphs, self.decoder
         if g is not None and dec.observer is None:
+            if self.drafter is not None:  # a weight changed in place: repack its copy where the graphs read it
+                self.drafter.refresh_cpu_pack()
             where = self._graph_addresses()
             if where != self._graph_cache_at:  # e.g. another runtime grew the shared cache: graphs point at the old one
                 g.reset()

@@ -96,6 +96,10 @@ def test_bad_inputs_are_named():
         cl.cpu_linear(torch.randn(2, 8).bfloat16(), wp.bfloat16())
     with pytest.raises(ValueError, match="no autograd"):
         cl.linear(torch.randn(2, 8, requires_grad=True), wp)
+    with pytest.raises(ValueError, match="K=9"):  # the dispatcher checks a packed weight too
+        cl.linear(torch.randn(2, 9), wp)
+    with pytest.raises(ValueError, match="bfloat16 x"):
+        cl.linear(torch.randn(2, 8).bfloat16(), wp)
 
 
 def test_native_operator_and_compiled_call_run_the_same_kernel():
@@ -157,7 +161,8 @@ def test_drafter_runs_packed_only_where_its_runtime_runs_the_kernel(monkeypatch)
     d = ts.Eagle3Drafter.from_pretrained(drafter)
     kern = ts.SpeculativeRuntime(ts.TargetModel.from_pretrained(target), d, tok)
     assert kern.drafter is d and d._packed is not None  # packed at attach
-    plain_ops = ts.SpeculativeRuntime(ts.TargetModel.from_pretrained(target), d, tok, cpu_linear="torch")
+    kn = ts.TargetModel.from_pretrained(target, weight_layout="kn")
+    plain_ops = ts.SpeculativeRuntime(kn, d, tok, cpu_linear="torch")
     assert kern.ops.packs_cpu_weights and not plain_ops.ops.packs_cpu_weights
     seen = []
     real = cl.linear
@@ -182,3 +187,63 @@ def test_drafter_runs_packed_only_where_its_runtime_runs_the_kernel(monkeypatch)
         seen.clear()
         d.logits(hn, kern.ops)  # autograd on: the module's own [N, K] weight
         assert seen == [] or seen == [2]
+
+
+@pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
+def test_runtime_refuses_torch_linear_on_packed_weights():
+    target, _ = ts.demo.demo_pair()
+    tm = ts.TargetModel.from_pretrained(target)
+    with pytest.raises(UserError, match="weight_layout='kn' or 'nk'"):
+        ts.SpeculativeRuntime(tm, None, ts.runtime.engine.load_tokenizer(target), cpu_linear="torch")
+    rt = ts.SpeculativeRuntime.from_pretrained(target, cpu_linear="torch")  # picks a layout F.linear runs
+    assert rt.target.weight_layout == "kn" and not rt.cpu_kernels
+
+
+@pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_drafter_pack_survives_inference_mode_and_in_place_updates(deterministic):
+    """A drafter loaded under inference_mode packs (no version counter to read), and a deterministic
+    runtime keeps generating after the drafter changed in place (the repack, made inside the
+    engine's inference_mode, must not be an inference tensor); the copy follows the change."""
+    target, drafter = ts.demo.demo_pair()
+    tok = ts.runtime.engine.load_tokenizer(target)
+    with torch.inference_mode():
+        frozen = ts.Eagle3Drafter.from_pretrained(drafter)
+        rt = ts.SpeculativeRuntime.from_pretrained(target, frozen, deterministic=deterministic)
+        assert len(rt.generate(tok("x = 1")["input_ids"], max_new_tokens=4).token_ids[0]) == 4
+    d = ts.Eagle3Drafter.from_pretrained(drafter)
+    rt = ts.SpeculativeRuntime.from_pretrained(target, d, deterministic=deterministic)
+    ids = tok("def add(a, b):")["input_ids"]
+    first = rt.generate(ids, max_new_tokens=8)
+    head = d.cpu_pack_tensors()[-1]
+    with torch.no_grad():
+        d.lm_head.weight.mul_(-1)  # in place: drafts change, output must not
+    again = rt.generate(ids, max_new_tokens=8)
+    assert again.token_ids == first.token_ids
+    assert d.cpu_pack_tensors()[-1] is head and not head.is_inference()  # repacked in place
+    assert torch.equal(cl.unpack(head), d.lm_head.weight) if head.dim() == 3 else torch.equal(head, d.lm_head.weight)
+
+
+@pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
+def test_captured_rounds_read_the_repacked_drafter():
+    """Emulated captured rounds (the make_fx path compile=True shares) see an in-place change of the
+    drafter's weights: zeroing its head collapses acceptance as it does eagerly (the inverse of a
+    stale graph constant, which would keep the old acceptance)."""
+    target, drafter = ts.demo.demo_pair()
+    tok = ts.runtime.engine.load_tokenizer(target)
+    ids = tok("def add(a, b):\n    return a + b\n\ndef sub(a, b):")["input_ids"]
+    from tritonspec.runtime.graphs import GraphRunner, default_sizes
+
+    taus = {}
+    for mode in ("emulate", "eager"):
+        d = ts.Eagle3Drafter.from_pretrained(drafter)
+        rt = ts.SpeculativeRuntime.from_pretrained(target, d, spec=ts.SpecConfig.chain(4), max_batch_size=1)
+        if mode == "emulate":
+            rt._graphs = GraphRunner(default_sizes(1), "emulate")
+        before = rt.generate(ids, max_new_tokens=24).stats.mean_acceptance_length
+        with torch.no_grad():
+            d.lm_head.weight.zero_()
+        after = rt.generate(ids, max_new_tokens=24).stats.mean_acceptance_length
+        taus[mode] = (before, after)
+    assert rt._graphs is None and taus["emulate"][0] > 1.5
+    assert taus["emulate"][1] == pytest.approx(taus["eager"][1]) and taus["emulate"][1] < taus["emulate"][0]
