@@ -339,6 +339,14 @@ def packable_f32(weight: torch.Tensor) -> bool:
     )
 
 
+def panels_default() -> bool:
+    """Whether ``weight_layout="auto"`` packs float32 weights into panels here (and a runtime packs its
+    drafter): on AVX2 CPUs, where the panel kernel was measured (0.6-0.75x the ``[N, K]`` kernel's time at
+    1-3 rows, ~0.5x from 64 rows; perf/CPU_DECODE.md). AVX-512 CPUs keep ``[N, K]`` until measured there;
+    ``weight_layout="panels"`` runs the panel kernel on any CPU the kernels build for."""
+    return isa() == "avx2"
+
+
 def panels_pay(weight: torch.Tensor) -> bool:
     """Whether the float32 layout (``weight_layout="panels"``, ``Eagle3Drafter.pack_for_cpu``) packs
     ``weight``: ``packable_f32``, and where ``SIZE_FLOORS`` applies (Intel: MKL won on small,

@@ -177,8 +177,9 @@ class TorchOps:
     @property
     def packs_cpu_weights(self) -> bool:
         """Whether float32 CPU weights run on the kernel here, so a drafter runs its projections packed
-        into panels (``Eagle3Drafter.pack_for_cpu``), as the target's ``weight_layout="panels"`` does."""
-        return self._cpu_kernel(torch.float32)
+        into panels (``Eagle3Drafter.pack_for_cpu``), as the target's ``weight_layout="panels"`` does:
+        where ``kernels.cpu_linear.panels_default()`` (AVX2 CPUs)."""
+        return self._cpu_kernel(torch.float32) and _cpu_linear.panels_default()
 
     def _cpu_kernel(self, dtype: torch.dtype) -> bool:
         on = self._kernel_for.get(dtype)

@@ -191,10 +191,11 @@ def resolve_layout(
 ) -> str:
     """``auto``: for bfloat16 on a CPU with AMX where the CPU kernels run, ``amx`` (weights packed
     into AMX tiles: a verify forward of 4-16 rows costs about one row, where AVX512-BF16 costs 1.3x
-    at 4 rows and 2.3x at 8; one row streams as fast); for float32 where the CPU kernels run,
-    ``panels`` (16-column panels, the outer-product kernel: SmolLM2's projections and head at
-    0.6-0.75x the ``[N, K]`` kernel's time at 1-3 rows, ~0.7x at 6-16, ~0.5x from 64 rows, and
-    faster than MKL up to 256; perf/CPU_DECODE.md); else ``nk`` where the CPU linear kernel runs
+    at 4 rows and 2.3x at 8; one row streams as fast); for float32 where the CPU kernels run on
+    AVX2 (``kernels.cpu_linear.panels_default``; AVX-512 not measured yet), ``panels`` (16-column
+    panels, the outer-product kernel: SmolLM2's projections and head at 0.6-0.75x the ``[N, K]``
+    kernel's time at 1-3 rows, ~0.7x at 6-16, ~0.5x from 64 rows, and faster than MKL up to 256;
+    perf/CPU_DECODE.md); else ``nk`` where the CPU linear kernel runs
     the dtype (``kernels.cpu_linear``), else ``kn`` for float32 on a CPU and ``nk`` otherwise.
     Measured in the model (SmolLM2, 2 threads, ``perf/bench_cpu_decode.py``): float32 plain steps
     cost the same in both layouts (30.1 vs 30.6 ms) and ``kn`` makes one-row-vs-many rounding
@@ -225,8 +226,8 @@ def resolve_layout(
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _cpu_linear.enabled(dtype, cpu_linear):
         if dtype == torch.bfloat16 and _cpu_linear.amx_available() is None:
             return "amx"  # packed AMX tiles (kernels/cpu/linear.c): verify rows nearly free
-        if dtype == torch.float32:
-            return "panels"  # the outer-product kernel on 16-column panels (kernels/cpu/linear.c)
+        if dtype == torch.float32 and _cpu_linear.panels_default():
+            return "panels"  # the outer-product kernel on 16-column panels (kernels/cpu/linear.c; AVX2 CPUs)
         return "nk"  # kernels.cpu_linear streams [N, K] rows (and is row-invariant)
     return "kn" if device.type == "cpu" and dtype == torch.float32 else "nk"
 

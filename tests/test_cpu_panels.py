@@ -18,6 +18,10 @@ from tritonspec.runtime.target import resolve_layout
 
 WHY = cl.available(torch.float32)
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"CPU linear kernel unavailable for float32: {WHY}")
+packs_by_default = pytest.mark.skipif(
+    WHY is not None or not cl.panels_default(),
+    reason="runtimes pack float32 drafters into panels on AVX2 CPUs only (kernels.cpu_linear.panels_default)",
+)
 
 
 def _ref(x, w, b=None):
@@ -114,7 +118,7 @@ def test_native_operator_and_compiled_call_run_the_same_kernel():
 
 def test_layout_is_the_float32_default_and_checked():
     cpu = torch.device("cpu")
-    assert resolve_layout("auto", cpu, torch.float32) == "panels"
+    assert resolve_layout("auto", cpu, torch.float32) == ("panels" if cl.panels_default() else "nk")
     assert resolve_layout("auto", cpu, torch.float32, "torch") == "kn"  # no kernel: F.linear's fast layout
     with pytest.raises(UserError, match="weight_layout='panels'.*float32"):
         resolve_layout("panels", cpu, torch.bfloat16)
@@ -149,6 +153,7 @@ def test_panels_target_matches_nk_and_saves_the_same_weights(tmp_path):
     assert outs[0].token_ids == outs[1].token_ids
 
 
+@packs_by_default
 @pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
 def test_drafter_runs_packed_only_where_its_runtime_runs_the_kernel(monkeypatch):
     """A runtime whose ops run the float32 kernel packs its drafter (fused q/k/v and gate/up) and
@@ -192,13 +197,14 @@ def test_drafter_runs_packed_only_where_its_runtime_runs_the_kernel(monkeypatch)
 @pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
 def test_runtime_refuses_torch_linear_on_packed_weights():
     target, _ = ts.demo.demo_pair()
-    tm = ts.TargetModel.from_pretrained(target)
+    tm = ts.TargetModel.from_pretrained(target, weight_layout="panels")
     with pytest.raises(UserError, match="weight_layout='kn' or 'nk'"):
         ts.SpeculativeRuntime(tm, None, ts.runtime.engine.load_tokenizer(target), cpu_linear="torch")
     rt = ts.SpeculativeRuntime.from_pretrained(target, cpu_linear="torch")  # picks a layout F.linear runs
     assert rt.target.weight_layout == "kn" and not rt.cpu_kernels
 
 
+@packs_by_default
 @pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
 @pytest.mark.parametrize("deterministic", [False, True])
 def test_drafter_pack_survives_inference_mode_and_in_place_updates(deterministic):
@@ -224,6 +230,7 @@ def test_drafter_pack_survives_inference_mode_and_in_place_updates(deterministic
     assert torch.equal(cl.unpack(head), d.lm_head.weight) if head.dim() == 3 else torch.equal(head, d.lm_head.weight)
 
 
+@packs_by_default
 @pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
 def test_captured_rounds_read_the_repacked_drafter():
     """Emulated captured rounds (the make_fx path compile=True shares) see an in-place change of the
