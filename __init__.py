@@ -5,14 +5,35 @@
 SpecConfig(num_speculative_tokens=4, top_k=1, num_draft_tokens=5)
 """
 
-from .demo import demo_pair
-from .drafters import shipped_drafter
-from .kernels.store import package_version
-from .runtime.config import GenerationOutput, SpecConfig, SpecStats
-from .runtime.drafter import DrafterConfig, Eagle3Drafter
-from .runtime.engine import SpeculativeRuntime
-from .runtime.errors import UserError
-from .runtime.target import SUPPORTED_ARCHITECTURES, TargetModel
+import os as _os
+import sys as _sys
+
+
+def _unshadow() -> None:
+    """Take this package's own folder off ``sys.path``. The folder is the repository root, and
+    ``python -m ...`` run from a checkout puts the working directory first on ``sys.path``, where
+    our subfolders would shadow installed distributions of the same top-level name: transformers
+    >= 5.25 imports the ``kernels`` distribution (Hugging Face's hub kernels) and got ours. Our
+    modules are reached as ``tritonspec.*`` only; a top-level module already imported from the
+    folder (``kernels``, ``kernels.store``, ...) is forgotten as well."""
+    here = _os.path.dirname(_os.path.realpath(__file__))
+    _sys.path[:] = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != here]
+    for name, mod in list(_sys.modules.items()):
+        top = _os.path.join(here, name.split(".")[0])
+        if _os.path.isdir(top) and (getattr(mod, "__file__", None) or "").startswith(top + _os.sep):
+            del _sys.modules[name]  # e.g. ``kernels`` from this folder, not the distribution
+
+
+_unshadow()
+
+from .demo import demo_pair  # noqa: E402
+from .drafters import shipped_drafter  # noqa: E402
+from .kernels.store import package_version  # noqa: E402
+from .runtime.config import GenerationOutput, SpecConfig, SpecStats  # noqa: E402
+from .runtime.drafter import DrafterConfig, Eagle3Drafter  # noqa: E402
+from .runtime.engine import SpeculativeRuntime  # noqa: E402
+from .runtime.errors import UserError  # noqa: E402
+from .runtime.target import SUPPORTED_ARCHITECTURES, TargetModel  # noqa: E402
 
 __version__ = package_version()
 __all__ = [

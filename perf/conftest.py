@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+import tritonspec  # noqa: F401  (takes the checkout off sys.path: see tritonspec._unshadow)
+
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 NO_GPU = "no GPU: Triton timings need CUDA (the interpreter is a correctness tool, not a performance path)"

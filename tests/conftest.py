@@ -15,8 +15,11 @@ if not torch.cuda.is_available():
 # machine spin against each other (a 100x slowdown was measured): one thread unless overridden.
 torch.set_num_threads(int(os.environ.get("TRITONSPEC_TEST_THREADS", "1")))
 
-
 import pytest  # noqa: E402
+
+# takes the checkout off sys.path (``python -m pytest`` puts it first, where our ``kernels/`` would shadow
+# the ``kernels`` distribution transformers >= 5.25 imports): see tritonspec._unshadow
+import tritonspec  # noqa: E402, F401
 
 
 @pytest.fixture(autouse=True)
