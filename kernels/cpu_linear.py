@@ -16,12 +16,14 @@ same instruction sequence whatever the number of rows, the other rows or the thr
 result is bit-identical in a one-row decode step and in a 64-row verify forward, so speculative
 greedy output equals plain greedy output by construction.
 
-Float32 weights packed into 16-column panels (``pack_f32``, ``[N/16, K, 16]``; the target's default
-float32 layout ``weight_layout="panels"`` and the drafter's ``pack_for_cpu``) run a second kernel,
-an outer product: each output one fused multiply-add chain over k in ascending order from +0.0,
-then the bias, whatever register tile computes it. Also row-invariant by construction, 0.6-0.75x
-the ``[N, K]`` kernel's time at 1-3 rows and ~0.5x from 64 rows on SmolLM2's weights, faster than
-MKL up to 256 rows (perf/CPU_DECODE.md); a packed weight runs it at every row count.
+Weights packed into 16-column panels (``pack_panels``: ``[N/16, K, 16]``, float32 or bfloat16; the
+target's default layout ``weight_layout="panels"`` on AVX2 CPUs and the drafter's ``pack_for_cpu``)
+run a second kernel, an outer product: each output one fused multiply-add chain over k in ascending
+order from +0.0 in float32, then the bias (bfloat16: on the widened values, rounded once at the
+end), whatever register tile computes it. Also row-invariant by construction, 0.6-0.75x the
+``[N, K]`` kernel's time at 1-3 rows and ~0.5x from 64 rows on SmolLM2's float32 weights, faster
+than MKL up to 256 rows; bfloat16 panels stream half the bytes, about half the float32 panels' time
+at 1-3 rows (perf/CPU_DECODE.md); a packed weight runs it at every row count.
 
 It is a C kernel, not Triton, because Triton has no CPU target here. It is built on first use with
 the system C compiler (``$CC``, else ``gcc``, else ``cc``; ``-O3 -march=native -fopenmp``, about a
@@ -207,8 +209,10 @@ def _library() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
         fn.restype = None
-    lib.tritonspec_linear_bf16_packed.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
-    lib.tritonspec_linear_bf16_packed.restype = ctypes.c_int
+    for name in ("tritonspec_linear_bf16_packed", "tritonspec_linear_bf16_panels"):  # 0, or why it did not run
+        fn = getattr(lib, name)
+        fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
+        fn.restype = ctypes.c_int
     lib.tritonspec_amx_enabled.argtypes = []
     lib.tritonspec_amx_enabled.restype = ctypes.c_int
     for name in ("tritonspec_tree_attention_f32", "tritonspec_tree_attention_bf16"):
@@ -312,7 +316,8 @@ def amx_available() -> str | None:
 
 def is_packed(weight: torch.Tensor) -> bool:
     """Whether ``weight`` is packed for the CPU kernel: ``pack_bf16`` (AMX, 4-D ``[N/16, K/32, 16, 32]``)
-    or ``pack_f32`` (float32 panels, 3-D ``[N/16, K, 16]``). Only the kernel runs a packed weight."""
+    or ``pack_panels`` (float32 or bfloat16 panels, 3-D ``[N/16, K, 16]``). Only the kernel runs a packed
+    weight."""
     return weight.dim() in (3, 4)
 
 
@@ -326,33 +331,40 @@ def in_features(weight: torch.Tensor) -> int:
     return weight.shape[1] * 32 if weight.dim() == 4 else weight.shape[1] if weight.dim() == 3 else weight.shape[-1]
 
 
-def packable_f32(weight: torch.Tensor) -> bool:
-    """Whether ``pack_f32`` takes ``weight``: a float32 CPU ``[N, K]`` tensor with N % 16 == 0 and
-    K > 0, on a machine where the float32 kernel runs (``available()`` is None)."""
+def packable_panels(weight: torch.Tensor) -> bool:
+    """Whether ``pack_panels`` takes ``weight``: a float32 or bfloat16 CPU ``[N, K]`` tensor with
+    N % 16 == 0 and K > 0, on a machine where the kernels run its dtype (``available()`` is None)."""
     return (
         weight.dim() == 2
-        and weight.dtype == torch.float32
+        and weight.dtype in _DTYPES
         and weight.device.type == "cpu"
         and weight.shape[0] % 16 == 0
         and weight.numel() > 0
-        and available(torch.float32) is None
+        and available(weight.dtype) is None
     )
 
 
+def packable_f32(weight: torch.Tensor) -> bool:
+    """Whether ``pack_f32`` takes ``weight``: ``packable_panels`` and float32."""
+    return weight.dtype == torch.float32 and packable_panels(weight)
+
+
 def panels_default() -> bool:
-    """Whether ``weight_layout="auto"`` packs float32 weights into panels here (and a runtime packs its
-    drafter): on AVX2 CPUs, where the panel kernel was measured (0.6-0.75x the ``[N, K]`` kernel's time at
-    1-3 rows, ~0.5x from 64 rows; perf/CPU_DECODE.md). AVX-512 CPUs keep ``[N, K]`` until measured there;
-    ``weight_layout="panels"`` runs the panel kernel on any CPU the kernels build for."""
+    """Whether ``weight_layout="auto"`` packs float32 and bfloat16 weights into panels here (and a
+    runtime packs its drafter): on AVX2 CPUs, where the panel kernels were measured (float32 0.6-0.75x
+    the ``[N, K]`` kernel's time at 1-3 rows, ~0.5x from 64 rows; bfloat16 0.7-0.75x the bfloat16
+    ``[N, K]`` kernel's time at 1-3 rows, 0.75-0.95x at 4-128, half the float32 panels' time at 1-3
+    rows; perf/CPU_DECODE.md). AVX-512 CPUs keep ``[N, K]`` (and AMX tiles for bfloat16) until
+    measured there; ``weight_layout="panels"`` runs the panel kernels on any CPU the kernels build for."""
     return isa() == "avx2"
 
 
 def panels_pay(weight: torch.Tensor) -> bool:
-    """Whether the float32 layout (``weight_layout="panels"``, ``Eagle3Drafter.pack_for_cpu``) packs
-    ``weight``: ``packable_f32``, and where ``SIZE_FLOORS`` applies (Intel: MKL won on small,
+    """Whether the panel layout (``weight_layout="panels"``, ``Eagle3Drafter.pack_for_cpu``) packs
+    ``weight``: ``packable_panels``, and where ``SIZE_FLOORS`` applies (Intel: MKL won on small,
     cache-resident weights against the ``[N, K]`` kernel; the panel kernel is not measured there) at
     least ``MIN_WEIGHT`` elements and ``MIN_K`` columns. Smaller weights stay ``[N, K]``."""
-    if not packable_f32(weight):
+    if not packable_panels(weight):
         return False
     return not SIZE_FLOORS or (weight.numel() >= MIN_WEIGHT and weight.shape[1] >= MIN_K)
 
@@ -374,7 +386,30 @@ def pack_f32(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K, 16]
     if not packable_f32(weight):
         why = available(torch.float32) or "it needs a float32 CPU [N, K] weight with N % 16 == 0"
         raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} into panels: {why}")
+    return pack_panels(weight)
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K, 16]
+    """``weight [N, K]`` (float32 or bfloat16) in the panel layout of its dtype (``kernels/cpu/linear.c``).
+    float32: ``wp[p, k, j] = w[16 p + j, k]`` (``pack_f32``). bfloat16: the 16 columns of a k-step
+    interleaved in pairs, ``wp[p, k, 2 j + h] = w[16 p + 8 h + j, k]`` (j < 8, h < 2), so one 32-byte load
+    widens to two 8-lane float32 vectors with two shifts. Either way a panel's k-steps are consecutive
+    (64 or 32 bytes each) and the packed tensor replaces the weight (same bytes); ``linear`` runs it on
+    the outer-product kernel (bfloat16: the float32 chain on the widened values, rounded once), and
+    ``unpack`` gives the ``[N, K]`` values back.
+
+    Example
+    -------
+    >>> w = torch.randn(32, 64).bfloat16()
+    >>> torch.equal(unpack(pack_panels(w)), w)  # doctest: +SKIP
+    True
+    """
+    if not packable_panels(weight):
+        why = available(weight.dtype) or "it needs a float32 or bfloat16 CPU [N, K] weight with N % 16 == 0"
+        raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} into panels: {why}")
     N, K = weight.shape
+    if weight.dtype == torch.bfloat16:
+        return weight.contiguous().view(N // 16, 2, 8, K).permute(0, 3, 2, 1).contiguous().view(N // 16, K, 16)
     return weight.contiguous().view(N // 16, 16, K).transpose(1, 2).contiguous()
 
 
@@ -413,11 +448,13 @@ def pack_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K/32, 16, 32]
 
 
 def unpack(weight: torch.Tensor) -> torch.Tensor:  # [N, K]
-    """The ``[N, K]`` values of a ``pack_bf16`` or ``pack_f32`` weight (a copy, or a view of a single
+    """The ``[N, K]`` values of a ``pack_bf16`` or ``pack_panels`` weight (a copy, or a view of a single
     panel: do not write into it; a slice of whole blocks or panels unpacks to their rows); any other
     tensor is returned as is."""
     if weight.dim() == 3:
         P, K = weight.shape[:2]
+        if weight.dtype == torch.bfloat16:  # pairs interleaved: [P, K, 8, 2] -> [P, 2, 8, K]
+            return weight.reshape(P, K, 8, 2).permute(0, 3, 2, 1).reshape(P * 16, K)
         return weight.transpose(1, 2).reshape(P * 16, K)
     if weight.dim() != 4:
         return weight
@@ -478,10 +515,10 @@ def cpu_linear(
             f"{x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
         )
     if weight.dim() == 3:
-        if tuple(weight.shape[1:]) != (K, 16) or not weight.is_contiguous() or x.dtype != torch.float32:
+        if tuple(weight.shape[1:]) != (K, 16) or not weight.is_contiguous():
             raise ValueError(
                 f"a panel-packed weight {tuple(weight.shape)} ({weight.dtype}) does not match {x.dtype} x with "
-                f"K={K} (pack_f32 of a float32 [N, {K}])"
+                f"K={K} (pack_panels of a {x.dtype} [N, {K}])"
             )
     elif is_packed(weight):
         if tuple(weight.shape[1:]) != (K // 32, 16, 32) or K % 32 or not weight.is_contiguous():
@@ -537,7 +574,7 @@ def _launch_ctypes(
     lib = _library()
     fn = lib.tritonspec_linear_f32 if x.dtype == torch.float32 else lib.tritonspec_linear_bf16
     if weight.dim() == 3:
-        fn = lib.tritonspec_linear_f32_panels
+        fn = lib.tritonspec_linear_f32_panels if x.dtype == torch.float32 else lib.tritonspec_linear_bf16_panels
     elif is_packed(weight):
         fn = lib.tritonspec_linear_bf16_packed
     rc = fn(
@@ -549,6 +586,8 @@ def _launch_ctypes(
         raise CpuLinearUnavailable(
             "the weight is packed for AMX but AMX is off in this process: load it with weight_layout='nk'"
         )
+    if weight.dim() == 3 and x.dtype == torch.bfloat16 and rc != 0:
+        raise MemoryError(f"the bfloat16 panel kernel could not allocate the float32 copy of x ({M} x {K})")
     return y
 
 
@@ -577,7 +616,7 @@ def linear(
     has checked that ``x`` is a float32/bfloat16 CPU tensor and ``enabled(x.dtype)``. While a graph is traced
     (``torch.compile``, ``make_fx``) the kernel is an opaque operator (``tritonspec_cpu::linear``,
     else the Python custom op ``tritonspec::cpu_linear``), so compiled and eager rounds compute the
-    same bits. A packed weight (``pack_bf16``, ``pack_f32``) always runs the kernel (any row count; no
+    same bits. A packed weight (``pack_bf16``, ``pack_panels``) always runs the kernel (any row count; no
     autograd)."""
     if is_packed(weight):
         bad_bias = bias is not None and bias.dtype != x.dtype
@@ -615,8 +654,8 @@ def _fixed_values(n: int, seed: int) -> torch.Tensor:  # [n] float32 in [-1, 1)
 
 def kernel_digest(dtype: torch.dtype = torch.float32) -> str:
     """sha256 (16 hex digits) of the CPU kernels' outputs on a fixed battery of inputs (linear layers
-    of 1 to 7 and 64 rows over odd and SmolLM2-like shapes, on ``[N, K]`` weights and, for float32,
-    on ``pack_f32`` panels; tree and decode attention with GQA,
+    of 1 to 7 and 64 rows over odd and SmolLM2-like shapes, on ``[N, K]`` weights and on
+    ``pack_panels`` panels; tree and decode attention with GQA,
     RMSNorm with a residual), in ``dtype``. The kernels are one instruction sequence per output, and
     ``kernels/cpu/avx2.h`` emulates the AVX-512 one lane for lane, so two machines whose digests
     match compute these kernels bit for bit alike; compare the value across CPUs (``perf/CPU_DECODE.md``
@@ -644,13 +683,13 @@ def kernel_digest(dtype: torch.dtype = torch.float32) -> str:
         b = (_fixed_values(n, seed + 100) * 0.1).to(dtype)
         for m in rows:
             put(cpu_linear(_fixed_values(m * k, seed + m).view(m, k).to(dtype), w, b, threads=1))
-    if dtype == torch.float32:  # the outer-product kernel on float32 panels (pack_f32: weight_layout="panels")
-        for n, k, rows in ((48, 99, (1, 2, 5)), (576, 576, (1, 3, 4, 64)), (64, 1536, (1, 6, 7))):
-            seed += 1
-            w = pack_f32(_fixed_values(n * k, seed).view(n, k))
-            b = _fixed_values(n, seed + 100) * 0.1
-            for m in rows:
-                put(cpu_linear(_fixed_values(m * k, seed + m).view(m, k), w, b, threads=1))
+    # the outer-product kernel on panels (pack_panels: weight_layout="panels")
+    for n, k, rows in ((48, 99, (1, 2, 5)), (576, 576, (1, 3, 4, 64)), (64, 1536, (1, 6, 7))):
+        seed += 1
+        w = pack_panels(_fixed_values(n * k, seed).view(n, k).to(dtype))
+        b = (_fixed_values(n, seed + 100) * 0.1).to(dtype)
+        for m in rows:
+            put(cpu_linear(_fixed_values(m * k, seed + m).view(m, k).to(dtype), w, b, threads=1))
     for hq, hkv, d, s_len, q_len in ((9, 3, 64, 40, 6), (4, 4, 32, 70, 1), (8, 2, 48, 20, 3)):
         seed += 1
         kc = _fixed_values(2 * s_len * hkv * d, seed).view(2, s_len, hkv, d).to(dtype)

@@ -662,7 +662,7 @@ class DeterministicOps:
     def _kernel_linear(self, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
         """Whether ``kernels.cpu_linear`` runs this weight: the torch backend on a CPU where it builds
         for the dtype (the runtime's ``cpu_linear``), a contiguous ``[N, K]`` weight; always for a weight
-        packed for it (``cpu_linear.pack_bf16``, ``pack_f32``: it runs nowhere else)."""
+        packed for it (``cpu_linear.pack_bf16``, ``pack_panels``: it runs nowhere else)."""
         if cpu_linear.is_packed(weight):
             return True
         return (

@@ -221,8 +221,8 @@ class Eagle3Drafter(nn.Module):
         )
 
     def pack_for_cpu(self, enable: bool = True) -> None:
-        """Keep a packed copy of the projection weights for the CPU kernel (``kernels.cpu_linear.pack_f32``:
-        float32 16-column panels, the target's ``weight_layout="panels"``), q/k/v and gate/up fused
+        """Keep a packed copy of the projection weights for the CPU kernel (``kernels.cpu_linear.pack_panels``:
+        float32 or bfloat16 16-column panels, the target's ``weight_layout="panels"``), q/k/v and gate/up fused
         into one weight each, used by ``step``, ``combine`` and ``logits`` while autograd is off; a
         weight ``cpu_linear.panels_pay`` declines (N % 16 != 0; small ones on Intel) stays ``[N, K]``.
         On the kernel each output's bits are those of the same weight packed alone (it computes every
@@ -248,7 +248,7 @@ class Eagle3Drafter(nn.Module):
         with torch.inference_mode(False), torch.no_grad():
             for name, ws in self._pack_sources().items():
                 w = (torch.cat(ws) if len(ws) > 1 else ws[0]).detach()
-                new = cpu_linear.pack_f32(w) if cpu_linear.panels_pay(w) else w.contiguous().clone()
+                new = cpu_linear.pack_panels(w) if cpu_linear.panels_pay(w) else w.contiguous().clone()
                 was = old.get(name)
                 if was is not None and was.shape == new.shape and was.dtype == new.dtype and not was.is_inference():
                     was.copy_(new)  # in place: a captured round keeps reading this tensor
@@ -267,10 +267,11 @@ class Eagle3Drafter(nn.Module):
         return [] if self._packed is None else list(self._packed[1].values())
 
     def _cpu_weights(self, ops: Any) -> dict[str, torch.Tensor] | None:
-        """The ``pack_for_cpu`` weights when they apply (``ops.packs_cpu_weights``, float32 CPU weights,
+        """The ``pack_for_cpu`` weights when they apply (``ops.packs_cpu_weights``, float32 or bfloat16 CPU weights,
         autograd off), packed on first use and again when stale."""
         w = self.fc.weight
-        if not getattr(ops, "packs_cpu_weights", False) or torch.is_grad_enabled() or w.dtype != torch.float32:
+        packs = getattr(ops, "packs_cpu_weights", False) and w.dtype in (torch.float32, torch.bfloat16)
+        if not packs or torch.is_grad_enabled():
             return None
         if not w.is_cpu:
             return None

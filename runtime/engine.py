@@ -265,7 +265,8 @@ class SpeculativeRuntime:
             raise UserError(f"top_k={spec.top_k} exceeds the drafter's draft_vocab_size={c.draft_vocab_size}")
         d.eval()
         d.attach_target_embedding(t.embed, t.drafter_info())
-        if getattr(self.ops, "packs_cpu_weights", False) and d.fc.weight.dtype == torch.float32 and d.fc.weight.is_cpu:
+        packs = getattr(self.ops, "packs_cpu_weights", False) and d.fc.weight.dtype in (torch.float32, torch.bfloat16)
+        if packs and d.fc.weight.is_cpu:
             d.pack_for_cpu()  # now, not at the first (perhaps compiled) round
         return d
 

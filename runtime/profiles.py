@@ -80,7 +80,7 @@ def target_fingerprint(target: Any) -> str:
     from ..kernels.cpu_linear import is_packed, unpack
 
     # the [N, K] values whatever weight_layout stored: a packed weight's corner block unpacks to
-    # rows 16 nb.., columns 32 kb.. (AMX) or a panel's first 32 columns (float32 panels), not the whole head
+    # rows 16 nb.., columns 32 kb.. (AMX) or a panel's first 32 columns (panels), not the whole head
     def corner(w: torch.Tensor, last_rows: bool) -> torch.Tensor:
         if not is_packed(w):
             return w

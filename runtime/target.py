@@ -161,13 +161,13 @@ def prepare_weight(w: torch.Tensor, layout: str) -> torch.Tensor:
     the weights about twice as fast on a CPU (measured: issue 21, ``perf/bench_cpu_decode.py``).
     ``"amx"``: a bfloat16 weight with N % 16 == 0 and K % 32 == 0 packed into AMX tiles
     (``kernels.cpu_linear.pack_bf16``, 4-D; only the CPU kernel runs it), any other as loaded.
-    ``"panels"``: a float32 weight with N % 16 == 0 packed into 16-column panels
-    (``kernels.cpu_linear.pack_f32``, 3-D; only the CPU kernel runs it; ``panels_pay`` says which),
+    ``"panels"``: a float32 or bfloat16 weight with N % 16 == 0 packed into 16-column panels
+    (``kernels.cpu_linear.pack_panels``, 3-D; only the CPU kernel runs it; ``panels_pay`` says which),
     any other as loaded."""
     if layout == "amx":
         return _cpu_linear.pack_bf16(w) if _cpu_linear.packable(w) else w
     if layout == "panels":
-        return _cpu_linear.pack_f32(w) if _cpu_linear.panels_pay(w) else w
+        return _cpu_linear.pack_panels(w) if _cpu_linear.panels_pay(w) else w
     return w.t().contiguous().t() if layout == "kn" else w
 
 
@@ -191,11 +191,13 @@ def resolve_layout(
 ) -> str:
     """``auto``: for bfloat16 on a CPU with AMX where the CPU kernels run, ``amx`` (weights packed
     into AMX tiles: a verify forward of 4-16 rows costs about one row, where AVX512-BF16 costs 1.3x
-    at 4 rows and 2.3x at 8; one row streams as fast); for float32 where the CPU kernels run on
-    AVX2 (``kernels.cpu_linear.panels_default``; AVX-512 not measured yet), ``panels`` (16-column
-    panels, the outer-product kernel: SmolLM2's projections and head at 0.6-0.75x the ``[N, K]``
+    at 4 rows and 2.3x at 8; one row streams as fast); for float32 and bfloat16 where the CPU kernels
+    run on AVX2 (``kernels.cpu_linear.panels_default``; AVX-512 not measured yet), ``panels`` (16-column
+    panels, the outer-product kernel: SmolLM2's float32 projections and head at 0.6-0.75x the ``[N, K]``
     kernel's time at 1-3 rows, ~0.7x at 6-16, ~0.5x from 64 rows, and faster than MKL up to 256;
-    perf/CPU_DECODE.md); else ``nk`` where the CPU linear kernel runs
+    bfloat16 0.7-0.75x the bfloat16 ``[N, K]`` kernel's time at 1-3 rows and 0.75-0.95x at 4-128;
+    perf/CPU_DECODE.md); else ``nk`` where the CPU linear
+    kernel runs
     the dtype (``kernels.cpu_linear``), else ``kn`` for float32 on a CPU and ``nk`` otherwise.
     Measured in the model (SmolLM2, 2 threads, ``perf/bench_cpu_decode.py``): float32 plain steps
     cost the same in both layouts (30.1 vs 30.6 ms) and ``kn`` makes one-row-vs-many rounding
@@ -215,7 +217,8 @@ def resolve_layout(
         if why is not None:
             raise UserError(f"weight_layout='amx' cannot run here: {why}; use 'auto' or 'nk'")
     if layout == "panels":
-        why = "it packs float32 weights only" if dtype != torch.float32 or device.type != "cpu" else None
+        on_cpu = dtype in (torch.float32, torch.bfloat16) and device.type == "cpu"
+        why = None if on_cpu else "it packs float32 and bfloat16 CPU weights only"
         if why is None and not _cpu_linear.enabled(dtype, cpu_linear):
             off = "the CPU kernels are off (cpu_linear='torch' or TRITONSPEC_CPU_LINEAR=torch)"
             why = _cpu_linear.available(dtype) or off
@@ -226,7 +229,7 @@ def resolve_layout(
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _cpu_linear.enabled(dtype, cpu_linear):
         if dtype == torch.bfloat16 and _cpu_linear.amx_available() is None:
             return "amx"  # packed AMX tiles (kernels/cpu/linear.c): verify rows nearly free
-        if dtype == torch.float32 and _cpu_linear.panels_default():
+        if _cpu_linear.panels_default():
             return "panels"  # the outer-product kernel on 16-column panels (kernels/cpu/linear.c; AVX2 CPUs)
         return "nk"  # kernels.cpu_linear streams [N, K] rows (and is row-invariant)
     return "kn" if device.type == "cpu" and dtype == torch.float32 else "nk"

@@ -63,9 +63,10 @@ def test_stats_line_names_the_cpu_kernels(pair_dirs, capsys):
     assert main(args) == 0
     want = "on" if cpu_linear.available(torch.float32) is None else "off"
     assert f"cpu_kernels={want}" in capsys.readouterr().out
-    # bfloat16: weights packed for AMX where it runs (kernels/cpu/linear.c), else as loaded
+    # bfloat16: weights packed for AMX where it runs, else into panels on AVX2 (kernels/cpu/linear.c), else as loaded
     assert main(args + ["--dtype", "bfloat16"]) == 0
-    layout = "amx" if cpu_linear.amx_available() is None else "nk"
+    panels = cpu_linear.panels_default() and cpu_linear.available(torch.bfloat16) is None
+    layout = "amx" if cpu_linear.amx_available() is None else "panels" if panels else "nk"
     assert f"weight_layout={layout}" in capsys.readouterr().out
 
 

@@ -96,8 +96,10 @@ def test_bad_inputs_are_named():
     wp = cl.pack_f32(torch.randn(16, 8))
     with pytest.raises(ValueError, match="K=9"):
         cl.cpu_linear(torch.randn(2, 9), wp)
-    with pytest.raises(ValueError, match="pack_f32"):
-        cl.cpu_linear(torch.randn(2, 8).bfloat16(), wp.bfloat16())
+    with pytest.raises(ValueError, match="one dtype"):
+        cl.cpu_linear(torch.randn(2, 8).bfloat16(), wp)
+    with pytest.raises(ValueError, match="K=8"):
+        cl.cpu_linear(torch.randn(2, 8), wp.view(1, 16, 8).contiguous())  # not a [N/16, K, 16] panel
     with pytest.raises(ValueError, match="no autograd"):
         cl.linear(torch.randn(2, 8, requires_grad=True), wp)
     with pytest.raises(ValueError, match="K=9"):  # the dispatcher checks a packed weight too
@@ -120,8 +122,8 @@ def test_layout_is_the_float32_default_and_checked():
     cpu = torch.device("cpu")
     assert resolve_layout("auto", cpu, torch.float32) == ("panels" if cl.panels_default() else "nk")
     assert resolve_layout("auto", cpu, torch.float32, "torch") == "kn"  # no kernel: F.linear's fast layout
-    with pytest.raises(UserError, match="weight_layout='panels'.*float32"):
-        resolve_layout("panels", cpu, torch.bfloat16)
+    with pytest.raises(UserError, match="weight_layout='panels'.*float32 and bfloat16"):
+        resolve_layout("panels", cpu, torch.float16)
     with pytest.raises(UserError, match="kernels are off"):
         resolve_layout("panels", cpu, torch.float32, "torch")
 

@@ -17,6 +17,7 @@
  */
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "avx2.h" /* AVX2 + FMA CPUs: the AVX-512 intrinsics below, emulated lane for lane */
 #include "bf16.h"
@@ -208,7 +209,9 @@ ALWAYS_INLINE void panel_tile(const float* x, int64_t ldx, const float* wp, int6
             for (int j = 0; j < 2 * NP; j++) acc[i][j] = _mm256_fmadd_ps(xv, w[j], acc[i][j]);
         }
     }
+#pragma GCC unroll 6 /* so the accumulators stay in registers in the k loop: see panel_tile_bf16 */
     for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
         for (int j = 0; j < 2 * NP; j++) {
             __m256 s = acc[i][j];
             if (b) s = _mm256_add_ps(s, _mm256_loadu_ps(b + j * 8));
@@ -260,6 +263,137 @@ void tritonspec_linear_f32_panels(const float* x, int64_t M, int64_t ldx, const 
             default: panel_group1(x, M, ldx, wp, K, b, y, ldy, t);
         }
     }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * bfloat16 on weights packed into 16-column panels (kernels/cpu_linear.py pack_panels, once at load):
+ * the kernel above on half the bytes. bfloat16 -> float32 is exact (the bits shifted left by 16), so
+ *
+ *     y[m][n] = bf16(fma(x[m][K-1], w[n][K-1], ... fma(x[m][0], w[n][0], +0.0) ...) (+ b[n]))
+ *
+ * is the float32 panel kernel's chain on the widened values, rounded once to bfloat16 (nearest even):
+ * bit for bit tritonspec_linear_f32_panels(x.float(), w.float(), b.float()) rounded, and row-invariant
+ * the same way. x is widened once per call into a float32 buffer (M x K), so a row tile broadcasts
+ * from it as the float32 kernel does.
+ *
+ * Packed layout: wp [N/16][K][16] uint16, pairs interleaved so one 32-byte load widens to two 8-lane
+ * vectors with one shift and one mask: wp[p][k][2 j + h] = w[16 p + 8 h + j][k] (j < 8, h < 2), so
+ * the 32-bit lane j holds column j in its low half and column 8 + j in its high half.
+ * --------------------------------------------------------------------------------------------- */
+#define PANEL_AHEAD_BF16 32 /* k-steps prefetched ahead: 32 half-lines = 16 cache lines */
+
+/* 8 bfloat16 -> float32 (exact) */
+ALWAYS_INLINE __m256 widen_bf16x8(const uint16_t* h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)h)), 16));
+}
+
+/* 8 float32 -> bfloat16, rounded to nearest even, NaN kept quiet: float_to_bf16 (bf16.h) lane for lane, in
+ * registers (a scalar loop over a stored copy made gcc keep every accumulator on the stack) */
+ALWAYS_INLINE void store_bf16x8(uint16_t* y, __m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i rounded = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    const __m256i h = _mm256_blendv_epi8(rounded, quiet, nan); /* 0..0xffff in each 32-bit lane */
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(h, h), 0x08);
+    _mm_storeu_si128((__m128i*)y, _mm256_castsi256_si128(packed));
+}
+
+ALWAYS_INLINE void panel_tile_bf16(const float* x, int64_t ldx, const uint16_t* wp, int64_t K, const uint16_t* b,
+                                   uint16_t* y, int64_t ldy, int MR, int NP, int prefetch) {
+    const int64_t ps = K * PANEL;
+    __m256 acc[6][8];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < 2 * NP; j++) acc[i][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        /* one panel widened at a time, used at once: two weight registers live, not 2 NP */
+        for (int p = 0; p < NP; p++) {
+            const uint16_t* line = wp + p * ps + k * PANEL;
+            const __m256i u = _mm256_loadu_si256((const __m256i*)line);
+            const __m256 lo = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+            const __m256 hi = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xffff0000u)));
+            if (prefetch && !(k & 1)) _mm_prefetch((const char*)(line + PANEL_AHEAD_BF16 * PANEL), _MM_HINT_T0);
+            for (int i = 0; i < MR; i++) {
+                const __m256 xv = _mm256_broadcast_ss(x + i * ldx + k);
+                acc[i][2 * p] = _mm256_fmadd_ps(xv, lo, acc[i][2 * p]);
+                acc[i][2 * p + 1] = _mm256_fmadd_ps(xv, hi, acc[i][2 * p + 1]);
+            }
+        }
+    }
+    /* unrolled, so the accumulators stay in registers in the k loop (not unrolled, gcc kept a stack copy
+     * of every accumulator updated at each k) */
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 8
+        for (int j = 0; j < 2 * NP; j++) {
+            __m256 s = acc[i][j];
+            if (b) s = _mm256_add_ps(s, widen_bf16x8(b + j * 8));
+            store_bf16x8(y + i * ldy + j * 8, s);
+        }
+}
+
+#define PANEL_TILE_BF16(MR, NP)                                                                         \
+    panel_tile_bf16(x + m0 * ldx, ldx, wp + pn * K * PANEL, K, b ? b + pn * PANEL : 0, y + m0 * ldy + pn * PANEL, \
+                    ldy, MR, NP, m0 == 0)
+/* every row of x against panels [pn, pn + NP), in balanced row tiles of at most MRX rows (7 rows: 4 + 3, not
+ * 6 + 1: a one-row tile of one panel has two FMA chains and runs latency-bound). One panel: at most 5 rows
+ * (ten accumulators): a 6-row tile left no register for the mask and ran at half speed (SmolLM2's 121
+ * matrices, 2 threads, 64 rows: 203 ms in 6-row tiles, 106 in 5-row ones; widening each panel once into a
+ * float32 buffer for the row tiles to share, tried, measured 149). */
+#define PANEL_GROUP_BF16(NP, MRX)                                                                       \
+    ALWAYS_INLINE void panel_group_bf16_##NP(const float* x, int64_t M, int64_t ldx, const uint16_t* wp,  \
+                                             int64_t K, const uint16_t* b, uint16_t* y, int64_t ldy,      \
+                                             int64_t pn) {                                                \
+        const int64_t tiles = (M + MRX - 1) / MRX, base = M / tiles, extra = M % tiles;                \
+        int64_t m0 = 0;                                                                                \
+        for (int64_t t = 0; t < tiles; t++) {                                                          \
+            const int64_t mr = base + (t < extra);                                                     \
+            switch (mr) {                                                                              \
+                case 6: PANEL_TILE_BF16(6, NP); break;                                                 \
+                case 5: PANEL_TILE_BF16(5, NP); break;                                                 \
+                case 4: PANEL_TILE_BF16(4, NP); break;                                                 \
+                case 3: PANEL_TILE_BF16(3, NP); break;                                                 \
+                case 2: PANEL_TILE_BF16(2, NP); break;                                                 \
+                default: PANEL_TILE_BF16(1, NP); break;                                                \
+            }                                                                                          \
+            m0 += mr;                                                                                  \
+        }                                                                                              \
+    }
+PANEL_GROUP_BF16(1, 5)
+PANEL_GROUP_BF16(2, 3)
+PANEL_GROUP_BF16(4, 1)
+
+/* y [M, N] bfloat16 (row stride ldy) = x [M, K] bfloat16 (row stride ldx) @ w^T (+ b), w packed into
+ * N / 16 interleaved bfloat16 panels. Returns 0, or 1 when the float32 buffer for x could not be had. */
+int tritonspec_linear_bf16_panels(const uint16_t* xh, int64_t M, int64_t ldx, const uint16_t* wp, int64_t N,
+                                  int64_t K, const uint16_t* b, uint16_t* y, int64_t ldy, int threads) {
+    const int64_t panels = N / PANEL;
+    /* one row: 1 x 4 panels (eight chains); two: 2 x 2; more: row tiles of one panel, up to 5 rows each, so
+     * up to 5 rows stream each panel once (tiles of several panels hold more widened weights than AVX2's
+     * 16 registers leave room for) */
+    const int NP = M == 1 ? 4 : M == 2 ? 2 : 1;
+    const int64_t groups = panels / NP, tasks = groups + (panels - groups * NP);
+    if (M <= 0 || panels <= 0) return 0;
+    float stack[4096];
+    float* x = M * K <= 4096 ? stack : (float*)malloc((size_t)(M * K) * sizeof(float));
+    if (!x) return 1;
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k = 0; k < K; k++) x[m * K + k] = bf16_to_float(xh[m * ldx + k]);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tasks; t++) {
+        if (t >= groups) {
+            panel_group_bf16_1(x, M, K, wp, K, b, y, ldy, groups * NP + (t - groups));
+            continue;
+        }
+        switch (NP) {
+            case 4: panel_group_bf16_4(x, M, K, wp, K, b, y, ldy, t * 4); break;
+            case 2: panel_group_bf16_2(x, M, K, wp, K, b, y, ldy, t * 2); break;
+            default: panel_group_bf16_1(x, M, K, wp, K, b, y, ldy, t);
+        }
+    }
+    if (x != stack) free(x);
+    return 0;
 }
 
 /* ---------------------------------------------------------------------------------------------

@@ -20,6 +20,8 @@ void tritonspec_linear_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, 
                             uint16_t*, int64_t, int);
 void tritonspec_linear_f32_panels(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
                                   float*, int64_t, int);
+int tritonspec_linear_bf16_panels(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                                  const uint16_t*, uint16_t*, int64_t, int);
 int tritonspec_linear_bf16_packed(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                                   const uint16_t*, uint16_t*, int64_t, int);
 int tritonspec_tree_attention_f32(const float*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
@@ -52,15 +54,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   TORCH_CHECK(w.scalar_type() == x.scalar_type() && (!b || b->scalar_type() == x.scalar_type()),
               "tritonspec_cpu::linear: x, weight and bias must share one dtype");
   // a 4-D weight is packed for AMX (cpu_linear.pack_bf16): [N/16, K/32, 16, 32] bfloat16; a 3-D one into
-  // float32 panels (cpu_linear.pack_f32): [N/16, K, 16]
+  // panels of x's dtype (cpu_linear.pack_panels): [N/16, K, 16]
   const bool packed = w.dim() == 4, panels = w.dim() == 3;
   TORCH_CHECK((w.dim() == 2 && w.size(1) == x.size(-1) && w.is_contiguous()) ||
                   (packed && x.scalar_type() == at::kBFloat16 && w.size(1) * 32 == x.size(-1) && w.size(2) == 16 &&
                    w.size(3) == 32 && w.is_contiguous()) ||
-                  (panels && x.scalar_type() == at::kFloat && w.size(1) == x.size(-1) && w.size(2) == 16 &&
-                   w.is_contiguous()),
+                  (panels && w.size(1) == x.size(-1) && w.size(2) == 16 && w.is_contiguous()),
               "tritonspec_cpu::linear needs a contiguous [N, K] weight with K = x.size(-1), a bfloat16 weight "
-              "packed by cpu_linear.pack_bf16 or a float32 one packed by cpu_linear.pack_f32");
+              "packed by cpu_linear.pack_bf16 or one packed by cpu_linear.pack_panels");
   const int64_t K = x.size(-1), N = packed || panels ? w.size(0) * 16 : w.size(0);
   TORCH_CHECK(!b || (b->dim() == 1 && b->size(0) == N && b->is_contiguous()),
               "tritonspec_cpu::linear: bias must be a contiguous [N] tensor");
@@ -73,7 +74,14 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   at::Tensor xc = x.reshape({M, K});
   if (xc.stride(1) != 1) xc = xc.contiguous();
   const int nt = threads > 0 ? int(threads) : (M * N * K >= kSmall ? at::get_num_threads() : 1);
-  if (panels) {
+  if (panels && x.scalar_type() == at::kBFloat16) {
+    int rc = tritonspec_linear_bf16_panels(
+        reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>()), M, xc.stride(0),
+        reinterpret_cast<const uint16_t*>(w.const_data_ptr<c10::BFloat16>()), N, K,
+        b ? reinterpret_cast<const uint16_t*>(b->const_data_ptr<c10::BFloat16>()) : nullptr,
+        reinterpret_cast<uint16_t*>(y.mutable_data_ptr<c10::BFloat16>()), N, nt);
+    TORCH_CHECK(rc == 0, "tritonspec_cpu::linear: out of memory for the float32 copy of x (bfloat16 panels)");
+  } else if (panels) {
     tritonspec_linear_f32_panels(xc.const_data_ptr<float>(), M, xc.stride(0), w.const_data_ptr<float>(), N, K,
                                  b ? b->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), N, nt);
   } else if (x.scalar_type() == at::kFloat) {
