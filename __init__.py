@@ -15,12 +15,15 @@ def _unshadow() -> None:
     our subfolders would shadow installed distributions of the same top-level name: transformers
     >= 5.25 imports the ``kernels`` distribution (Hugging Face's hub kernels) and got ours. Our
     modules are reached as ``tritonspec.*`` only; a top-level module already imported from the
-    folder (``kernels``, ``kernels.store``, ...) is forgotten as well."""
+    folder (``kernels``, ``kernels.store``, ...) is forgotten as well. A transformers import made before
+    tritonspec's, from a checkout, is not helped: import tritonspec first (our conftests do)."""
     here = _os.path.dirname(_os.path.realpath(__file__))
     _sys.path[:] = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != here]
     for name, mod in list(_sys.modules.items()):
         top = _os.path.join(here, name.split(".")[0])
-        if _os.path.isdir(top) and (getattr(mod, "__file__", None) or "").startswith(top + _os.sep):
+        if not _os.path.isfile(_os.path.join(top, "__init__.py")):  # our packages only (not tests/, perf/)
+            continue
+        if _os.path.realpath(getattr(mod, "__file__", None) or "").startswith(top + _os.sep):
             del _sys.modules[name]  # e.g. ``kernels`` from this folder, not the distribution
 
 

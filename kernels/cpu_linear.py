@@ -393,10 +393,12 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K, 16]
     """``weight [N, K]`` (float32 or bfloat16) in the panel layout of its dtype (``kernels/cpu/linear.c``).
     float32: ``wp[p, k, j] = w[16 p + j, k]`` (``pack_f32``). bfloat16: the 16 columns of a k-step
     interleaved in pairs, ``wp[p, k, 2 j + h] = w[16 p + 8 h + j, k]`` (j < 8, h < 2), so one 32-byte load
-    widens to two 8-lane float32 vectors with two shifts. Either way a panel's k-steps are consecutive
+    widens to two 8-lane float32 vectors with a shift and a mask. Either way a panel's k-steps are consecutive
     (64 or 32 bytes each) and the packed tensor replaces the weight (same bytes); ``linear`` runs it on
     the outer-product kernel (bfloat16: the float32 chain on the widened values, rounded once), and
-    ``unpack`` gives the ``[N, K]`` values back.
+    ``unpack`` gives the ``[N, K]`` values back. The two dtypes' layouts have one shape: pack a
+    bfloat16 weight from its ``[N, K]`` values (``pack_panels(unpack(wp).bfloat16())``), never by casting a
+    float32 panel (``pack_f32(w).bfloat16()`` would multiply columns in the wrong order).
 
     Example
     -------

@@ -227,7 +227,7 @@ class Eagle3Drafter(nn.Module):
         weight ``cpu_linear.panels_pay`` declines (N % 16 != 0; small ones on Intel) stays ``[N, K]``.
         On the kernel each output's bits are those of the same weight packed alone (it computes every
         output on its own), so fusing changes none. Only backends whose ``ops.packs_cpu_weights`` is
-        true (the torch backend where the float32 CPU kernel runs) use it, so a runtime with
+        true (the torch backend where the CPU kernels run, on AVX2) use it, so a runtime with
         ``cpu_linear="torch"`` sharing this module keeps ``F.linear`` on its weights; the runtime
         packs when it attaches the drafter. ``enable=False`` drops the copy.
 

@@ -14,13 +14,15 @@ PROBE = "import sys; sys.path.insert(0, ''); {pre}import kernels; print(getattr(
 
 def _kernels_origin(pre: str) -> str:
     r = subprocess.run([sys.executable, "-c", PROBE.format(pre=pre)], cwd=ROOT, capture_output=True, text=True)
-    if r.returncode != 0:
-        return r.stderr.strip().splitlines()[-1]  # ModuleNotFoundError where no `kernels` distribution is installed
+    if r.returncode != 0:  # ModuleNotFoundError where no `kernels` distribution is installed
+        return (r.stdout + r.stderr.strip().splitlines()[-1]).strip()
     return r.stdout.strip()
 
 
 def test_importing_tritonspec_unshadows_the_kernels_distribution():
-    origin = _kernels_origin("import tritonspec; ")
+    origin = _kernels_origin("import tritonspec; print('imported'); ")
+    assert origin.startswith("imported"), f"import tritonspec failed: {origin}"
+    origin = origin.removeprefix("imported").strip()
     assert not origin.startswith(str(ROOT)), f"`import kernels` still finds the checkout's folder: {origin}"
 
 
