@@ -93,6 +93,7 @@ MIN_K = 256
 # result does not depend on the thread count): the demo target's one-row projections, not SmolLM2's.
 SMALL = 1 << 17
 _DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+DTYPES = tuple(_DTYPES)  # the dtypes the CPU kernels run (and pack_panels packs)
 # instruction sets the kernels build for (``isa()``): AVX-512 natively (F, BW, VL), or AVX2 + FMA through
 # kernels/cpu/avx2.h; bfloat16 dot products run VDPBF16PS where the CPU has AVX512-BF16, else two FMAs
 ISAS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
@@ -344,11 +345,6 @@ def packable_panels(weight: torch.Tensor) -> bool:
     )
 
 
-def packable_f32(weight: torch.Tensor) -> bool:
-    """Whether ``pack_f32`` takes ``weight``: ``packable_panels`` and float32."""
-    return weight.dtype == torch.float32 and packable_panels(weight)
-
-
 def panels_default() -> bool:
     """Whether ``weight_layout="auto"`` packs float32 and bfloat16 weights into panels here (and a
     runtime packs its drafter): on AVX2 CPUs, where the panel kernels were measured (float32 0.6-0.75x
@@ -383,9 +379,10 @@ def pack_f32(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K, 16]
     >>> torch.equal(unpack(pack_f32(w)), w)  # doctest: +SKIP
     True
     """
-    if not packable_f32(weight):
-        why = available(torch.float32) or "it needs a float32 CPU [N, K] weight with N % 16 == 0"
-        raise ValueError(f"cannot pack a {weight.dtype} weight of shape {tuple(weight.shape)} into panels: {why}")
+    if weight.dtype != torch.float32:
+        raise ValueError(
+            f"pack_f32 cannot pack a {weight.dtype} weight into panels: it takes float32 (pack_panels: bfloat16 too)"
+        )
     return pack_panels(weight)
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import cpu_linear
 from .checkpoint import FORMATS, read_checkpoint, write_checkpoint
 from .drafter_config import DrafterConfig
 from .metadata import AttentionMetadata, KVCache
@@ -240,8 +241,6 @@ class Eagle3Drafter(nn.Module):
         if not enable:
             self._packed = None
             return
-        from ..kernels import cpu_linear
-
         old = self._packed[1] if self._packed is not None else {}
         packed = {}
         # normal tensors even when the runtime's inference_mode is on (deterministic mode reads their versions)
@@ -266,14 +265,16 @@ class Eagle3Drafter(nn.Module):
         """The packed copies a captured round reads (empty without ``pack_for_cpu``)."""
         return [] if self._packed is None else list(self._packed[1].values())
 
-    def _cpu_weights(self, ops: Any) -> dict[str, torch.Tensor] | None:
-        """The ``pack_for_cpu`` weights when they apply (``ops.packs_cpu_weights``, float32 or bfloat16 CPU weights,
-        autograd off), packed on first use and again when stale."""
+    def packs_on(self, ops: Any) -> bool:
+        """Whether ``ops`` runs this drafter's projections packed (``pack_for_cpu``): its backend packs CPU
+        weights (``ops.packs_cpu_weights``) and the weights are CPU tensors of a dtype the kernels run."""
         w = self.fc.weight
-        packs = getattr(ops, "packs_cpu_weights", False) and w.dtype in (torch.float32, torch.bfloat16)
-        if not packs or torch.is_grad_enabled():
-            return None
-        if not w.is_cpu:
+        return bool(getattr(ops, "packs_cpu_weights", False)) and w.is_cpu and w.dtype in cpu_linear.DTYPES
+
+    def _cpu_weights(self, ops: Any) -> dict[str, torch.Tensor] | None:
+        """The ``pack_for_cpu`` weights when they apply (``packs_on(ops)``, autograd off), packed on first
+        use and again when stale."""
+        if not self.packs_on(ops) or torch.is_grad_enabled():
             return None
         if self._packed is None:
             self.pack_for_cpu()

@@ -265,8 +265,7 @@ class SpeculativeRuntime:
             raise UserError(f"top_k={spec.top_k} exceeds the drafter's draft_vocab_size={c.draft_vocab_size}")
         d.eval()
         d.attach_target_embedding(t.embed, t.drafter_info())
-        packs = getattr(self.ops, "packs_cpu_weights", False) and d.fc.weight.dtype in (torch.float32, torch.bfloat16)
-        if packs and d.fc.weight.is_cpu:
+        if d.packs_on(self.ops):
             d.pack_for_cpu()  # now, not at the first (perhaps compiled) round
         return d
 

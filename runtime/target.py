@@ -217,7 +217,7 @@ def resolve_layout(
         if why is not None:
             raise UserError(f"weight_layout='amx' cannot run here: {why}; use 'auto' or 'nk'")
     if layout == "panels":
-        on_cpu = dtype in (torch.float32, torch.bfloat16) and device.type == "cpu"
+        on_cpu = dtype in _cpu_linear.DTYPES and device.type == "cpu"
         why = None if on_cpu else "it packs float32 and bfloat16 CPU weights only"
         if why is None and not _cpu_linear.enabled(dtype, cpu_linear):
             off = "the CPU kernels are off (cpu_linear='torch' or TRITONSPEC_CPU_LINEAR=torch)"

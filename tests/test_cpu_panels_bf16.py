@@ -101,7 +101,8 @@ def test_rows_are_invariant(panels, k, rows, seed, threads):
 
 
 def test_strided_rows_and_many_rows():
-    """x rows at a stride (a view) and more rows than the stack buffer holds (the kernel's heap copy)."""
+    """x rows at a stride (a view), and x copies of every size: the per-thread buffer grown, reused by a
+    smaller call, and a call's own buffer above the kept size (2^19 floats)."""
     g = torch.Generator().manual_seed(9)
     w = torch.randn(64, 200, generator=g).to(BF)
     big = torch.randn(300, 400, generator=g).to(BF)
@@ -110,6 +111,10 @@ def test_strided_rows_and_many_rows():
     y = cl.cpu_linear(x, wp)
     assert torch.equal(y, _widened(x.contiguous(), w))
     assert torch.equal(cl._launch_ctypes(x, wp, None, None), y)
+    assert torch.equal(cl.cpu_linear(x[:3], wp), y[:3])  # the grown buffer, reused
+    w2 = torch.randn(16, 1536, generator=g).to(BF)
+    x2 = torch.randn(400, 1536, generator=g).to(BF)  # 614,400 floats: the call's own buffer
+    assert torch.equal(cl.cpu_linear(x2, cl.pack_panels(w2)), _widened(x2, w2))
 
 
 def test_pack_roundtrip_slices_and_layout():

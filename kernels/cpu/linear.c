@@ -303,7 +303,7 @@ ALWAYS_INLINE void store_bf16x8(uint16_t* y, __m256 v) {
 ALWAYS_INLINE void panel_tile_bf16(const float* x, int64_t ldx, const uint16_t* wp, int64_t K, const uint16_t* b,
                                    uint16_t* y, int64_t ldy, int MR, int NP, int prefetch) {
     const int64_t ps = K * PANEL;
-    __m256 acc[6][8];
+    __m256 acc[5][8]; /* MR <= 5 (PANEL_GROUP_BF16), 2 NP <= 8 */
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < 2 * NP; j++) acc[i][j] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
@@ -323,7 +323,7 @@ ALWAYS_INLINE void panel_tile_bf16(const float* x, int64_t ldx, const uint16_t* 
     }
     /* unrolled, so the accumulators stay in registers in the k loop (not unrolled, gcc kept a stack copy
      * of every accumulator updated at each k) */
-#pragma GCC unroll 6
+#pragma GCC unroll 5
     for (int i = 0; i < MR; i++)
 #pragma GCC unroll 8
         for (int j = 0; j < 2 * NP; j++) {
@@ -350,7 +350,6 @@ ALWAYS_INLINE void panel_tile_bf16(const float* x, int64_t ldx, const uint16_t* 
         for (int64_t t = 0; t < tiles; t++) {                                                          \
             const int64_t mr = base + (t < extra);                                                     \
             switch (mr) {                                                                              \
-                case 6: PANEL_TILE_BF16(6, NP); break;                                                 \
                 case 5: PANEL_TILE_BF16(5, NP); break;                                                 \
                 case 4: PANEL_TILE_BF16(4, NP); break;                                                 \
                 case 3: PANEL_TILE_BF16(3, NP); break;                                                 \
@@ -364,6 +363,23 @@ PANEL_GROUP_BF16(1, 5)
 PANEL_GROUP_BF16(2, 3)
 PANEL_GROUP_BF16(4, 1)
 
+/* The float32 copy of x: a per-thread buffer kept between calls up to XBUF_KEEP floats (decode rounds: up to
+ * 256 rows of K = 2048; no allocation per call), a buffer of the call's own above that (long prompts). */
+#define XBUF_KEEP ((int64_t)1 << 19)
+static __thread float* xbuf;
+static __thread int64_t xbuf_len;
+
+static float* x_buffer(int64_t n) {
+    if (n > XBUF_KEEP) return (float*)malloc((size_t)n * sizeof(float));
+    if (n > xbuf_len) {
+        float* grown = (float*)realloc(xbuf, (size_t)n * sizeof(float));
+        if (!grown) return 0;
+        xbuf = grown;
+        xbuf_len = n;
+    }
+    return xbuf;
+}
+
 /* y [M, N] bfloat16 (row stride ldy) = x [M, K] bfloat16 (row stride ldx) @ w^T (+ b), w packed into
  * N / 16 interleaved bfloat16 panels. Returns 0, or 1 when the float32 buffer for x could not be had. */
 int tritonspec_linear_bf16_panels(const uint16_t* xh, int64_t M, int64_t ldx, const uint16_t* wp, int64_t N,
@@ -375,8 +391,7 @@ int tritonspec_linear_bf16_panels(const uint16_t* xh, int64_t M, int64_t ldx, co
     const int NP = M == 1 ? 4 : M == 2 ? 2 : 1;
     const int64_t groups = panels / NP, tasks = groups + (panels - groups * NP);
     if (M <= 0 || panels <= 0) return 0;
-    float stack[4096];
-    float* x = M * K <= 4096 ? stack : (float*)malloc((size_t)(M * K) * sizeof(float));
+    float* x = x_buffer(M * K);
     if (!x) return 1;
     for (int64_t m = 0; m < M; m++)
         for (int64_t k = 0; k < K; k++) x[m * K + k] = bf16_to_float(xh[m * ldx + k]);
@@ -392,7 +407,7 @@ int tritonspec_linear_bf16_panels(const uint16_t* xh, int64_t M, int64_t ldx, co
             default: panel_group_bf16_1(x, M, K, wp, K, b, y, ldy, t);
         }
     }
-    if (x != stack) free(x);
+    if (x != xbuf) free(x);
     return 0;
 }
 
