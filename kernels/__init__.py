@@ -23,3 +23,27 @@ kernel uses) and ``store`` (the per-device tuned-config files: the launchers rea
 autotune kernels`` writes them; shipped files live in ``configs/``). Nothing here imports the
 runtime, the tuner or the root package.
 """
+
+if __name__ == "kernels":  # pragma: no cover - exercised in subprocesses (tests/test_unshadow.py)
+    # Imported as a top-level module: a checkout's root (this package's parent folder, the
+    # repository root) is on ``sys.path``, as it is for ``python`` run inside the checkout. Our
+    # modules are ``tritonspec.kernels.*`` only; the top-level name belongs to the ``kernels``
+    # distribution (Hugging Face's hub kernels, imported by transformers >= 5.25). Load that one
+    # in our place, or fail as an environment without our folder would.
+    import importlib.machinery as _machinery
+    import importlib.util as _util
+    import os as _os
+    import sys as _sys
+
+    _root = _os.path.dirname(_os.path.dirname(_os.path.realpath(__file__)))
+    _path = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _root]
+    _spec = _machinery.PathFinder.find_spec("kernels", _path)
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError(
+            f"No module named 'kernels' (the folder {_root}/kernels is tritonspec.kernels, not a top-level "
+            "module: pip install kernels for Hugging Face's, or import tritonspec.kernels)",
+            name="kernels",
+        )
+    _module = _util.module_from_spec(_spec)
+    _sys.modules["kernels"] = _module  # what ``import kernels`` returns
+    _spec.loader.exec_module(_module)

@@ -1,24 +1,42 @@
-"""The repository root is the package's folder: run from a checkout, ``python -m`` puts it first on
+"""The repository root is the package's folder: run from a checkout, ``python`` puts it first on
 ``sys.path``, where ``kernels/`` would shadow the ``kernels`` distribution transformers >= 5.25
-imports. Importing tritonspec takes the folder off ``sys.path``."""
+imports. Importing tritonspec takes the folder off ``sys.path``, and ``kernels/__init__.py``
+imported as a top-level module loads the distribution in its place."""
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import tritonspec
 
 ROOT = Path(tritonspec.__file__).resolve().parent
+_DIST = importlib.util.find_spec("kernels")  # after import tritonspec: the distribution, if installed
+needs_dist = pytest.mark.skipif(
+    _DIST is None, reason="the `kernels` distribution is not installed (transformers < 5.25 does not need it)"
+)
 PROBE = "import sys; sys.path.insert(0, ''); {pre}import kernels; print(getattr(kernels, '__file__', None))"
 
 
+def _run(code: str, *flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *flags, "-c", code], cwd=ROOT, capture_output=True, text=True)
+
+
 def _kernels_origin(pre: str) -> str:
-    r = subprocess.run([sys.executable, "-c", PROBE.format(pre=pre)], cwd=ROOT, capture_output=True, text=True)
-    if r.returncode != 0:  # ModuleNotFoundError where no `kernels` distribution is installed
-        return (r.stdout + r.stderr.strip().splitlines()[-1]).strip()
+    r = _run(PROBE.format(pre=pre))
+    assert r.returncode == 0, r.stderr
     return r.stdout.strip()
 
 
+def test_the_checkout_is_first_on_the_path():
+    # the inverse of the tests below: in their setting the path finder does find our folder first
+    r = _run("import sys; sys.path.insert(0, ''); import importlib.util as u; print(u.find_spec('kernels').origin)")
+    assert r.stdout.strip() == str(ROOT / "kernels" / "__init__.py"), r.stdout + r.stderr
+
+
+@needs_dist
 def test_importing_tritonspec_unshadows_the_kernels_distribution():
     origin = _kernels_origin("import tritonspec; print('imported'); ")
     assert origin.startswith("imported"), f"import tritonspec failed: {origin}"
@@ -26,15 +44,35 @@ def test_importing_tritonspec_unshadows_the_kernels_distribution():
     assert not origin.startswith(str(ROOT)), f"`import kernels` still finds the checkout's folder: {origin}"
 
 
-def test_inverse_without_tritonspec_the_checkout_shadows_it():
-    # the probe can fail: run from the checkout without tritonspec, `import kernels` finds ours
-    assert _kernels_origin("").startswith(str(ROOT / "kernels"))
+@needs_dist
+def test_without_tritonspec_a_top_level_import_gets_the_distribution():
+    origin = _kernels_origin("")
+    assert origin != "None" and not origin.startswith(str(ROOT)), origin
+
+
+def test_transformers_imported_first_from_a_checkout():
+    # the case _unshadow cannot reach: transformers' hub-kernels integration imports `kernels` first
+    code = (
+        "import sys; sys.path.insert(0, ''); import transformers.integrations.hub_kernels; "
+        "import tritonspec as ts; t, d = ts.demo_pair('eagle3.1'); "
+        "rt = ts.SpeculativeRuntime.from_pretrained(t, d, max_batch_size=1, max_seq_len=64); "
+        "print(len(rt.generate('def f(x):', max_new_tokens=4).token_ids[0]))"
+    )
+    r = _run(code)
+    assert r.returncode == 0 and r.stdout.split()[-1] == "4", r.stderr[-2000:]
+
+
+def test_without_the_distribution_the_error_names_the_fix():
+    r = _run(PROBE.format(pre=""), "-S")  # -S: no site-packages, so no `kernels` distribution
+    assert r.returncode != 0
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("ModuleNotFoundError: No module named 'kernels'") and "tritonspec.kernels" in last, last
 
 
 def test_a_top_level_module_imported_from_the_checkout_is_forgotten():
     code = (
-        "import sys; sys.path.insert(0, ''); import kernels.store; import tritonspec; "
-        "print('kernels' in sys.modules, 'kernels.store' in sys.modules, '' in sys.path)"
+        "import sys; sys.path.insert(0, ''); import runtime.errors; import tritonspec; "
+        "print('runtime' in sys.modules, 'runtime.errors' in sys.modules, '' in sys.path)"
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert r.stdout.split() == ["False", "False", "False"]
