@@ -16,8 +16,8 @@ def _unshadow() -> None:
     >= 5.25 imports the ``kernels`` distribution (Hugging Face's hub kernels) and got ours. Our
     modules are reached as ``tritonspec.*`` only; a top-level module already imported from the
     folder (``runtime``, ``runtime.errors``, ...) is forgotten as well. A transformers import made
-    before tritonspec's, from a checkout, still gets the distribution: ``kernels/__init__.py``, imported
-    as a top-level module, loads it in its place (tests/test_unshadow.py)."""
+    before tritonspec's, from a checkout, still gets the distribution where one is installed:
+    ``kernels/__init__.py``, imported as a top-level module, loads it in its place (tests/test_unshadow.py)."""
     here = _os.path.dirname(_os.path.realpath(__file__))
     _sys.path[:] = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != here]
     for name, mod in list(_sys.modules.items()):

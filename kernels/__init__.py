@@ -28,22 +28,37 @@ if __name__ == "kernels":  # pragma: no cover - exercised in subprocesses (tests
     # Imported as a top-level module: a checkout's root (this package's parent folder, the
     # repository root) is on ``sys.path``, as it is for ``python`` run inside the checkout. Our
     # modules are ``tritonspec.kernels.*`` only; the top-level name belongs to the ``kernels``
-    # distribution (Hugging Face's hub kernels, imported by transformers >= 5.25). Load that one
-    # in our place, or fail as an environment without our folder would.
+    # distribution (Hugging Face's hub kernels, imported by transformers >= 5.25). Load that one in
+    # our place (``import kernels`` returns what ``sys.modules`` holds once this body ran). Without
+    # it, stay an empty module, as transformers' availability check expects of a package it cannot
+    # use (it reads ``__version__`` with a default), and name the fix on any other attribute.
     import importlib.machinery as _machinery
     import importlib.util as _util
     import os as _os
     import sys as _sys
 
-    _root = _os.path.dirname(_os.path.dirname(_os.path.realpath(__file__)))
-    _path = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != _root]
-    _spec = _machinery.PathFinder.find_spec("kernels", _path)
-    if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError(
-            f"No module named 'kernels' (the folder {_root}/kernels is tritonspec.kernels, not a top-level "
-            "module: pip install kernels for Hugging Face's, or import tritonspec.kernels)",
-            name="kernels",
-        )
-    _module = _util.module_from_spec(_spec)
-    _sys.modules["kernels"] = _module  # what ``import kernels`` returns
-    _spec.loader.exec_module(_module)
+    def _find_distribution():
+        root = _os.path.dirname(_os.path.dirname(_os.path.realpath(__file__)))
+        for finder in _sys.meta_path:  # editable installs' finders first, then the path without the checkout
+            if finder is _machinery.PathFinder or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec("kernels", None)
+            if spec is not None and spec.loader is not None:
+                return spec
+        path = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != root]
+        spec = _machinery.PathFinder.find_spec("kernels", path)
+        return spec if spec is not None and spec.loader is not None else None
+
+    _spec = _find_distribution()
+    if _spec is not None:
+        _module = _util.module_from_spec(_spec)
+        _sys.modules["kernels"] = _module  # (another thread importing it meanwhile may see it half-run)
+        _spec.loader.exec_module(_module)
+    else:
+
+        def __getattr__(name: str):
+            raise AttributeError(
+                f"module 'kernels' has no attribute {name!r}: this is the folder {__path__[0]} (tritonspec.kernels, "
+                "found as a top-level module because a tritonspec checkout is on sys.path), not Hugging Face's "
+                "`kernels` distribution: pip install kernels, or import tritonspec.kernels"
+            )
