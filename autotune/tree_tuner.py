@@ -18,8 +18,8 @@
 7. optionally (``prompt_lookup``), each row's winning shape generated again side by side with a
    prompt-lookup branch of each given length grafted on (``runtime/ngram.py``; its gain depends on
    how much the outputs repeat the prompts, which no acceptance profile of the drafter predicts,
-   so it is measured, never modelled); the fastest stays in the row (at batch 1, a branch within 3%
-   of the fastest is kept: ``LOOKUP_TIE``), unless plain decoding, measured again beside them, is
+   so it is measured, never modelled); the fastest stays in the row (at batch 1, the shortest branch
+   within 3% of the fastest is kept: ``LOOKUP_TIE``), unless plain decoding, measured again beside them, is
    faster still (then the row goes to plain decoding). A greedy row that plain
    decoding won tries the one-token chain with each lookup branch instead (kept only if faster)
 8. optionally (``long_prompts``), the batch-1 rows again on long prompts: the short prompts'
@@ -372,7 +372,7 @@ def _beats_plain(rate: float, plain: Measured, margin: float = PLAIN_MARGIN) -> 
     return rate > (1 + margin) * plain.decode_tokens_per_s
 
 
-# At batch 1, a lookup branch within this fraction of the fastest shape's rate is kept. Its cost is
+# At batch 1, the shortest lookup branch within this fraction of the fastest shape's rate is kept. Its cost is
 # bounded where outputs do not quote the prompt (no match: its nodes are cut before the verify),
 # its gain is large where they do, and no tuning set stands for every workload: SmolLM2 EAGLE-3.1
 # (3,2,4) measured a tie with and without a 4-token branch on held-out recipe prompts, then 1.37x
@@ -383,8 +383,8 @@ LOOKUP_TIE = 0.03
 def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) -> None:
     """Step 7 for one ``shapes`` row: plain decoding, its shape and the shape with each prompt-lookup
     length, side by side at the row's batch size and temperature (two passes, A B C then C B A);
-    the fastest shape goes into the row (in place; at batch 1 the fastest with a lookup branch when
-    within ``LOOKUP_TIE`` of it; plain decoding when it measures faster than every shape here), the
+    the fastest shape goes into the row (in place; at batch 1 the shortest lookup branch within
+    ``LOOKUP_TIE`` of it; plain decoding when it measures faster than every shape here), the
     rates into its ``lookup_decode_tokens_per_s``."""
     spec, b, temp = row["spec"], row["batch_size"], row.get("temperature", 0.0)
     sampled_chain = spec is not None and spec.top_k == 1 and spec.sample_chain_drafts and row["sampling"] == "sampled"
@@ -402,9 +402,16 @@ def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) 
     i = max(range(len(cands)), key=rates.__getitem__)
     with_lookup = [j for j, c in enumerate(cands) if c.prompt_lookup_num_tokens]
     j = max(with_lookup, key=rates.__getitem__, default=i)
+    # of the branches within LOOKUP_TIE of the fastest shape, the shortest: the lengths' rates differ by a
+    # load swing on the tuning prompts, and a longer branch verifies more rows wherever it does not pay
+    # (SmolLM2 EAGLE-3 bfloat16 panels, 2026-12-04: lookup 8 picked at 68.9 tok/s against lookup 4's 67.2,
+    # then on 6 HumanEval prompts 1.19x against lookup 4's 1.32x over plain decoding)
+    # (a branch that does not beat plain decoding is no candidate: a longer tied one that does is kept)
     # a shape from the row pass (which beat plain decoding by PLAIN_MARGIN) must still beat it in this
     # pass's two runs; a greedy row plain decoding won needs the margin again (chain + branch)
     margin = 0.0 if spec is not None else PLAIN_MARGIN
+    tied = [k for k in with_lookup if rates[k] >= (1 - LOOKUP_TIE) * rates[i] and _beats_plain(rates[k], plain, margin)]
+    j = min(tied, key=lambda k: cands[k].prompt_lookup_num_tokens, default=j)
     if b == 1 and rates[j] >= (1 - LOOKUP_TIE) * rates[i] and _beats_plain(rates[j], plain, margin):
         i = j  # a tie at batch 1 keeps the branch (LOOKUP_TIE)
     win = cands[i] if _beats_plain(rates[i], plain, margin) else None

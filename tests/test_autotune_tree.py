@@ -496,6 +496,31 @@ def test_a_winner_with_a_lookup_branch_is_measured_bare_and_with_each_length(mon
 
 
 @pytest.mark.parametrize(
+    "plain, bare, l4, l8, want",
+    [
+        (10.0, 19.0, 19.7, 20.0, 4),  # lengths tied (within LOOKUP_TIE of the fastest): the shorter branch
+        (10.0, 19.0, 18.0, 20.0, 8),  # the inverse: lookup 4 10% slower, lookup 8 kept
+        (10.0, 19.0, 20.0, 19.0, 4),  # the shorter one fastest anyway
+        (10.0, 19.0, 18.5, 18.9, 4),  # the bare shape fastest, both lengths tied with it: the shorter
+        (19.6, 20.0, 19.5, 19.9, 8),  # the shorter tied one slower than plain decoding: the longer tied one
+    ],
+)
+def test_of_tied_lookup_lengths_the_shortest_is_kept(monkeypatch, plain, bare, l4, l8, want):
+    """Among branches within ``LOOKUP_TIE`` of the fastest shape that beat plain decoding, the shortest
+    is kept (fewer verified rows where the branch does not pay); one measurably faster keeps its length."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        rates = [plain if s is None else {0: bare, 4: l4, 8: l8}[s.prompt_lookup_num_tokens] for s in specs]
+        return [Measured(100, 100 / r, 0.0, 4, 4, 0) for r in rates]
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    row = {"batch_size": 1, "sampling": "greedy", "spec": ts.SpecConfig(2, 1, 3), "temperature": 0.0}
+    tree_tuner._lookup_at(None, [[1, 2]], 8, row, (4, 8), lambda *_: None)
+    assert row["spec"] == ts.SpecConfig(2, 1, 3, prompt_lookup_num_tokens=want)
+
+
+@pytest.mark.parametrize(
     "batch, plain_rate, lookup_rate, want",
     [
         (4, 19.0, 16.0, "bare"),  # still faster than plain decoding (by less than PLAIN_MARGIN): kept
