@@ -39,15 +39,20 @@ if __name__ == "kernels":  # pragma: no cover - exercised in subprocesses (tests
 
     def _find_distribution():
         root = _os.path.dirname(_os.path.dirname(_os.path.realpath(__file__)))
+
+        def usable(spec):  # a loadable spec that is not this folder again (an import hook may wrap PathFinder)
+            origin = _os.path.realpath(getattr(spec, "origin", None) or "")
+            return spec is not None and spec.loader is not None and not origin.startswith(root + _os.sep)
+
         for finder in _sys.meta_path:  # editable installs' finders first, then the path without the checkout
             if finder is _machinery.PathFinder or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec("kernels", None)
-            if spec is not None and spec.loader is not None:
+            if usable(spec):
                 return spec
         path = [p for p in _sys.path if _os.path.realpath(p or _os.curdir) != root]
         spec = _machinery.PathFinder.find_spec("kernels", path)
-        return spec if spec is not None and spec.loader is not None else None
+        return spec if usable(spec) else None
 
     _spec = _find_distribution()
     if _spec is not None:

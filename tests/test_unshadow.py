@@ -88,3 +88,19 @@ def test_a_top_level_module_imported_from_the_checkout_is_forgotten():
     )
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert r.stdout.split() == ["False", "False", "False"]
+
+
+@needs_dist
+def test_an_import_hook_wrapping_the_path_finder_does_not_loop():
+    # a meta-path hook that finds `kernels` on the whole sys.path returns our folder again: skipped
+    code = (
+        "import sys, importlib.machinery as m\n"
+        "class Hook:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        return m.PathFinder.find_spec(name, path) if name == 'kernels' else None\n"
+        "sys.meta_path.insert(0, Hook()); sys.path.insert(0, '')\n"
+        "import kernels; print(kernels.__file__)"
+    )
+    r = _run(code)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert not r.stdout.strip().startswith(str(ROOT)), r.stdout
