@@ -401,19 +401,17 @@ def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) 
     rates = [m.decode_tokens_per_s for m in ms]
     i = max(range(len(cands)), key=rates.__getitem__)
     with_lookup = [j for j, c in enumerate(cands) if c.prompt_lookup_num_tokens]
-    j = max(with_lookup, key=rates.__getitem__, default=i)
-    # of the branches within LOOKUP_TIE of the fastest shape, the shortest: the lengths' rates differ by a
-    # load swing on the tuning prompts, and a longer branch verifies more rows wherever it does not pay
-    # (SmolLM2 EAGLE-3 bfloat16 panels, 2026-12-04: lookup 8 picked at 68.9 tok/s against lookup 4's 67.2,
-    # then on 6 HumanEval prompts 1.19x against lookup 4's 1.32x over plain decoding)
-    # (a branch that does not beat plain decoding is no candidate: a longer tied one that does is kept)
     # a shape from the row pass (which beat plain decoding by PLAIN_MARGIN) must still beat it in this
     # pass's two runs; a greedy row plain decoding won needs the margin again (chain + branch)
     margin = 0.0 if spec is not None else PLAIN_MARGIN
+    # a tie at batch 1 keeps a branch (LOOKUP_TIE): of the branches within it of the fastest shape that beat
+    # plain decoding, the shortest. The lengths' rates differ by a load swing on the tuning prompts, and a
+    # longer branch verifies more rows wherever it does not pay (SmolLM2 EAGLE-3 bfloat16 panels,
+    # 2026-12-04: lookup 8 picked at 68.9 tok/s against lookup 4's 67.2, then on 6 HumanEval prompts 1.19x
+    # against lookup 4's 1.32x over plain decoding)
     tied = [k for k in with_lookup if rates[k] >= (1 - LOOKUP_TIE) * rates[i] and _beats_plain(rates[k], plain, margin)]
-    j = min(tied, key=lambda k: cands[k].prompt_lookup_num_tokens, default=j)
-    if b == 1 and rates[j] >= (1 - LOOKUP_TIE) * rates[i] and _beats_plain(rates[j], plain, margin):
-        i = j  # a tie at batch 1 keeps the branch (LOOKUP_TIE)
+    if b == 1 and tied:
+        i = min(tied, key=lambda k: cands[k].prompt_lookup_num_tokens)
     win = cands[i] if _beats_plain(rates[i], plain, margin) else None
     row["spec"] = win
     row["lookup_decode_tokens_per_s"] = {"plain": round(plain.decode_tokens_per_s, 2)} | {

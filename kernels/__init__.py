@@ -38,11 +38,13 @@ if __name__ == "kernels":  # pragma: no cover - exercised in subprocesses (tests
     import sys as _sys
 
     def _find_distribution():
-        root = _os.path.dirname(_os.path.dirname(_os.path.realpath(__file__)))
+        here = _os.path.dirname(_os.path.realpath(__file__))
+        root = _os.path.dirname(here)
 
-        def usable(spec):  # a loadable spec that is not this folder again (an import hook may wrap PathFinder)
+        def usable(spec):  # a loadable spec that is not this folder again (an import hook may wrap PathFinder);
+            # one elsewhere under the checkout (a virtual environment in it) is the distribution
             origin = _os.path.realpath(getattr(spec, "origin", None) or "")
-            return spec is not None and spec.loader is not None and not origin.startswith(root + _os.sep)
+            return spec is not None and spec.loader is not None and not origin.startswith(here + _os.sep)
 
         for finder in _sys.meta_path:  # editable installs' finders first, then the path without the checkout
             if finder is _machinery.PathFinder or not hasattr(finder, "find_spec"):

@@ -15,6 +15,7 @@ import pytest
 import tritonspec
 
 ROOT = Path(tritonspec.__file__).resolve().parent
+OURS = str(ROOT / "kernels")  # our folder: a `kernels` found under it is ours, elsewhere the distribution
 _DIST = importlib.util.find_spec("kernels")  # after import tritonspec: the distribution, if installed
 needs_dist = pytest.mark.skipif(
     _DIST is None, reason="the `kernels` distribution is not installed (transformers < 5.25 does not need it)"
@@ -44,13 +45,13 @@ def test_importing_tritonspec_unshadows_the_kernels_distribution():
     origin = _kernels_origin("import tritonspec; print('imported'); ")
     assert origin.startswith("imported"), f"import tritonspec failed: {origin}"
     origin = origin.removeprefix("imported").strip()
-    assert not origin.startswith(str(ROOT)), f"`import kernels` still finds the checkout's folder: {origin}"
+    assert not origin.startswith(OURS), f"`import kernels` still finds the checkout's folder: {origin}"
 
 
 @needs_dist
 def test_without_tritonspec_a_top_level_import_gets_the_distribution():
     origin = _kernels_origin("")
-    assert origin != "None" and not origin.startswith(str(ROOT)), origin
+    assert origin != "None" and not origin.startswith(OURS), origin
 
 
 def test_transformers_imported_first_from_a_checkout():
@@ -67,7 +68,7 @@ def test_transformers_imported_first_from_a_checkout():
     assert r.returncode == 0 and r.stdout.split()[-1] == "4", r.stderr[-2000:]
     origin = r.stdout.split()[0]
     if _DIST is not None:  # transformers got the distribution, not the checkout's folder
-        assert origin != "None" and not origin.startswith(str(ROOT)), origin
+        assert origin != "None" and not origin.startswith(OURS), origin
 
 
 def test_without_the_distribution_an_empty_module_that_names_the_fix():
@@ -103,4 +104,21 @@ def test_an_import_hook_wrapping_the_path_finder_does_not_loop():
     )
     r = _run(code)
     assert r.returncode == 0, r.stderr[-2000:]
-    assert not r.stdout.strip().startswith(str(ROOT)), r.stdout
+    assert not r.stdout.strip().startswith(OURS), r.stdout
+
+
+def test_a_distribution_installed_inside_the_checkout_is_found():
+    # a virtual environment inside the checkout: its `kernels` is the distribution, not our folder
+    import shutil
+    import tempfile
+
+    venv = Path(tempfile.mkdtemp(prefix=".test-venv-", dir=ROOT))
+    try:
+        (venv / "kernels").mkdir()
+        (venv / "kernels" / "__init__.py").write_text("MARK = 'installed'\n")
+        code = f"import sys; sys.path.insert(0, ''); sys.path.append({str(venv)!r}); import kernels; "
+        code += "print(kernels.MARK)"
+        r = _run(code, "-S")  # -S: only the fake distribution is on the path
+        assert r.returncode == 0 and r.stdout.strip() == "installed", r.stdout + r.stderr
+    finally:
+        shutil.rmtree(venv)
