@@ -48,8 +48,11 @@ def aux_gather_reference(
 # Triton kernel and launcher
 #
 # Grid (n, n_aux): one program per (output row, H-wide chunk). With fc_norm the chunk goes
-# through the same ``utils.rms_normalize`` as the RMSNorm kernel with the same per-H config, so the
-# fused result is bit-identical to ``rms_norm`` applied to the gathered chunk. A padding row
+# through the same ``utils.rms_normalize`` as the RMSNorm kernel with the same per-H config: under
+# the interpreter the fused result is bit-identical to ``rms_norm`` applied to the gathered chunk;
+# compiled for a GPU (H200, 2026-12-04) it may differ in the last bit, since the compiler lays the
+# two kernels' reductions out differently (the loads' alignment differs). Either kernel gives a row
+# the same bits whatever the other rows, which is what the runtime relies on. A padding row
 # (index -1, the PAD constexpr) is written as zeros.
 # --------------------------------------------------------------------------------------------
 def gather_config(hidden: int, dtype: torch.dtype | None = None, device: torch.device | None = None) -> tuple[int, int]:

@@ -3,7 +3,8 @@
     python -m pytest perf/bench_graphs.py --benchmark-json perf/graphs.json   # on a GPU (perf/gpu_check.py)
     python -m pytest perf/bench_graphs.py --benchmark-disable                  # CI: CPU, eager rows only
 
-Rows: pair x mode (plain / speculative) x runner (eager / graphs). ``extra_info``: tokens/s, τ,
+Rows: pair x mode (plain / speculative) x runner (eager / graphs / graphs-det: graphs with
+``deterministic=True``, the batch-invariant matmul). ``extra_info``: tokens/s, τ,
 rounds, decode ms per round, prefill ms, and from an eager profile of the same pair: draft /
 verify / commit ms per round (device synchronised after each phase), device kernel launches
 per round (``torch.profiler``, CUDA only; a graph replays the same kernels in one launch) and the
@@ -77,7 +78,7 @@ def llama3_8b_random(device: str = "cuda"):
     return target, drafter
 
 
-def _runtime(pair: str, graphs: bool, quick: bool):
+def _runtime(pair: str, graphs: bool, quick: bool, deterministic: bool = False):
     import tritonspec as ts
     from tritonspec import demo
 
@@ -89,7 +90,14 @@ def _runtime(pair: str, graphs: bool, quick: bool):
             _cache["demo"] = (demo.ROOT / "target", ts.Eagle3Drafter.from_pretrained(demo.ROOT / "drafter-eagle3.1"))
         target, drafter = _cache["demo"]
         rt = ts.SpeculativeRuntime.from_pretrained(
-            target, drafter, device=dev, spec=ts.SpecConfig(), max_batch_size=4, max_seq_len=1024, cuda_graphs=graphs
+            target,
+            drafter,
+            device=dev,
+            spec=ts.SpecConfig(),
+            max_batch_size=4,
+            max_seq_len=1024,
+            cuda_graphs=graphs,
+            deterministic=deterministic,
         )
         prompts = [rt.tokenizer(r["prompt"])["input_ids"] for r in demo.prompt_set("standard")[:4]]
         return rt, prompts, (8 if quick else 128)
@@ -99,7 +107,13 @@ def _runtime(pair: str, graphs: bool, quick: bool):
         _cache[pair] = llama3_8b_random()
     target, drafter = _cache[pair]
     rt = ts.SpeculativeRuntime(
-        target, drafter, spec=ts.SpecConfig(), max_batch_size=4, max_seq_len=2048, cuda_graphs=graphs
+        target,
+        drafter,
+        spec=ts.SpecConfig(),
+        max_batch_size=4,
+        max_seq_len=2048,
+        cuda_graphs=graphs,
+        deterministic=deterministic,
     )
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 128256, (512,), generator=g).tolist() for _ in range(4)]
@@ -107,19 +121,20 @@ def _runtime(pair: str, graphs: bool, quick: bool):
 
 
 @pytest.mark.parametrize("batch", [1, 4])
-@pytest.mark.parametrize("runner", ["eager", "graphs"])
+@pytest.mark.parametrize("runner", ["eager", "graphs", "graphs-det"])
 @pytest.mark.parametrize("mode", ["plain", "speculative"])
 @pytest.mark.parametrize("pair", PAIRS)
 def test_graphs_vs_eager(benchmark, pair, mode, runner, batch, request):
-    if runner == "graphs" and not CUDA:
+    if runner != "eager" and not CUDA:
         pytest.skip("no GPU: CUDA graphs need a CUDA device")
     quick = request.config.getoption("benchmark_disable", False)
     if quick:
         torch.set_num_threads(1)
-    rt, prompts, tokens = _runtime(pair, runner == "graphs", quick)
+    graphs = runner != "eager"
+    rt, prompts, tokens = _runtime(pair, graphs, quick, deterministic=runner == "graphs-det")
     prompts = prompts[:batch]
     spec = mode == "speculative"
-    if runner == "graphs":  # capture every bucket the batch can shrink to, before timing
+    if graphs:  # capture every bucket the batch can shrink to, before timing
         rt.warmup([b for b in rt._graphs.sizes if b <= rt._graphs.bucket(batch)], speculative=spec)
         captures = rt._graphs.captures
     timed_generate(rt, prompts, min(tokens, 8), spec)  # warm-up (JIT, allocator)
@@ -136,7 +151,7 @@ def test_graphs_vs_eager(benchmark, pair, mode, runner, batch, request):
         | r
         | prof
     )
-    if runner == "graphs":
+    if graphs:
         info |= dict(
             graphs_captured=rt._graphs.captures,
             graph_failures=len(rt._graphs.failed),

@@ -1,6 +1,6 @@
 """The GPU check of the Triton kernels: one prepared script for a session that has a GPU.
 
-    python perf/gpu_check.py             # everything, about 5-7 minutes on an H200 (hard cap --budget-s)
+    python perf/gpu_check.py             # everything, about 8-9 minutes on an H200 (hard cap --budget-s)
     python perf/gpu_check.py --dry-run   # print the plan and the commands, run nothing
 
 Steps, in order, each a subprocess whose output is streamed here and saved under ``$OUT`` (when
@@ -9,23 +9,29 @@ set, else ``perf/gpu_check_out/``):
 1. install the project offline: ``pip install --no-deps --no-build-isolation -e .``
 2. the GPU tests: CUDA-graph replay against eager (``tests/test_cuda_graphs.py``), then the kernel
    tests compiled on the GPU (no interpreter when CUDA is present):
-   ``pytest tests/test_cuda_graphs.py tests/test_kernels_*.py tests/test_backend_triton.py``
+   ``pytest tests/test_cuda_graphs.py tests/test_kernels_*.py tests/test_backend_triton.py
+   tests/test_deterministic_gpu.py`` (deterministic mode on the GPU: speculative equals plain bit for
+   bit, alone equals batched, the audit, and the inverse: cuBLAS rounds a row differently by M)
    (``-n 8`` when pytest-xdist is there: compilation is CPU-bound)
 3. graphs against eager end to end (``perf/bench_graphs.py``): the demo pair and a random
-   Llama-3-8B-shaped bf16 target with a random drafter, plain and speculative, batch 1 and 4:
-   tokens/s, τ, ms per round, the eager draft/verify/commit split, kernel launches per round;
+   Llama-3-8B-shaped bf16 target with a random drafter, plain and speculative, batch 1 and 4,
+   runners eager / graphs / graphs-det (deterministic mode with graphs; its cost is noted under
+   the table): tokens/s, τ, ms per round, the eager draft/verify/commit split, kernel launches per round;
    JSON to ``graphs.json``; its table is printed last with the *projected* 8B speedup (the 8B
    pair's graph round costs combined with the demo pair's measured τ)
 4. the kernel benchmarks at Llama-3-8B shapes (H 4096, 32/8 heads, head_dim 128, 60 tree tokens,
    2K-32K context, vocabulary 128256; set in ``perf/bench_kernels_*.py`` when CUDA is present),
-   pytest-benchmark JSON to ``bench.json``
+   one step per file (``--bench-file-timeout-s`` each, so a slow file loses only its own rows),
+   pytest-benchmark JSON parts merged into ``bench.json``
 5. a device-to-device copy baseline (1 GiB ``copy_``, bytes read + written / time, CUDA events)
 6. the tables, printed last and written to ``summary.md``: op, shape, us/call, GB/s, % of the copy
    GB/s; the figures ``perf/RESULTS.md`` asks for.
 
-Each step gets a timeout carved from ``--budget-s`` (default 450 s, under the 8-minute limit of a
-device command with room to spare); a step that runs out is killed and the script goes on, so
-the table always comes out. ``--skip-install``, ``--skip-tests`` and ``--bench FILE...`` select
+Each step gets a timeout carved from ``--budget-s`` (default 540 s, under the 10-minute limit of a
+device command with room to spare; on the H200, 2026-12-04: tests 96 s, 24 graph rows 154 s, the
+kernel files about 150 s); a step that runs out is killed and the script goes on, so
+the table always comes out (the tests run with ``-v``, so a killed step still names what failed).
+``--tests NODE...``, ``--graphs-k EXPR``, ``--skip-install``, ``--skip-tests`` and ``--bench FILE...`` select
 parts; without CUDA the same code runs the reference rows at CPU shapes and a host-memory copy
 (how ``tests/test_perf_gpu_check.py`` exercises it).
 """
@@ -66,20 +72,25 @@ def plan(args, out: Path) -> list[tuple[str, list[str], float]]:
             ("install", [py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."], 120.0)
         )
     if not args.skip_tests:
-        tests = (
-            [str(ROOT / "tests" / "test_cuda_graphs.py")]
-            + sorted(glob.glob(str(ROOT / "tests" / "test_kernels_*.py")))
-            + [str(ROOT / "tests" / "test_backend_triton.py")]
-        )
+        tests = args.tests or [
+            os.path.relpath(t, ROOT)
+            for t in (
+                [str(ROOT / "tests" / "test_cuda_graphs.py")]
+                + sorted(glob.glob(str(ROOT / "tests" / "test_kernels_*.py")))
+                + [str(ROOT / "tests" / "test_backend_triton.py"), str(ROOT / "tests" / "test_deterministic_gpu.py")]
+            )
+        ]
         cmd = [
             py,
             "-m",
             "pytest",
-            *[os.path.relpath(t, ROOT) for t in tests],
-            "-q",
+            *tests,
+            "-v",  # a line per test as it ends: the names survive a step killed at its timeout
             "-p",
             "no:cacheprovider",
             "--durations=10",
+            "--tb=short",
+            "-rfEs",
         ]
         if args.workers and has("xdist"):
             cmd += ["-n", str(args.workers)]
@@ -93,6 +104,7 @@ def plan(args, out: Path) -> list[tuple[str, list[str], float]]:
                     "-m",
                     "pytest",
                     "perf/bench_graphs.py",
+                    *(["-k", args.graphs_k] if args.graphs_k else []),
                     "--benchmark-only",
                     "-q",
                     "-p",
@@ -105,22 +117,23 @@ def plan(args, out: Path) -> list[tuple[str, list[str], float]]:
     benches = args.bench or sorted(
         os.path.relpath(p, ROOT) for p in glob.glob(str(ROOT / "perf" / "bench_kernels_*.py"))
     )
-    if benches:
+    for bench in benches:  # one step per file: a file that runs out of time loses its own rows only
+        part = out / f"bench-{Path(bench).stem}.json"
         steps.append(
             (
-                "bench",
+                f"bench:{Path(bench).stem.removeprefix('bench_kernels_')}",
                 [
                     py,
                     "-m",
                     "pytest",
-                    *benches,
+                    bench,
                     "--benchmark-only",
                     "-q",
                     "-p",
                     "no:cacheprovider",
-                    f"--benchmark-json={out / 'bench.json'}",
+                    f"--benchmark-json={part}",
                 ],
-                float("inf"),
+                args.bench_file_timeout_s,
             )
         )
     return steps
@@ -132,7 +145,8 @@ def run_step(name: str, argv: list[str], timeout_s: float, out: Path) -> dict:
     print(f"\n=== {name}: {shlex.join(argv)}  (timeout {timeout_s:.0f} s)", flush=True)
     t0 = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(out / f"{name}.log", "w") as log:
+    # the bench:<op> steps share bench.log (the files that come back from a device run are few)
+    with open(out / f"{name.split(':')[0]}.log", "a" if ":" in name else "w") as log:
         proc = subprocess.Popen(
             argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
         )
@@ -186,6 +200,25 @@ def copy_baseline(mib: int = 1024, iters: int = 20) -> dict:
     return dict(
         device=torch.cuda.get_device_name() if cuda else "cpu", mib=mib, gbps=round(2 * src.numel() / sec / 1e9, 1)
     )
+
+
+def read_json(path: Path) -> dict:
+    """A pytest-benchmark JSON, or {} when the file is missing, empty or cut short (a killed step)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def merge_bench_parts(out: Path) -> dict:
+    """Merge the per-file ``bench-*.json`` into ``bench.json`` (and remove the parts)."""
+    merged: dict = {"benchmarks": []}
+    for part in sorted(out.glob("bench-*.json")):
+        merged["benchmarks"] += read_json(part).get("benchmarks", [])
+        part.unlink()
+    if merged["benchmarks"]:
+        (out / "bench.json").write_text(json.dumps(merged, indent=1))
+    return merged
 
 
 def table_rows(bench: dict, copy_gbps: float | None) -> list[dict]:
@@ -256,6 +289,12 @@ def format_graph_table(rows: list[dict]) -> str:
         e = at.get((pair, mode, "eager", batch))
         if runner == "graphs" and e and e["tokens_s"]:
             notes.append(f"- {pair} {mode} batch {batch}: graphs {r['tokens_s'] / e['tokens_s']:.2f}x eager tokens/s")
+        d = at.get((pair, mode, "graphs", batch))
+        if runner == "graphs-det" and d and d["tokens_s"] and r["tokens_s"]:
+            notes.append(
+                f"- {pair} {mode} batch {batch}: deterministic {r['tokens_s'] / d['tokens_s']:.2f}x default tokens/s "
+                "(both with graphs)"
+            )
     for batch in sorted({r["batch"] for r in rows}):
         demo = at.get(("demo", "speculative", "graphs", batch)) or at.get(("demo", "speculative", "eager", batch))
         p8 = at.get(("llama3-8b-random", "plain", "graphs", batch))
@@ -311,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-graphs", action="store_true", help="skip perf/bench_graphs.py")
     ap.add_argument("--graphs-timeout-s", type=float, default=150.0)
     ap.add_argument("--bench", nargs="*", default=None, help="benchmark files (default: perf/bench_kernels_*.py)")
-    ap.add_argument("--budget-s", type=float, default=450.0, help="hard cap for the whole script (default 450)")
+    ap.add_argument("--bench-file-timeout-s", type=float, default=60.0, help="cap per benchmark file")
+    ap.add_argument("--tests", nargs="*", default=None, help="test files or node ids (default: the GPU set)")
+    ap.add_argument("--graphs-k", default=None, help="pytest -k expression for perf/bench_graphs.py rows")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="hard cap for the whole script (default 540)")
     ap.add_argument("--test-timeout-s", type=float, default=180.0)
     ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the tests (0: none)")
     args = ap.parse_args(argv)
@@ -348,11 +390,10 @@ def main(argv: list[str] | None = None) -> int:
         copy = copy_baseline()
     except Exception as e:  # noqa: BLE001 - reported, the table still prints
         print(f"copy baseline failed: {type(e).__name__}: {e}")
-    bench_path = out / "bench.json"
-    bench = json.loads(bench_path.read_text()) if bench_path.exists() else {}
+    bench = merge_bench_parts(out)
     rows = table_rows(bench, copy["gbps"] if copy else None)
     graphs_path = out / "graphs.json"
-    grows = graph_rows(json.loads(graphs_path.read_text())) if graphs_path.exists() else []
+    grows = graph_rows(read_json(graphs_path))
     table = format_table(rows, copy) + "\n\n" + format_graph_table(grows)
     date = time.strftime("%Y-%m-%d")
     steps_md = "\n".join(

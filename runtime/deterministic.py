@@ -361,7 +361,7 @@ def chunked_attention(
     G = Hq // Hkv
     C, nC = layout.chunk, layout.chunks
     qg = q.float().view(B, Q, Hkv, G, D).permute(0, 2, 1, 3, 4)  # [B, Hkv, Q, G, D]
-    neg = torch.tensor(float("-inf"), device=q.device)
+    neg = torch.full((), float("-inf"), device=q.device)  # a fill, not a host copy (capturable)
     # ---- shared chunks: all queries of a row against slots [0, nC*C)
     ks = _slot_range(k, B, nC * C).view(B, nC, C, Hkv, D)
     kc = ks.permute(0, 3, 1, 4, 2).reshape(B * Hkv * nC, D, C)

@@ -160,6 +160,7 @@ class GraphRunner:
                         err = err or e
                 if err is not None:
                     torch.cuda.synchronize(self.device)
+                    self._recover(side)
                     raise err
                 cur.wait_stream(side)
             return g
@@ -178,6 +179,28 @@ class GraphRunner:
         finally:
             for t, s in zip(state, saved):
                 t.copy_(s)
+
+    def _recover(self, side: Any) -> None:
+        """Undo what a failed capture leaves behind. ``capture_end`` raised before it ran the CUDA
+        generators' capture epilogue, so the next random op on this device would raise "Offset
+        increment outside graph capture encountered unexpectedly"; and the failed graph's memory
+        pool trips the allocator's use-count assert at the next capture that reuses it. So: a fresh
+        pool, and one tiny capture that completes (its begin and end reset the default generator)."""
+        self._pool = torch.cuda.graph_pool_handle()
+        try:
+            scratch = torch.zeros(1, device=self.device)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                g.capture_begin(pool=torch.cuda.graph_pool_handle())
+                scratch.add_(1)
+                g.capture_end()
+            torch.cuda.synchronize(self.device)
+        except Exception as e:  # noqa: BLE001 - reported; the eager fallback still runs
+            self._warn_once(
+                "recover",
+                f"CUDA state after a failed capture could not be reset ({type(e).__name__}: {e}); random "
+                "ops on this device may fail until the process restarts",
+            )
 
     def _replay(self, g: Any) -> None:
         if self.backend == "cuda":

@@ -78,9 +78,22 @@ def _round_without_sync(rt, temperature, speculative=True, fail_on=None, detect=
 
             return read
 
+        # torch.tensor / as_tensor of host data, a 0-dim one included, is a host->device copy on a GPU,
+        # which a CUDA graph cannot capture (torch.tensor(-inf, device=...) broke deterministic rounds'
+        # capture on the H200); at dispatch level its 0-dim form looks like ``x[i] = 0``, so refuse the call
+        makers = {m: getattr(torch, m) for m in ("tensor", "as_tensor")}
+
+        def refuse_maker(m):
+            def make(*a, **k):
+                raise AssertionError(f"host data copied to the device in the decode round: torch.{m}")
+
+            return make
+
         if detect:
             for m in readers:
                 setattr(torch.Tensor, m, refuse(m))
+            for m in makers:
+                setattr(torch, m, refuse_maker(m))
         try:
             with _NoSync() if detect else contextlib.nullcontext():
                 dec.round(whole_cache=True)
@@ -89,6 +102,8 @@ def _round_without_sync(rt, temperature, speculative=True, fail_on=None, detect=
         finally:
             for m, f in readers.items():
                 setattr(torch.Tensor, m, f)
+            for m, f in makers.items():
+                setattr(torch, m, f)
     return dec
 
 
@@ -108,6 +123,25 @@ def test_round_has_no_host_sync(temperature, speculative, shape):
     assert all(0 <= t < 24 for b in range(3) for t in out[b, : int(count[b]) + 1].tolist())
 
 
+def test_deterministic_gpu_branch_round_has_no_host_sync(monkeypatch):
+    """Deterministic mode's GPU branch (every linear through the batch-invariant matmul, the kernel
+    RMSNorm, the fixed-order chunked attention) run here with torch stand-ins for its two Triton
+    kernels: its round must be capturable too. On the H200 (2026-12-04) it was not: a
+    ``torch.tensor(-inf, device=...)`` in ``chunked_attention`` is a host-to-device copy."""
+    import tritonspec.runtime.deterministic as det
+
+    model, drafter = _pair()
+    rt = runtime(model, drafter, spec=ts_spec(3, 2, 6), cuda_graphs=False, deterministic=True, cpu_linear="torch")
+    inner = rt.ops.ops
+    rt.ops._gpu = (inner.linear, torch.matmul, inner.rms_norm)  # the branch taken on a CUDA device
+    real = det.decode_layout
+    monkeypatch.setattr(det, "decode_layout", lambda *a, **k: real(*a, **(k | {"need_tail": True})))  # q.is_cuda
+    calls, chunked = [], det.chunked_attention
+    monkeypatch.setattr(det, "chunked_attention", lambda *a, **k: calls.append(1) or chunked(*a, **k))
+    _round_without_sync(rt, 0.0)
+    assert calls  # the round did take the GPU branch's attention
+
+
 def test_sync_detector_catches_item_and_tolist():  # inverse: the detector is not vacuous
     model, drafter = _pair()
     rt = runtime(model, drafter, spec=ts_spec(3, 2, 6), cuda_graphs=False)
@@ -115,7 +149,7 @@ def test_sync_detector_catches_item_and_tolist():  # inverse: the detector is no
         _round_without_sync(rt, 0.0, fail_on=lambda st: int(st.L[0]))
     with pytest.raises(AssertionError, match="tolist"):
         _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.tolist())
-    with pytest.raises(AssertionError, match="lift_fresh"):
+    with pytest.raises(AssertionError, match="torch.tensor"):
         _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.add_(torch.tensor(st.lengths[: st.rows])))
     with pytest.raises(AssertionError, match="aten.index"):
         _round_without_sync(rt, 0.0, fail_on=lambda st: st.L[st.active])
@@ -123,6 +157,8 @@ def test_sync_detector_catches_item_and_tolist():  # inverse: the detector is no
         _round_without_sync(rt, 0.0, fail_on=lambda st: torch.equal(st.L, st.root))
     with pytest.raises(AssertionError, match="Tensor.cpu"):
         _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.cpu())
+    with pytest.raises(AssertionError, match="torch.tensor"):
+        _round_without_sync(rt, 0.0, fail_on=lambda st: st.L.add_(torch.tensor(1, device=st.L.device)))
 
 
 def ts_spec(d, k, n):
@@ -314,18 +350,22 @@ def test_cuda_branch_against_a_fake_torch_cuda(monkeypatch):
         def capture_end(self):
             log.append(("end", current[0].name))
             if Graph.fail:
+                Graph.fail = False  # one capture fails; the recovery capture after it completes
                 raise RuntimeError("operation failed due to a previous error during capture")
 
         def replay(self):
             log.append(("replay", current[0].name))
 
+    pools = []
+    real_zeros = torch.zeros
+    monkeypatch.setattr(torch, "zeros", lambda *a, device=None, **k: real_zeros(*a, **k))  # no CUDA here
     for name, value in dict(
         Stream=Stream,
         stream=stream,
         device=device,
         CUDAGraph=Graph,
         current_stream=lambda device=None: current[0],
-        graph_pool_handle=lambda: "pool",
+        graph_pool_handle=lambda: f"pool{len(pools)}" if pools.append(1) is None else "",
         synchronize=lambda device=None: log.append(("sync",)),
     ).items():
         monkeypatch.setattr(torch.cuda, name, value)
@@ -333,7 +373,7 @@ def test_cuda_branch_against_a_fake_torch_cuda(monkeypatch):
     ran = []
     assert r.run((1, "a"), lambda: ran.append(current[0].name), []) is True
     assert ran == ["side", "side"]  # the eager warm-up, then the capture, both on the side stream
-    begin, end = log.index(("begin", "side", "pool")), log.index(("end", "side"))
+    begin, end = log.index(("begin", "side", "pool1")), log.index(("end", "side"))
     assert begin < end and ("device", "cuda:1") in log and current[0].name == "default"
     assert log[-1] == ("wait", "default", "side")
     log.clear()
@@ -343,6 +383,14 @@ def test_cuda_branch_against_a_fake_torch_cuda(monkeypatch):
     with pytest.warns(UserWarning, match="capture failed for batch bucket 2"):
         assert r.run((2, "b"), lambda: ran.append(current[0].name), []) is True
     assert current[0].name == "default" and (2, "b") in r.failed and ("sync",) in log
+    # the recovery: a capture that completes (resetting the generators) and a fresh pool for the next
+    failed_end = log.index(("end", "side"))
+    assert ("begin", "side", "pool3") in log[failed_end:] and log.count(("end", "side")) == 2
+    log.clear()
+    assert r.run((4, "c"), lambda: None, []) is False  # 4 rows: no bucket
+    r.sizes.append(4)
+    assert r.run((4, "c"), lambda: None, []) is True and ("begin", "side", "pool2") in log
+    assert (4, "c") not in r.failed
     assert r.run((2, "b"), lambda: None, []) is False
     Graph.fail = False  # an error inside the round is the one reported, and capture still ends
 
@@ -433,7 +481,7 @@ def test_gpu_failed_capture_falls_back_on_the_right_stream():
     """A round that synchronises cannot be captured: the runner warns, the round it ran eagerly
     counts, and the caller's stream is current again (``torch.cuda.graph`` would leave its capture
     stream current when ``capture_end`` raises)."""
-    r = GraphRunner([1], "cuda", torch.device("cuda"))
+    r = GraphRunner([1, 2], "cuda", torch.device("cuda"))
     x = torch.zeros(4, device="cuda")
     before = torch.cuda.current_stream()
 
@@ -447,6 +495,16 @@ def test_gpu_failed_capture_falls_back_on_the_right_stream():
     assert x.tolist() == [1.0] * 4  # the warm-up ran once; the capture ran nothing
     assert r.run((1, "k"), bad_round, [x]) is False and (1, "k") in r.failed
     torch.cuda.synchronize()
+    # what the failed capture left behind is undone: random ops run (the generator's capture flag
+    # is reset) and a later capture succeeds (a fresh memory pool)
+    assert torch.randn(8, device="cuda").isfinite().all()
+
+    def good_round():
+        x.add_(torch.rand(4, device="cuda"))
+
+    assert r.run((2, "k"), good_round, [x]) is True and (2, "k") not in r.failed and r.captures == 1
+    assert r.run((2, "k"), good_round, [x]) is True and r.replays == 1
+    assert torch.randn(8, device="cuda").isfinite().all()
 
 
 def test_graphs_follow_a_shared_cache_that_grows():

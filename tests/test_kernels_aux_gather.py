@@ -76,7 +76,11 @@ def test_aux_gather_matches_reference(c):
     if valid.any():
         rows = aux.index_select(0, index[valid]).view(-1, c["n_aux"], c["hidden"])
         by_kernel = torch.cat([rms_norm(rows[:, j], w[j], eps) for j in range(c["n_aux"])], dim=-1)
-        assert torch.equal(out[valid], by_kernel), "fused gather must equal rms_norm on the gathered chunks"
+        if DEVICE == "cpu":  # the interpreter: bit for bit
+            assert torch.equal(out[valid], by_kernel), "fused gather must equal rms_norm on the gathered chunks"
+        else:  # compiled, the two kernels' reductions may be laid out differently: within an ulp
+            ulp = torch.finfo(out.dtype).eps
+            torch.testing.assert_close(out[valid], by_kernel, rtol=2 * ulp, atol=ulp)
         h = rows.double()
         ref64 = (w.double() * h / torch.sqrt(h.pow(2).mean(-1, keepdim=True) + eps)).reshape(rows.shape[0], -1)
         err = _ulps(out[valid], ref64, c["dtype"]).max().item()

@@ -27,7 +27,9 @@ def test_dry_run_prints_every_step_and_runs_nothing(gpu_check, capsys, tmp_path,
     assert "pip install -q --no-deps --no-build-isolation -e ." in text
     assert "tests/test_kernels_verify_sampling.py" in text and "tests/test_backend_triton.py" in text
     assert "perf/bench_kernels_verify_sampling.py" in text and "perf/bench_kernels_tree_attention.py" in text
-    assert f"--benchmark-json={tmp_path / 'out' / 'bench.json'}" in text
+    assert (
+        f"--benchmark-json={tmp_path / 'out' / 'bench-bench_kernels_verify_sampling.json'}" in text
+    )  # a part per file
     assert "copy baseline" in text and "% of copy GB/s" in text
     assert "tests/test_cuda_graphs.py" in text and "perf/bench_graphs.py" in text and "projected" in text
     assert f"--benchmark-json={tmp_path / 'out' / 'graphs.json'}" in text
@@ -97,8 +99,9 @@ def test_copy_baseline_and_a_benchmark_end_to_end(gpu_check, tmp_path, monkeypat
     assert rc == 0, text[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["copy"]["gbps"] > 0 and summary["steps"] == [
-        dict(step="bench", rc=0, wall_s=summary["steps"][0]["wall_s"])
+        dict(step="bench:verify", rc=0, wall_s=summary["steps"][0]["wall_s"])
     ]
+    assert (tmp_path / "bench.json").exists() and not list(tmp_path.glob("bench-*.json"))  # parts merged
     assert {r["op"] for r in summary["rows"]} >= {"verify_greedy[torch-1]", "verify_greedy[torch-8]"}
     assert "copy baseline:" in text
     assert text.rstrip().splitlines()[-1].startswith("graphs vs eager: no rows")
@@ -128,3 +131,27 @@ def test_graph_table_and_projection(gpu_check):
     # projected = tau(demo, graphs) x plain round / speculative round = 3.5 x 7 / 14
     assert "PROJECTED llama3-8b speedup, batch 1: τ 3.50" in table and "= 1.75x (projected, not measured" in table
     assert gpu_check.format_graph_table([]).startswith("graphs vs eager: no rows")
+
+
+def test_a_killed_benchmark_file_loses_only_its_own_rows(gpu_check, tmp_path):
+    """A step killed at its timeout leaves an empty (or cut) JSON part: the merge skips it and keeps
+    the other files' rows (run 1 on the H200 crashed on an empty bench.json and printed no table)."""
+    good = {"benchmarks": [{"name": "test_x", "extra_info": {"us_per_call": 1.0, "gbps": 2.0}}]}
+    (tmp_path / "bench-a.json").write_text(json.dumps(good))
+    (tmp_path / "bench-b.json").write_text("")
+    (tmp_path / "bench-c.json").write_text('{"benchmarks": [{"na')
+    merged = gpu_check.merge_bench_parts(tmp_path)
+    assert [b["name"] for b in merged["benchmarks"]] == ["test_x"]
+    assert json.loads((tmp_path / "bench.json").read_text()) == merged and not list(tmp_path.glob("bench-*"))
+    assert gpu_check.read_json(tmp_path / "missing.json") == {}
+
+
+def test_graph_table_reports_the_deterministic_cost(gpu_check):
+    def row(runner, tok_s):
+        info = dict(pair="p", mode="plain", runner=runner, batch=1, tokens_s=tok_s, tau=1.0, round_ms=1.0)
+        return {"name": "x", "extra_info": info | dict(draft_ms=0, verify_ms=1, commit_ms=0, launches=1, aten_ops=1)}
+
+    rows = gpu_check.graph_rows({"benchmarks": [row("eager", 10.0), row("graphs", 40.0), row("graphs-det", 30.0)]})
+    table = gpu_check.format_graph_table(rows)
+    assert "- p plain batch 1: graphs 4.00x eager tokens/s" in table
+    assert "- p plain batch 1: deterministic 0.75x default tokens/s (both with graphs)" in table
