@@ -36,6 +36,16 @@ CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
     torch.bfloat16: (64, 64, 64, 4, 3),
 }
 
+# Alternative fixed tilings for 16-bit inputs, timed beside CONFIGS by perf/bench_kernels_batch_invariant_matmul.py
+# (and compiled for sm_90/sm_80 by tests/test_compile_ptx.py). On the H200 (2026-12-04) the shipped 64 x 64 x 64
+# was 1.5-3.2x cuBLAS at 1-60 rows on Llama-3-8B projections: a 4096-wide output gives 64 programs for 132 SMs.
+# Any one of them keeps rows batch-invariant; one per weight shape (N, K), never chosen by M, may ship once measured.
+BENCH_TILINGS: dict[str, tuple[int, int, int, int, int]] = {
+    "n32": (64, 32, 64, 4, 4),
+    "m16n32k128": (16, 32, 128, 4, 4),
+    "m16n16k256": (16, 16, 256, 2, 3),
+}
+
 
 def batch_invariant_matmul_reference(
     a: torch.Tensor,  # [M, K] or [Bt, M, K]
@@ -105,13 +115,38 @@ def _bi_matmul_kernel(
     tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
+def check_config(config: tuple[int, int, int, int, int]) -> tuple[int, int, int, int, int]:
+    """Validate ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``: blocks powers of two in
+    [16, 256], num_warps in (1, 2, 4, 8), num_stages in [1, 8]."""
+    ok = (
+        isinstance(config, tuple)
+        and len(config) == 5
+        and all(isinstance(v, int) for v in config)
+        and all(16 <= v <= 256 and v & (v - 1) == 0 for v in config[:3])
+        and config[3] in (1, 2, 4, 8)
+        and 1 <= config[4] <= 8
+    )
+    if not ok:
+        raise ValueError(
+            f"config={config!r}: give (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) with blocks powers "
+            "of two in [16, 256], num_warps 1, 2, 4 or 8 and num_stages 1..8"
+        )
+    return config
+
+
 def batch_invariant_matmul(
     a: torch.Tensor,  # [M, K] or [Bt, M, K], any strides
     b: torch.Tensor,  # [K, N] or [Bt, K, N], any strides (a weight's transpose is a view)
     bias: torch.Tensor | None = None,  # [N]
+    *,
+    config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:  # [M, N] or [Bt, M, N], contiguous, dtype of a
     """Triton ``a @ b + bias`` with one fixed tile configuration per dtype (see the module docstring):
     bit-identical rows whatever M, the batch size or the other rows hold.
+
+    ``config`` overrides ``CONFIGS[a.dtype]`` (benchmarks compare tilings with it). Any fixed
+    configuration keeps rows batch-invariant; two configurations round differently, so one caller
+    must keep one configuration per weight, never choose it by M.
 
     Examples
     --------
@@ -138,7 +173,7 @@ def batch_invariant_matmul(
         check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(n,), device=a.device)
     c = torch.empty(bt, m, n, dtype=a.dtype, device=a.device)
     if c.numel():
-        block_m, block_n, block_k, warps, stages = CONFIGS[a.dtype]
+        block_m, block_n, block_k, warps, stages = CONFIGS[a.dtype] if config is None else check_config(config)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), bt)
         _bi_matmul_kernel[grid](
             a3,
@@ -170,7 +205,9 @@ def batch_invariant_linear(
     x: torch.Tensor,  # [..., K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
+    *,
+    config: tuple[int, int, int, int, int] | None = None,
 ) -> torch.Tensor:  # [..., N]
     """``F.linear`` through ``batch_invariant_matmul`` (the weight's transpose is a view, not a copy)."""
-    out = batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias)
+    out = batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias, config=config)
     return out.view(*x.shape[:-1], weight.shape[0])

@@ -4,7 +4,8 @@ mode costs per projection. Llama-3-8B projections in bf16 on a GPU (q/o 4096x409
 tokens and 4 x 60; small shapes on a CPU.
 
 Providers: ``cublas`` (``F.linear``, what the default mode runs), ``triton``
-(``batch_invariant_linear``) and ``torch`` (``batch_invariant_matmul_reference``: fp32 PyTorch,
+(``batch_invariant_linear``, the shipped tiling), ``triton-<tiling>`` (the same kernel with the
+alternative tilings of ``TILINGS``) and ``torch`` (``batch_invariant_matmul_reference``: fp32 PyTorch,
 the correctness yardstick, slow by design). GB/s counts the weight, the input and the output once.
 """
 
@@ -14,7 +15,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonspec.kernels.batch_invariant_matmul import batch_invariant_linear, batch_invariant_matmul_reference
+from tritonspec.kernels.batch_invariant_matmul import (
+    BENCH_TILINGS,
+    batch_invariant_linear,
+    batch_invariant_matmul_reference,
+)
 
 from conftest import CUDA, DEVICE, PROVIDERS, kernel_bench, nbytes, timed_fn  # noqa: F401
 
@@ -25,17 +30,22 @@ SHAPES = (
     else {"qo": (256, 256)}
 )
 ROWS = [1, 60, 240] if CUDA else [1, 8]
+TILINGS = BENCH_TILINGS  # alternative fixed tilings, timed beside the shipped one (see the kernel module)
 
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("proj", sorted(SHAPES))
-@pytest.mark.parametrize("provider", [*PROVIDERS, "cublas"])
+@pytest.mark.parametrize("provider", [*PROVIDERS, "cublas", *(f"triton-{t}" for t in TILINGS)])
 def test_batch_invariant_linear(kernel_bench, provider, proj, rows):
     if provider == "torch" and CUDA:
         pytest.skip("on a GPU the fp32 reference is a correctness yardstick, not timed (cublas is the baseline)")
     n, k = SHAPES[proj]
     if provider == "cublas":
         fn = F.linear
+    elif provider.startswith("triton-"):
+        tiling = TILINGS[provider.removeprefix("triton-")]
+        linear = timed_fn("triton", batch_invariant_linear, None)
+        fn = lambda x, w: linear(x, w, config=tiling)  # noqa: E731
     else:
         fn = timed_fn(provider, batch_invariant_linear, lambda x, w: batch_invariant_matmul_reference(x, w.t()))
     x = torch.randn(rows, k, device=DEVICE, dtype=DTYPE)

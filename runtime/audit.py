@@ -101,7 +101,10 @@ class EmissionRecorder:
 
 def generate_recorded(rt, prompts, **kwargs) -> tuple[list[list[int]], list[torch.Tensor]]:
     """``rt.generate(prompts, **kwargs)`` and, per prompt, the target's logits ``[n, V]`` (float32) of
-    each of its n emitted tokens (``EmissionRecorder`` on the runtime's decoder, removed after)."""
+    each of its n emitted tokens (``EmissionRecorder`` on the runtime's decoder, removed after).
+
+    The recorder reads the host every round, which no CUDA graph can capture: these rounds run
+    eagerly (the runtime's graphs are set aside meanwhile, so no capture is tried and fails)."""
     dec = rt.decoder
     # the recorder keeps logits per decoder row, which continuous batching would reuse: one static batch
     encode_prompts(
@@ -112,11 +115,11 @@ def generate_recorded(rt, prompts, **kwargs) -> tuple[list[list[int]], list[torc
         max_batch_size=rt.max_batch_size,
     )
     rec = EmissionRecorder(dec.ops, rt.target.lm_head)
-    dec.ops = rec
+    dec.ops, graphs, rt._graphs = rec, rt._graphs, None
     try:
         out = rt.generate(prompts, **kwargs)
     finally:
-        dec.ops = rec.ops
+        dec.ops, rt._graphs = rec.ops, graphs
     logits = [torch.stack(rec.rows[b][: len(t)]) for b, t in enumerate(out.token_ids)]
     return out.token_ids, logits
 

@@ -122,6 +122,11 @@ def _specs():
             divisible = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "K", "stride_am", "stride_bk", "stride_cm"]
             name = f"batch_invariant_matmul/{dt_name}/bias={bias}"
             add(name, bim._bi_matmul_kernel, sig, consts, divisible, **base, num_warps=warps, num_stages=stages)
+        if dt_name == "bf16":  # the alternative tilings the benchmark times
+            for tname, (block_m, block_n, block_k, warps, stages) in bim.BENCH_TILINGS.items():
+                consts = dict(consts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False)
+                name = f"batch_invariant_matmul/bf16/tiling={tname}"
+                add(name, bim._bi_matmul_kernel, sig, consts, divisible, **base, num_warps=warps, num_stages=stages)
     for depth, n in ((6, 48), (4, 5)):
         sig = dict.fromkeys(["tokens_ptr", "parents_ptr", "argmax_ptr", "nodes_ptr", "num_ptr", "emitted_ptr"], "*i64")
         sig["N"] = "i32"
@@ -212,6 +217,7 @@ _SPEC_NAMES = (
         for suffix in suffixes
     ]
     + [f"batch_invariant_matmul/{dt}/bias={b}" for dt in DTYPES for b in (False, True)]
+    + [f"batch_invariant_matmul/bf16/tiling={t}" for t in ("n32", "m16n32k128", "m16n16k256")]
     + ["verify_greedy/depth=6/N=48", "verify_greedy/depth=4/N=5"]
     + [f"verify_sampling/depth={d}/N={n}/V={v}" for d, n, v in VERIFY_SAMPLING]
     + [f"verify_chain/n={n}/V={v}" for n, v in VERIFY_CHAIN]

@@ -142,6 +142,28 @@ def test_deterministic_gpu_branch_round_has_no_host_sync(monkeypatch):
     assert calls  # the round did take the GPU branch's attention
 
 
+def test_recorded_generation_runs_eagerly_beside_graphs():
+    """``generate_recorded`` (audit, deterministic tests) reads the host every round: on a graph runtime
+    those rounds must run eagerly (a replay would skip the recorder, a capture would fail), and the
+    graphs are back afterwards. Emulated replay here; on the H200 the recorder made captures fail."""
+    from tritonspec.runtime.audit import generate_recorded
+
+    model, drafter = _pair()
+    spec = ts_spec(3, 2, 6)
+    eager = runtime(model, drafter, spec=spec, cuda_graphs=False)
+    graph = _emulated(model, drafter, spec=spec)
+    prompts = random_prompts(24, [5, 9, 2], seed=4)
+    want_t, want_l = generate_recorded(eager, prompts, max_new_tokens=16)
+    assert graph.generate(prompts, max_new_tokens=16).token_ids == want_t  # captures, then replays
+    runner, replays = graph._graphs, graph._graphs.replays
+    assert replays > 0
+    got_t, got_l = generate_recorded(graph, prompts, max_new_tokens=16)
+    assert got_t == want_t and all(torch.equal(a, b) for a, b in zip(got_l, want_l))
+    assert all(len(lg) == len(t) for lg, t in zip(got_l, got_t))
+    assert graph._graphs is runner and runner.replays == replays  # set aside, then back
+    assert graph.generate(prompts, max_new_tokens=16).token_ids == want_t and runner.replays > replays
+
+
 def test_sync_detector_catches_item_and_tolist():  # inverse: the detector is not vacuous
     model, drafter = _pair()
     rt = runtime(model, drafter, spec=ts_spec(3, 2, 6), cuda_graphs=False)

@@ -64,7 +64,8 @@ def test_cublas_rounds_a_row_differently_by_row_count():
 @pytest.mark.parametrize("shape", sorted(SPECS))
 def test_speculative_equals_plain_bit_for_bit_on_gpu(shape, graphs):
     """Greedy speculative tokens and emitted logits equal plain decoding bit for bit over 48 random
-    prompts in batches of 4, and alone (the first 8)."""
+    prompts in batches of 4, and alone (the first 8). The recorded runs are eager (the recorder
+    reads the host each round); with graphs, the replayed rounds must give the same tokens."""
     model, drafter = _pair(1)
     rt = _rt(model, drafter, SPECS[shape], graphs)
     g = torch.Generator().manual_seed(1)
@@ -76,6 +77,9 @@ def test_speculative_equals_plain_bit_for_bit_on_gpu(shape, graphs):
         pt, pl = generate_recorded(rt, batch, max_new_tokens=16, speculative=False)
         assert st == pt
         assert all(torch.equal(a, b) for a, b in zip(sl, pl))
+        if graphs:  # replayed (captured) rounds against the recorded eager ones
+            assert rt.generate(batch, max_new_tokens=16).token_ids == st
+            assert rt.generate(batch, max_new_tokens=16, speculative=False).token_ids == pt
         if i < 8:
             for j, p in enumerate(batch):
                 t1, l1 = generate_recorded(rt, [p], max_new_tokens=16)
@@ -83,7 +87,7 @@ def test_speculative_equals_plain_bit_for_bit_on_gpu(shape, graphs):
         rounds += rt.generate(batch[:1], max_new_tokens=16).stats.num_drafts
     assert rounds > 30
     if graphs:
-        assert rt._graphs is not None and rt._graphs.replays > 0 and not rt._graphs.failed
+        assert rt._graphs is not None and rt._graphs.replays > 30 and not rt._graphs.failed
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -94,10 +98,13 @@ def test_alone_equals_batched_on_gpu(temperature):
     ref = None
     for shape, spec in [(None, False), ("chain", True), ("tree", True)]:
         rt = _rt(model, drafter, SPECS[shape or "chain"], graphs=True)
-        toks, logits = generate_recorded(rt, prompts, speculative=spec, **kw)
+        toks, logits = generate_recorded(rt, prompts, speculative=spec, **kw)  # eager (recorded)
+        assert rt.generate(prompts, speculative=spec, **kw).token_ids == toks  # through graphs
         for i, p in enumerate(prompts):
             t1, l1 = generate_recorded(rt, [p], speculative=spec, **(kw | {"seed": 11 + i}))
             assert t1[0] == toks[i] and torch.equal(l1[0], logits[i])
+            assert rt.generate([p], speculative=spec, **(kw | {"seed": 11 + i})).token_ids[0] == toks[i]
+        assert rt._graphs.replays > 0 and not rt._graphs.failed
         if ref is None:
             ref = (toks, logits)
         assert toks == ref[0] and all(torch.equal(a, b) for a, b in zip(logits, ref[1]))

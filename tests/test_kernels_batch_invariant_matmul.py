@@ -101,6 +101,19 @@ def test_config_is_fixed_per_dtype():
         assert min(block_m, block_n, block_k) >= 16 and warps in (4, 8) and stages >= 1
 
 
+@pytest.mark.parametrize("config", [(16, 16, 32, 2, 2), (32, 16, 16, 1, 1)])
+def test_an_override_config_is_batch_invariant_and_validated(config):
+    """Any fixed tiling keeps rows invariant (the benchmark compares tilings through ``config``)."""
+    a, b = _rand(37, 40, dtype=torch.float32, seed=3), _rand(40, 21, dtype=torch.float32, seed=4)
+    full = batch_invariant_matmul(a, b, config=config)
+    for rows in (1, 5, 17):
+        assert torch.equal(batch_invariant_matmul(a[-rows:], b, config=config), full[-rows:])
+    torch.testing.assert_close(full, batch_invariant_matmul_reference(a, b), rtol=1e-5, atol=1e-5)
+    for bad in [(16, 16, 32, 3, 2), (16, 24, 32, 4, 2), (8, 16, 32, 4, 2), (16, 16, 32, 4, 0), [16, 16, 32, 4, 2]]:
+        with pytest.raises(ValueError, match="BLOCK_M, BLOCK_N, BLOCK_K"):
+            batch_invariant_matmul(a, b, config=bad)
+
+
 def test_rejects_bad_arguments():
     x = _rand(4, 8, dtype=torch.float32, seed=0)
     with pytest.raises(TypeError, match="b must have dtype"):
