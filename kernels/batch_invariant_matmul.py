@@ -38,7 +38,8 @@ CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
 
 # Alternative fixed tilings for 16-bit inputs, timed beside CONFIGS by perf/bench_kernels_batch_invariant_matmul.py
 # (and compiled for sm_90/sm_80 by tests/test_compile_ptx.py). On the H200 (2026-12-04) the shipped 64 x 64 x 64
-# was 1.5-3.2x cuBLAS at 1-60 rows on Llama-3-8B projections: a 4096-wide output gives 64 programs for 132 SMs.
+# took about 3x cuBLAS's time on the down projection at 1-60 rows (the smaller ones measured the launcher); at one
+# row a 4096-wide output gives 64 programs for 132 SMs.
 # Any one of them keeps rows batch-invariant; one per weight shape (N, K), never chosen by M, may ship once measured.
 BENCH_TILINGS: dict[str, tuple[int, int, int, int, int]] = {
     "n32": (64, 32, 64, 4, 4),

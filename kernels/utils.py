@@ -127,7 +127,7 @@ def rms_config(hidden: int, dtype: torch.dtype | None = None, device: torch.devi
     """``(BLOCK_H, num_warps)`` from the hidden size only (never the row count): the tuned
     num_warps for this GPU/dtype (``kernels.store``, nearest hidden size) when there is one,
     else the heuristic. Shared with the fused gather (bit-identical to this kernel under the
-    interpreter; within an ulp when compiled, see ``kernels/aux_gather.py``)."""
+    interpreter; within a couple of ulps when compiled, see ``kernels/aux_gather.py``)."""
     if hidden > MAX_HIDDEN:
         raise ValueError(f"hidden size {hidden} > {MAX_HIDDEN} is not supported by the RMSNorm kernel")
     block = max(next_pow2(hidden), 16)

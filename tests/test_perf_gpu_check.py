@@ -52,6 +52,7 @@ def test_table_from_benchmark_json(gpu_check):
                     "dtype": "torch.bfloat16",
                     "device": "NVIDIA H200",
                     "us_per_call": 4.2,
+                    "us_per_call_graph": 2.1,
                     "bytes": 1966080,
                     "gbps": 468.1,
                     "timestamp": "x",
@@ -70,12 +71,10 @@ def test_table_from_benchmark_json(gpu_check):
     assert rows[0]["pct_copy"] == pytest.approx(100 * 468.1 / 4000.0)
     table = gpu_check.format_table(rows, dict(gbps=4000.0, mib=1024, device="NVIDIA H200"))
     lines = table.splitlines()
-    assert lines[0] == "| op | shape | us/call | GB/s | % of copy GB/s |"
-    assert (
-        lines[2]
-        == "| rms_norm[triton-60-True] | rows=60 hidden=4096 residual=True dtype=torch.bfloat16 | 4.2 | 468 | 11.7 |"
-    )
-    assert lines[3] == "| verify_sampling[torch-8] | batch=8 | 1234 | 0.5 | 0.0125 |"
+    assert lines[0] == "| op | shape | us/call | us/call in a graph | GB/s | GB/s in a graph | % of copy GB/s |"
+    shape = "rows=60 hidden=4096 residual=True dtype=torch.bfloat16"
+    assert lines[2] == f"| rms_norm[triton-60-True] | {shape} | 4.2 | 2.1 | 468 | 936 | 23.4 |"  # % from the graph
+    assert lines[3] == "| verify_sampling[torch-8] | batch=8 | 1234 | - | 0.5 | - | 0.0125 |"
     assert "copy baseline: 4000.0 GB/s (1024 MiB" in table
     assert gpu_check.table_rows({}, None) == []
     assert "not measured" in gpu_check.format_table([], None)
