@@ -116,13 +116,17 @@ def _bi_matmul_kernel(
     tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-def check_config(config: tuple[int, int, int, int, int]) -> tuple[int, int, int, int, int]:
+SMEM_BYTES = 227 * 1024  # shared memory a Hopper/Ampere block may use: the pipelined A and B tiles must fit
+
+
+def check_config(config: tuple[int, int, int, int, int], element_size: int = 2) -> tuple[int, int, int, int, int]:
     """Validate ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``: blocks powers of two in
-    [16, 256], num_warps in (1, 2, 4, 8), num_stages in [1, 8]."""
+    [16, 256], num_warps in (1, 2, 4, 8), num_stages in [1, 8], and the ``num_stages`` buffered A
+    and B tiles within ``SMEM_BYTES`` for inputs of ``element_size`` bytes."""
     ok = (
         isinstance(config, tuple)
         and len(config) == 5
-        and all(isinstance(v, int) for v in config)
+        and all(type(v) is int for v in config)
         and all(16 <= v <= 256 and v & (v - 1) == 0 for v in config[:3])
         and config[3] in (1, 2, 4, 8)
         and 1 <= config[4] <= 8
@@ -131,6 +135,13 @@ def check_config(config: tuple[int, int, int, int, int]) -> tuple[int, int, int,
         raise ValueError(
             f"config={config!r}: give (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages) with blocks powers "
             "of two in [16, 256], num_warps 1, 2, 4 or 8 and num_stages 1..8"
+        )
+    bm, bn, bk, _, stages = config
+    smem = stages * (bm * bk + bk * bn) * element_size
+    if smem > SMEM_BYTES:
+        raise ValueError(
+            f"config={config!r}: {stages} stages of a {bm}x{bk} and a {bk}x{bn} tile take {smem} bytes of shared "
+            f"memory (> {SMEM_BYTES}); use smaller blocks or fewer stages"
         )
     return config
 
@@ -172,9 +183,10 @@ def batch_invariant_matmul(
     n = b3.shape[2]
     if bias is not None:
         check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(n,), device=a.device)
+    cfg = CONFIGS[a.dtype] if config is None else check_config(config, a.element_size())
+    block_m, block_n, block_k, warps, stages = cfg
     c = torch.empty(bt, m, n, dtype=a.dtype, device=a.device)
     if c.numel():
-        block_m, block_n, block_k, warps, stages = CONFIGS[a.dtype] if config is None else check_config(config)
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), bt)
         _bi_matmul_kernel[grid](
             a3,

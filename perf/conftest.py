@@ -5,7 +5,9 @@ files; pass them explicitly, their names are not ``test_*``). On a GPU every op 
 ``provider=torch`` (the ``<op>_reference`` the torch backend runs) and ``provider=triton``
 (our launcher); without CUDA the Triton rows skip (the interpreter is not a performance path)
 and the reference runs at small shapes. Each benchmark reports in ``extra_info``:
-``us_per_call`` (median) and ``gbps`` (bytes the op must move / time), plus the shape.
+``us_per_call`` (median, launched from Python) and ``gbps`` (bytes the op must move / time), plus
+the shape; on CUDA also ``us_per_call_graph`` (the same calls replayed from a CUDA graph: the
+kernels without the launch path) or ``graph_error``.
 """
 
 from __future__ import annotations
@@ -62,35 +64,40 @@ def kernel_bench(benchmark):
             return
         sec = benchmark.stats["median"] / inner
         benchmark.extra_info.update(info)
-        if CUDA:  # the same calls captured once and replayed: the kernels' time without the Python launch path
-            benchmark.extra_info.update(graph_time(fn, inner, rounds))
         benchmark.extra_info["device"] = torch.cuda.get_device_name() if CUDA else "cpu"
         benchmark.extra_info["us_per_call"] = round(sec * 1e6, 3)
         benchmark.extra_info["bytes"] = int(nbytes)
         benchmark.extra_info["gbps"] = round(nbytes / sec / 1e9, 4)
         benchmark.extra_info["timestamp"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+        if CUDA:  # the same calls captured once and replayed: the kernels' time without the Python launch path
+            benchmark.extra_info.update(graph_time(fn, inner, GRAPH_REPLAYS))
 
     return run
 
 
-def graph_time(fn, inner: int, rounds: int) -> dict:
-    """``us_per_call_graph``: the median over ``rounds`` replays of a CUDA graph holding ``inner``
+GRAPH_REPLAYS = 5  # replays of the captured calls (each as long as a launched round): the median is kept
+
+
+def graph_time(fn, inner: int, replays: int = GRAPH_REPLAYS) -> dict:
+    """``us_per_call_graph``: the median over ``replays`` replays of a CUDA graph holding ``inner``
     calls of ``fn`` (CUDA events), per call; ``graph_error`` instead when ``fn`` cannot be captured
-    (a launcher that reads the host, say)."""
+    (a launcher that reads the host, say). Captured by hand as ``runtime/graphs.py`` does
+    (``torch.cuda.graph`` leaves its capture stream current when ``capture_end`` raises), and a
+    failed capture is followed by one that completes (it resets the CUDA generator's capture flag)."""
+    side = None
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
+        cur, side = torch.cuda.current_stream(), torch.cuda.Stream()
+        side.wait_stream(cur)
         with torch.cuda.stream(side):
             fn()  # warm on the capture stream
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(inner):
-                fn()
+        cur.wait_stream(side)
+        torch.cuda.synchronize()
+        g = _capture(lambda: [fn() for _ in range(inner)], side)
+        cur.wait_stream(side)
         g.replay()
         torch.cuda.synchronize()
         times = []
-        for _ in range(rounds):
+        for _ in range(replays):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             g.replay()
@@ -100,19 +107,35 @@ def graph_time(fn, inner: int, rounds: int) -> dict:
         times.sort()
         return {"us_per_call_graph": round(times[len(times) // 2], 3)}
     except Exception as e:  # noqa: BLE001 - reported in the row, the launched timing stands
-        torch.cuda.synchronize()
-        _reset_after_failed_capture()
-        return {"graph_error": f"{type(e).__name__}: {e}"[:200]}
+        out = {"graph_error": f"{type(e).__name__}: {e}"[:200]}
+        try:
+            torch.cuda.synchronize()
+            scratch = torch.zeros(1, device="cuda")
+            _capture(lambda: scratch.add_(1), side or torch.cuda.Stream())  # resets the generator's capture flag
+            torch.cuda.synchronize()
+        except Exception as e2:  # noqa: BLE001
+            out["graph_error"] += f"; the reset capture failed too ({type(e2).__name__}: {e2})"[:200]
+        return out
 
 
-def _reset_after_failed_capture() -> None:
-    """A failed capture leaves the CUDA generator in capture mode (the next ``torch.randn`` on the
-    device raises): one tiny capture that completes resets it (``runtime/graphs.py`` does the same)."""
-    x = torch.zeros(1, device="cuda")
+def _capture(body, side) -> torch.cuda.CUDAGraph:
+    """``body()`` captured on ``side`` in a fresh pool; the first error raised (the body's, not
+    ``capture_end``'s follow-on), with the caller's stream current again either way."""
     g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g, pool=torch.cuda.graph_pool_handle()):
-        x.add_(1)
-    torch.cuda.synchronize()
+    err = None
+    with torch.cuda.stream(side):  # restores the current stream on any exit
+        g.capture_begin(pool=torch.cuda.graph_pool_handle())
+        try:
+            body()
+        except Exception as e:  # noqa: BLE001
+            err = e
+        try:
+            g.capture_end()
+        except Exception as e:  # noqa: BLE001
+            err = err or e
+    if err is not None:
+        raise err
+    return g
 
 
 def nbytes(*tensors: torch.Tensor) -> int:

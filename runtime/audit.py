@@ -64,6 +64,8 @@ class EmissionRecorder:
     after they stop: read ``rows[b][:len(tokens)]``. Host reads per round: for audits and tests.
     """
 
+    reads_host = True  # per-round host reads: the runtime runs rounds eagerly under this proxy
+
     def __init__(self, ops: Any, head: torch.Tensor):
         self.ops, self.head = ops, head
         self.rows: list[list[torch.Tensor]] = []
@@ -103,8 +105,9 @@ def generate_recorded(rt, prompts, **kwargs) -> tuple[list[list[int]], list[torc
     """``rt.generate(prompts, **kwargs)`` and, per prompt, the target's logits ``[n, V]`` (float32) of
     each of its n emitted tokens (``EmissionRecorder`` on the runtime's decoder, removed after).
 
-    The recorder reads the host every round, which no CUDA graph can capture: these rounds run
-    eagerly (the runtime's graphs are set aside meanwhile, so no capture is tried and fails)."""
+    The recorder reads the host every round, which no CUDA graph can capture: it says so
+    (``reads_host``) and the runtime runs these rounds eagerly, trying no capture. Not thread-safe:
+    it swaps the decoder's ops for the call (tests and audits)."""
     dec = rt.decoder
     # the recorder keeps logits per decoder row, which continuous batching would reuse: one static batch
     encode_prompts(
@@ -115,11 +118,11 @@ def generate_recorded(rt, prompts, **kwargs) -> tuple[list[list[int]], list[torc
         max_batch_size=rt.max_batch_size,
     )
     rec = EmissionRecorder(dec.ops, rt.target.lm_head)
-    dec.ops, graphs, rt._graphs = rec, rt._graphs, None
+    dec.ops = rec
     try:
         out = rt.generate(prompts, **kwargs)
     finally:
-        dec.ops, rt._graphs = rec.ops, graphs
+        dec.ops = rec.ops
     logits = [torch.stack(rec.rows[b][: len(t)]) for b, t in enumerate(out.token_ids)]
     return out.token_ids, logits
 

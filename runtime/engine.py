@@ -605,9 +605,15 @@ class SpeculativeRuntime:
             ts_ += [r.cos, r.sin, cache.k, cache.v, *self.drafter.parameters(), *self.drafter.cpu_pack_tensors()]
         return tuple(x.data_ptr() for x in ts_)
 
+    def _graphable(self) -> bool:
+        """Whether rounds may be captured: not under a drift observer or an ops proxy that reads the
+        host each round (``runtime.audit.EmissionRecorder``); those rounds run eagerly."""
+        dec = self.decoder
+        return dec.observer is None and not getattr(dec.ops, "reads_host", False)
+
     def _rows(self, live: int) -> int:
         """Rows a round runs on: ``live`` (eager) or its graph bucket (``live <= max_batch_size``)."""
-        if self._graphs is None or self.decoder.observer is not None:
+        if self._graphs is None or not self._graphable():
             return live
         b = self._graphs.bucket(live)
         return live if b is None else b
@@ -615,7 +621,7 @@ class SpeculativeRuntime:
     def _dispatch_round(self, stats: SpecStats) -> None:
         """Replay (or capture) the round's graph for this bucket, or run it eagerly."""
         g, dec = self._graphs, self.decoder
-        if g is not None and dec.observer is None:
+        if g is not None and self._graphable():
             if self.drafter is not None:  # a weight changed in place: repack its copy where the graphs read it
                 self.drafter.refresh_cpu_pack()
             where = self._graph_addresses()

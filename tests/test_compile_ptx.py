@@ -11,7 +11,8 @@ Llama-3-8B (H 4096, 32/8 heads, head_dim 128)}; greedy verification for the defa
 (depth 6, 48 draft tokens) and a chain (depth 4, 5 tokens); sampling verification for the
 default SpecConfig at Llama-3's vocabulary (128256), 60 tree tokens at a 32000 vocabulary, and a
 chain at the tiny model's 97. The batch-invariant matmul of deterministic mode: its one
-configuration per dtype, with and without bias.
+configuration per dtype, with and without bias, and the alternative bf16 tilings its benchmark
+times (``BENCH_TILINGS``).
 
 The compilation runs in a subprocess without ``TRITON_INTERPRET`` (under the interpreter
 ``triton.jit`` gives interpreted functions that cannot be compiled); run this file as a script

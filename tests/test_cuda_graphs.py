@@ -16,6 +16,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import tritonspec as ts
 from tritonspec.runtime.decode import Decoder
 from tritonspec.runtime.graphs import MAX_GRAPHS, GraphRunner, default_sizes, graph_runner
 
@@ -160,8 +161,12 @@ def test_recorded_generation_runs_eagerly_beside_graphs():
     got_t, got_l = generate_recorded(graph, prompts, max_new_tokens=16)
     assert got_t == want_t and all(torch.equal(a, b) for a, b in zip(got_l, want_l))
     assert all(len(lg) == len(t) for lg, t in zip(got_l, got_t))
-    assert graph._graphs is runner and runner.replays == replays  # set aside, then back
+    assert graph._graphs is runner and runner.replays == replays and not runner.failed  # eager, no capture tried
     assert graph.generate(prompts, max_new_tokens=16).token_ids == want_t and runner.replays > replays
+    ops = graph.decoder.ops
+    with pytest.raises(ts.UserError):  # a request that fails inside generate: the decoder's ops come back
+        generate_recorded(graph, prompts, max_new_tokens=16, temperature=-1.0)
+    assert graph.decoder.ops is ops
 
 
 def test_sync_detector_catches_item_and_tolist():  # inverse: the detector is not vacuous

@@ -112,6 +112,24 @@ def test_an_override_config_is_batch_invariant_and_validated(config):
     for bad in [(16, 16, 32, 3, 2), (16, 24, 32, 4, 2), (8, 16, 32, 4, 2), (16, 16, 32, 4, 0), [16, 16, 32, 4, 2]]:
         with pytest.raises(ValueError, match="BLOCK_M, BLOCK_N, BLOCK_K"):
             batch_invariant_matmul(a, b, config=bad)
+    with pytest.raises(ValueError, match="BLOCK_M, BLOCK_N, BLOCK_K"):
+        batch_invariant_matmul(a, b, config=(16, 16, 32, True, 2))  # a bool is not a warp count
+    with pytest.raises(ValueError, match="shared memory"):
+        batch_invariant_matmul(a, b, config=(256, 256, 256, 8, 8))
+    with pytest.raises(ValueError, match="BLOCK_M, BLOCK_N, BLOCK_K"):  # checked on an empty problem too
+        batch_invariant_matmul(a[:0], b, config=(16, 24, 32, 4, 2))
+
+
+def test_the_override_config_is_the_one_launched():
+    """The inverse of the test above: a config that did nothing would pass its invariance checks, so
+    two tilings with another K chunking must round differently, and the linear path passes it on."""
+    a, b = _rand(9, 200, dtype=torch.float32, seed=5), _rand(200, 24, dtype=torch.float32, seed=6)
+    c16 = batch_invariant_matmul(a, b, config=(16, 16, 16, 1, 1))
+    c64 = batch_invariant_matmul(a, b, config=(16, 16, 64, 1, 1))
+    assert not torch.equal(c16, c64)  # K summed in 16- vs 64-wide chunks
+    w = b.t().contiguous()
+    assert torch.equal(batch_invariant_linear(a, w, config=(16, 16, 16, 1, 1)), c16)
+    assert torch.equal(batch_invariant_linear(a, w, config=(16, 16, 64, 1, 1)), c64)
 
 
 def test_rejects_bad_arguments():

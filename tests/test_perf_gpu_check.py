@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -60,7 +61,13 @@ def test_table_from_benchmark_json(gpu_check):
             },
             {
                 "name": "test_verify_sampling[torch-8]",
-                "extra_info": {"provider": "torch", "batch": 8, "us_per_call": 1234.5, "gbps": 0.5},
+                "extra_info": {
+                    "provider": "torch",
+                    "batch": 8,
+                    "us_per_call": 1234.5,
+                    "gbps": 0.5,
+                    "graph_error": "RuntimeError: x",
+                },
             },
             {"name": "test_no_info", "extra_info": {}},
         ]
@@ -71,10 +78,13 @@ def test_table_from_benchmark_json(gpu_check):
     assert rows[0]["pct_copy"] == pytest.approx(100 * 468.1 / 4000.0)
     table = gpu_check.format_table(rows, dict(gbps=4000.0, mib=1024, device="NVIDIA H200"))
     lines = table.splitlines()
-    assert lines[0] == "| op | shape | us/call | us/call in a graph | GB/s | GB/s in a graph | % of copy GB/s |"
+    assert lines[0] == (
+        "| op | shape | us/call | us/call in a graph | GB/s | GB/s in a graph | % of copy GB/s | % in a graph |"
+    )
     shape = "rows=60 hidden=4096 residual=True dtype=torch.bfloat16"
-    assert lines[2] == f"| rms_norm[triton-60-True] | {shape} | 4.2 | 2.1 | 468 | 936 | 23.4 |"  # % from the graph
-    assert lines[3] == "| verify_sampling[torch-8] | batch=8 | 1234 | - | 0.5 | - | 0.0125 |"
+    assert lines[2] == f"| rms_norm[triton-60-True] | {shape} | 4.2 | 2.1 | 468 | 936 | 11.7 | 23.4 |"
+    assert lines[3] == "| verify_sampling[torch-8] | batch=8 | 1234 | - | 0.5 | - | 0.0125 | - |"
+    assert lines[4] == "- verify_sampling[torch-8]: not captured (RuntimeError: x)"
     assert "copy baseline: 4000.0 GB/s (1024 MiB" in table
     assert gpu_check.table_rows({}, None) == []
     assert "not measured" in gpu_check.format_table([], None)
@@ -83,6 +93,8 @@ def test_table_from_benchmark_json(gpu_check):
 def test_copy_baseline_and_a_benchmark_end_to_end(gpu_check, tmp_path, monkeypatch, capsys):
     """The non-dry path on this machine: one small benchmark file, the copy baseline, the table."""
     monkeypatch.setenv("OUT", str(tmp_path))
+    row = {"pair": "old", "mode": "plain", "runner": "eager", "batch": 1, "tokens_s": 1.0, "round_ms": 1.0}
+    (tmp_path / "graphs.json").write_text(json.dumps({"benchmarks": [{"name": "x", "extra_info": row}]}))  # stale
     rc = gpu_check.main(
         [
             "--skip-install",
@@ -154,3 +166,18 @@ def test_graph_table_reports_the_deterministic_cost(gpu_check):
     table = gpu_check.format_graph_table(rows)
     assert "- p plain batch 1: graphs 4.00x eager tokens/s" in table
     assert "- p plain batch 1: deterministic 0.75x default tokens/s (both with graphs)" in table
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: perf/conftest.py's graph_time captures a CUDA graph")
+def test_graph_time_times_a_capturable_call_and_reports_one_that_is_not():
+    spec = importlib.util.spec_from_file_location("perf_conftest", ROOT / "perf" / "conftest.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    x = torch.randn(1 << 20, device="cuda")
+    ok = mod.graph_time(lambda: x.mul_(1.0), inner=10)
+    assert ok["us_per_call_graph"] > 0 and "graph_error" not in ok
+    before = torch.cuda.current_stream()
+    bad = mod.graph_time(lambda: float(x.sum()), inner=3)  # a host read: not capturable
+    assert "us_per_call_graph" not in bad and "graph_error" in bad and "reset" not in bad["graph_error"]
+    assert torch.cuda.current_stream() == before  # the caller's stream is current again
+    assert torch.randn(8, device="cuda").isfinite().all()  # the generator left capture mode
