@@ -59,8 +59,11 @@ from .store import cache_base
 
 SOURCE = Path(__file__).parent / "cpu" / "linear.c"
 # the C sources built into one library: the linear kernel, the decode attention, RMSNorm, rope and KV
-# writes (kernels/cpu_attention.py, kernels/cpu_norm.py, kernels/cpu_rope.py)
-SOURCES = tuple(Path(__file__).parent / "cpu" / f for f in ("linear.c", "attention.c", "norm.c", "rope_kv.c"))
+# writes, the round's index bookkeeping (kernels/cpu_attention.py, kernels/cpu_norm.py, kernels/cpu_rope.py,
+# kernels/cpu_tree.py)
+SOURCES = tuple(
+    Path(__file__).parent / "cpu" / f for f in ("linear.c", "attention.c", "norm.c", "rope_kv.c", "tree_ops.c")
+)
 # included by the sources: part of the build key
 HEADERS = tuple(Path(__file__).parent / "cpu" / f for f in ("avx2.h", "bf16.h", "hsum.h"))
 OP_SOURCE = Path(__file__).parent / "cpu" / "linear_op.cpp"
@@ -131,6 +134,7 @@ def cpuinfo(field: str) -> str | None:
     return next((ln.split(":", 1)[1].strip() for ln in text.splitlines() if ln.split(":", 1)[0].strip() == field), None)
 
 
+@functools.cache  # isa() runs per drafter call (packs_on): the split cost ~8 us
 def _cpu_flags() -> frozenset[str]:
     return frozenset((cpuinfo("flags") or "").split())
 

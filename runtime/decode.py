@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_tree
 from .config import SpecConfig
 from .deterministic import position_race
 from .errors import UserError
@@ -513,11 +514,14 @@ class Decoder:
             gid = offset + sel
             offset += K * K
         keep = rerank(torch.cat(scores, dim=1), N - 1)
-        par, depth, mask = build_tree(keep, torch.cat(parents, dim=1), torch.cat(depths), D)
+        cand = (keep, torch.cat(parents, dim=1), torch.cat(depths), D)
+        cpu = self._cpu_index()  # eager CPU rounds: one C call each instead of dozens of small ops, same integers
+        par, depth, mask = (cpu and cpu_tree.build_tree(*cand)) or build_tree(*cand)
         node_tokens = torch.cat([self.root[:, None], torch.cat(tokens, dim=1).gather(1, keep)], dim=1)
         if spec.prompt_lookup_num_tokens:
             chain, valid = self.lookup(spec, whole_cache)
-            node_tokens, par, depth, mask, added = graft_chain(node_tokens, par, depth, mask, chain, valid)
+            tree = (node_tokens, par, depth, mask, chain, valid)
+            node_tokens, par, depth, mask, added = (cpu and cpu_tree.graft_chain(*tree)) or graft_chain(*tree)
             if not whole_cache and self.device.type == "cpu":  # eager on the CPU: verify no padding nodes
                 n = N + int(added.max())  # (a read, not a device sync; fixed shapes on GPUs and in compiled rounds)
                 node_tokens, par, depth, mask = node_tokens[:, :n], par[:, :n], depth[:, :n], mask[:, :n, :n]
@@ -546,7 +550,14 @@ class Decoder:
         hist = self.bufs.hist[: self.rows]
         if S is not None:
             hist = hist[:, : min(S, hist.shape[1])]
-        return ngram_lookup(hist, self.L, spec.prompt_lookup_num_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        args = (hist, self.L, spec.prompt_lookup_num_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        return (self._cpu_index() and cpu_tree.ngram_lookup(*args)) or ngram_lookup(*args)
+
+    def _cpu_index(self) -> bool:
+        """Whether the ops run the round's index bookkeeping as ``kernels.cpu_tree``'s C operators on
+        CPU tensors (``TorchOps.cpu_index``: where the CPU kernels run); they return None when they do
+        not apply (CUDA, a traced round), and the references run."""
+        return self.device.type == "cpu" and bool(getattr(self.ops, "cpu_index", False))
 
     def draft_chain(
         self,

@@ -637,7 +637,11 @@ class SpeculativeRuntime:
             if g.run(key, lambda: dec.round(whole_cache=True, kv_cap=kv), dec.bufs.tensors()):
                 stats.time_split_s["graph"] = stats.time_split_s.get("graph", 0.0) + time.perf_counter() - t0
                 return
-        dec.round(timings=stats.time_split_s)
+        if dec.drafter is None or not dec.speculative:
+            dec.round(timings=stats.time_split_s)
+            return
+        with dec.drafter.packed_for_round(dec.ops):  # its packed weights looked up once, not per drafter call
+            dec.round(timings=stats.time_split_s)
 
     @contextlib.contextmanager
     def observe(self, observer: DraftObserver) -> Iterator[None]:

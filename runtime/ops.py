@@ -19,6 +19,7 @@ from ..kernels import cpu_attention as _cpu_attention
 from ..kernels import cpu_linear as _cpu_linear
 from ..kernels import cpu_norm as _cpu_norm
 from ..kernels import cpu_rope as _cpu_rope
+from ..kernels import cpu_tree as _cpu_tree
 from ..kernels.aux_gather import aux_gather_reference
 from ..kernels.kv_compact import kv_compact_reference
 from ..kernels.kv_write import kv_write_reference
@@ -251,10 +252,33 @@ class TorchOps:
         return out.transpose(1, 2)
 
     prefill_attention = staticmethod(prefill_attention)
-    verify_greedy = staticmethod(verify_greedy_reference)
+
+    @property
+    def cpu_index(self) -> bool:
+        """Whether the round's index bookkeeping on CPU tensors runs the C operators of
+        ``kernels.cpu_tree`` (greedy verification and the K/V compaction here; the tree build, prompt
+        lookup and graft in ``runtime/decode.py``): where the CPU kernels run (the ``cpu_linear`` switch). Exact: the
+        same integers as the references, one call instead of 30-130 small ops."""
+        return self._cpu_kernel(torch.float32) or self._cpu_kernel(torch.bfloat16)
+
+    def verify_greedy(self, tokens, parents, target_argmax, max_depth):
+        """``kernels.verify.verify_greedy_reference``; eager CPU calls run ``kernels.cpu_tree``'s
+        C operator where ``cpu_index`` holds (the same integers)."""
+        if tokens.is_cpu and self.cpu_index:
+            out = _cpu_tree.verify_greedy(tokens, parents, target_argmax, max_depth)
+            if out is not None:
+                return out
+        return verify_greedy_reference(tokens, parents, target_argmax, max_depth)
+
     verify_sampling = staticmethod(verify_sampling_reference)
     verify_chain = staticmethod(verify_chain_reference)
-    kv_compact = staticmethod(kv_compact_reference)
+
+    def kv_compact(self, k_cache, v_cache, start, nodes):
+        """``kernels.kv_compact.kv_compact_reference``; eager CPU calls run ``kernels.cpu_tree``'s C
+        operator where ``cpu_index`` holds (the same bytes moved)."""
+        if k_cache.is_cpu and self.cpu_index and _cpu_tree.kv_compact(k_cache, v_cache, start, nodes):
+            return
+        kv_compact_reference(k_cache, v_cache, start, nodes)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

@@ -1,5 +1,5 @@
-// torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope and .kv_write: the kernels of linear.c,
-// attention.c, norm.c and rope_kv.c
+// torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
+// .ngram_lookup, .graft_chain and .kv_compact: the kernels of linear.c, attention.c, norm.c, rope_kv.c and tree_ops.c
 // as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
@@ -40,6 +40,17 @@ int64_t tritonspec_kv_write(char*, int64_t, int64_t, int64_t, const char*, int64
                             int64_t, int64_t, int64_t);
 void tritonspec_rms_norm_f32(const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t, float, float*,
                              float*, int);
+void tritonspec_verify_greedy(const int64_t*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t*,
+                              int64_t*, int64_t*);
+void tritonspec_build_tree(const int64_t*, const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t*,
+                           int64_t*, uint8_t*, int64_t*);
+void tritonspec_ngram_lookup(const int64_t*, int64_t, const int64_t*, int64_t, int64_t, int64_t, int64_t, int64_t,
+                             int64_t*, uint8_t*);
+void tritonspec_graft_chain(const int64_t*, const int64_t*, const int64_t*, const uint8_t*, const int64_t*,
+                            const uint8_t*, int64_t, int64_t, int64_t, int64_t*, int64_t*, int64_t*, uint8_t*, int64_t*,
+                            uint8_t*);
+int64_t tritonspec_kv_compact(char*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
+                              const int64_t*, int64_t, int64_t, int64_t, char*);
 void tritonspec_rms_norm_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
                               float, uint16_t*, uint16_t*, int);
 }
@@ -235,6 +246,105 @@ void kv_write2(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::T
   kv_write(v_cache, slots, v);
 }
 
+// tree_ops.c: the round's index bookkeeping (kernels/cpu_tree.py), exact to its PyTorch references.
+at::Tensor i64(const at::Tensor& t, const char* what, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == at::kLong && t.dim() == dim, "tritonspec_cpu: ", what, " must be a ", dim,
+              "-d int64 tensor");
+  return t.contiguous();
+}
+at::Tensor u8(const at::Tensor& t, const char* what, int64_t dim) {
+  TORCH_CHECK(t.scalar_type() == at::kBool && t.dim() == dim, "tritonspec_cpu: ", what, " must be a ", dim,
+              "-d bool tensor");
+  return t.contiguous();
+}
+const uint8_t* bytes(const at::Tensor& t) { return reinterpret_cast<const uint8_t*>(t.const_data_ptr<bool>()); }
+uint8_t* bytes(at::Tensor& t) { return reinterpret_cast<uint8_t*>(t.mutable_data_ptr<bool>()); }
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy(const at::Tensor& tokens, const at::Tensor& parents,
+                                                             const at::Tensor& argmax, int64_t max_depth) {
+  at::Tensor t = i64(tokens, "tokens", 2), p = i64(parents, "parents", 2), a = i64(argmax, "argmax", 2);
+  const int64_t B = t.size(0), N = t.size(1);
+  TORCH_CHECK(p.sizes() == t.sizes() && a.sizes() == t.sizes() && N >= 1 && max_depth >= 0,
+              "tritonspec_cpu::verify_greedy: tokens, parents and argmax [B, N >= 1], max_depth >= 0");
+  at::Tensor nodes = at::empty({B, max_depth + 1}, t.options()), num = at::empty({B}, t.options());
+  at::Tensor emitted = at::empty({B, max_depth + 1}, t.options());
+  tritonspec_verify_greedy(t.const_data_ptr<int64_t>(), p.const_data_ptr<int64_t>(), a.const_data_ptr<int64_t>(), B,
+                           N, max_depth, nodes.mutable_data_ptr<int64_t>(), num.mutable_data_ptr<int64_t>(),
+                           emitted.mutable_data_ptr<int64_t>());
+  return {nodes, num, emitted};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> build_tree(const at::Tensor& keep, const at::Tensor& cand_parent,
+                                                          const at::Tensor& cand_depth, int64_t max_depth) {
+  at::Tensor k = i64(keep, "keep", 2), cp = i64(cand_parent, "cand_parent", 2), cd = i64(cand_depth, "cand_depth", 1);
+  const int64_t B = k.size(0), K1 = k.size(1), C = cp.size(1), N = K1 + 1;
+  TORCH_CHECK(cp.size(0) == B && cd.size(0) == C, "tritonspec_cpu::build_tree: keep [B, N-1], cand_parent [B, C], ",
+              "cand_depth [C]");
+  const int64_t *kp = k.const_data_ptr<int64_t>(), *pp = cp.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * K1; i++) TORCH_CHECK(kp[i] >= 0 && kp[i] < C, "tritonspec_cpu::build_tree: keep id ", kp[i], " outside [0, ", C, ")");
+  for (int64_t i = 0; i < B * C; i++) TORCH_CHECK(pp[i] < C, "tritonspec_cpu::build_tree: parent candidate ", pp[i], " >= ", C);
+  at::Tensor parents = at::empty({B, N}, k.options()), depth = at::empty({B, N}, k.options());
+  at::Tensor mask = at::empty({B, N, N}, k.options().dtype(at::kBool)), scratch = at::empty({C}, k.options());
+  tritonspec_build_tree(kp, pp, cd.const_data_ptr<int64_t>(), B, K1, C, max_depth, parents.mutable_data_ptr<int64_t>(),
+                        depth.mutable_data_ptr<int64_t>(), bytes(mask), scratch.mutable_data_ptr<int64_t>());
+  return {parents, depth, mask};
+}
+
+std::tuple<at::Tensor, at::Tensor> ngram_lookup(const at::Tensor& hist, const at::Tensor& L, int64_t num_tokens,
+                                                int64_t n_max, int64_t n_min) {
+  TORCH_CHECK(hist.scalar_type() == at::kLong && hist.dim() == 2, "tritonspec_cpu::ngram_lookup: hist [B, S] int64");
+  at::Tensor h = hist.stride(1) == 1 ? hist : hist.contiguous(), l = i64(L, "L", 1);
+  const int64_t B = h.size(0), S = h.size(1);
+  TORCH_CHECK(l.size(0) == B && S >= 1 && num_tokens >= 1 && n_max >= 1, "tritonspec_cpu::ngram_lookup: hist [B, S >= 1], ",
+              "L [B], num_tokens >= 1, n_max >= 1");
+  const int64_t* lp = l.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++) TORCH_CHECK(lp[b] < S, "tritonspec_cpu::ngram_lookup: L = ", lp[b], " >= S = ", S);
+  at::Tensor chain = at::empty({B, num_tokens}, h.options()), valid = at::empty({B, num_tokens}, h.options().dtype(at::kBool));
+  tritonspec_ngram_lookup(h.const_data_ptr<int64_t>(), h.stride(0), lp, B, S, num_tokens, n_max, n_min,
+                          chain.mutable_data_ptr<int64_t>(), bytes(valid));
+  return {chain, valid};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> graft_chain(
+    const at::Tensor& tokens, const at::Tensor& parents, const at::Tensor& depth, const at::Tensor& mask,
+    const at::Tensor& chain, const at::Tensor& valid) {
+  at::Tensor t = i64(tokens, "tokens", 2), p = i64(parents, "parents", 2), d = i64(depth, "depth", 2);
+  at::Tensor m = u8(mask, "mask", 3), c = i64(chain, "chain", 2), v = u8(valid, "valid", 2);
+  const int64_t B = t.size(0), N = t.size(1), M = c.size(1), T = N + M;
+  TORCH_CHECK(p.sizes() == t.sizes() && d.sizes() == t.sizes() && m.size(0) == B && m.size(1) == N && m.size(2) == N &&
+                  c.size(0) == B && v.sizes() == c.sizes() && N >= 1 && M >= 1,
+              "tritonspec_cpu::graft_chain: tokens, parents, depth [B, N >= 1], mask [B, N, N], chain and valid [B, M >= 1]");
+  at::Tensor tok = at::empty({B, T}, t.options()), par = at::empty({B, T}, t.options()), dep = at::empty({B, T}, t.options());
+  at::Tensor out = at::empty({B, T, T}, m.options()), added = at::empty({B}, t.options()), on = at::empty({N}, m.options());
+  tritonspec_graft_chain(t.const_data_ptr<int64_t>(), p.const_data_ptr<int64_t>(), d.const_data_ptr<int64_t>(), bytes(m),
+                         c.const_data_ptr<int64_t>(), bytes(v), B, N, M, tok.mutable_data_ptr<int64_t>(),
+                         par.mutable_data_ptr<int64_t>(), dep.mutable_data_ptr<int64_t>(), bytes(out),
+                         added.mutable_data_ptr<int64_t>(), bytes(on));
+  return {tok, par, dep, out, added};
+}
+
+void kv_compact(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& start, const at::Tensor& nodes) {
+  at::Tensor st = i64(start, "start", 1), nd = i64(nodes, "nodes", 2);
+  const int64_t B = nd.size(0), W = nd.size(1);
+  TORCH_CHECK(st.size(0) == B, "tritonspec_cpu::kv_compact: start [B] and nodes [B, W]");
+  for (const at::Tensor* c : {&k_cache, &v_cache}) {
+    TORCH_CHECK(c->dim() >= 4 && c->size(1) >= B && c->sizes() == k_cache.sizes() && c->scalar_type() == k_cache.scalar_type(),
+                "tritonspec_cpu::kv_compact: caches [L, B_max >= B, S, ...] of one shape and dtype");
+    int64_t row = 1;  // elements per slot: the trailing dims, contiguous
+    for (int64_t d = c->dim() - 1; d >= 3; d--) {
+      TORCH_CHECK(c->stride(d) == row, "tritonspec_cpu::kv_compact: each slot's values must be contiguous");
+      row *= c->size(d);
+    }
+    TORCH_CHECK(c->stride(2) == row, "tritonspec_cpu::kv_compact: each slot's values must be contiguous");
+    at::Tensor tmp = at::empty({std::max<int64_t>(W, 1) * row}, c->options());
+    const int64_t bad = tritonspec_kv_compact(static_cast<char*>(c->data_ptr()), c->stride(0), c->stride(1), c->stride(2),
+                                              c->size(0), B, c->size(2), st.const_data_ptr<int64_t>(),
+                                              nd.const_data_ptr<int64_t>(), W, row * c->element_size(),
+                                              c->element_size(), static_cast<char*>(tmp.data_ptr()));
+    TORCH_CHECK(bad == 0, "tritonspec_cpu::kv_compact: ", bad, " path slot(s) outside [0, ", c->size(2), ")");
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tritonspec_cpu, m) {
@@ -244,6 +354,12 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps, Tensor? residual, int threads=-1) -> (Tensor, Tensor)");
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor");
   m.def("kv_write(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slots, Tensor k, Tensor v) -> ()");
+  m.def("verify_greedy(Tensor tokens, Tensor parents, Tensor argmax, int max_depth) -> (Tensor, Tensor, Tensor)");
+  m.def("build_tree(Tensor keep, Tensor cand_parent, Tensor cand_depth, int max_depth) -> (Tensor, Tensor, Tensor)");
+  m.def("ngram_lookup(Tensor hist, Tensor L, int num_tokens, int n_max, int n_min) -> (Tensor, Tensor)");
+  m.def("kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor nodes) -> ()");
+  m.def("graft_chain(Tensor tokens, Tensor parents, Tensor depth, Tensor mask, Tensor chain, Tensor valid) -> "
+        "(Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
@@ -252,4 +368,9 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope", &rope);
   m.impl("kv_write", &kv_write2);
+  m.impl("verify_greedy", &verify_greedy);
+  m.impl("build_tree", &build_tree);
+  m.impl("ngram_lookup", &ngram_lookup);
+  m.impl("graft_chain", &graft_chain);
+  m.impl("kv_compact", &kv_compact);
 }

@@ -1,0 +1,124 @@
+"""The decode round's index bookkeeping on the CPU: greedy verification, the draft tree's node
+arrays, prompt lookup and the lookup branch's graft, one C call each (``kernels/cpu/tree_ops.c``).
+
+Math: that of the references, which stay the specification and run wherever these do not (CUDA,
+a traced or compiled round, a build without the native operator, ``cpu_linear="torch"``): each
+function here returns None there and its caller runs the reference (as ``kernels.cpu_attention``).
+
+    verify_greedy   kernels/verify.py   verify_greedy_reference   accepted path, count, emitted tokens
+    build_tree      runtime/tree.py     build_tree                 parents, depths, ancestor mask
+    ngram_lookup    runtime/ngram.py    ngram_lookup               the prompt-lookup chain and its validity
+    graft_chain     runtime/ngram.py    graft_chain                the chain grafted below the root
+    kv_compact      kernels/kv_compact.py  kv_compact_reference    the accepted path's K/V moved in place
+
+All integers, booleans and copies, so the C results equal the references' exactly (tested with hypothesis
+in ``tests/test_cpu_tree.py``); only the cost changes. Each reference is fixed-shape tensor work so
+that CUDA graphs and compiled rounds can take it, which on a CPU costs 30-130 small PyTorch ops:
+on the demo pair an eager default round spent 1.4 of its 9.7 ms in these four (2026-12-04).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import cpu_linear as _lib
+from .cpu_rope import _tracing
+
+
+def _native(*tensors: torch.Tensor) -> bool:
+    """Whether this call runs the C operator: eager, on CPU tensors, where the operator built."""
+    return all(t.device.type == "cpu" for t in tensors) and not _tracing(tensors[0]) and _lib._native_ready()
+
+
+def verify_greedy(
+    tokens: torch.Tensor,  # [B, N] int64, node 0 = root
+    parents: torch.Tensor,  # [B, N] int64, -1 = root / padding
+    target_argmax: torch.Tensor,  # [B, N] int64
+    max_depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # nodes [B, D+1], num [B], emitted [B, D+1]
+    """``kernels.verify.verify_greedy_reference``, exactly; None where the C operator does not run.
+
+    Example
+    -------
+    >>> tok, par = torch.tensor([[5, 7, 9]]), torch.tensor([[-1, 0, 1]])
+    >>> verify_greedy(tok, par, torch.tensor([[7, 9, 3]]), 2)[2]  # doctest: +SKIP
+    tensor([[7, 9, 3]])
+    """
+    if _native(tokens, parents, target_argmax) and all(
+        t.dtype == torch.int64 for t in (tokens, parents, target_argmax)
+    ):
+        return torch.ops.tritonspec_cpu.verify_greedy(tokens, parents, target_argmax, int(max_depth))
+    return None
+
+
+def build_tree(
+    keep: torch.Tensor,  # [B, N-1] kept candidate ids, ascending
+    cand_parent: torch.Tensor,  # [B, C] parent candidate id, -1 = root
+    cand_depth: torch.Tensor,  # [C] depth of each candidate (1-based)
+    max_depth: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # parents [B, N], depth [B, N], mask [B, N, N]
+    """``runtime.tree.build_tree``, exactly; None where the C operator does not run."""
+    if _native(keep, cand_parent, cand_depth) and all(t.dtype == torch.int64 for t in (keep, cand_parent, cand_depth)):
+        return torch.ops.tritonspec_cpu.build_tree(keep, cand_parent, cand_depth, int(max_depth))
+    return None
+
+
+def ngram_lookup(
+    hist: torch.Tensor,  # [B, S] int64 tokens by position, the root at L
+    L: torch.Tensor,  # [B] int64
+    num_tokens: int,
+    n_max: int,
+    n_min: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # chain [B, M], valid [B, M] bool
+    """``runtime.ngram.ngram_lookup``, exactly; None where the C operator does not run."""
+    if (
+        _native(hist, L)
+        and hist.dtype == torch.int64
+        and L.dtype == torch.int64
+        and min(num_tokens, n_max, hist.shape[-1]) >= 1
+    ):
+        return torch.ops.tritonspec_cpu.ngram_lookup(hist, L, int(num_tokens), int(n_max), int(n_min))
+    return None
+
+
+def graft_chain(
+    tokens: torch.Tensor,  # [B, N] int64
+    parents: torch.Tensor,  # [B, N] int64
+    depth: torch.Tensor,  # [B, N] int64
+    mask: torch.Tensor,  # [B, N, N] bool
+    chain: torch.Tensor,  # [B, M] int64
+    valid: torch.Tensor,  # [B, M] bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """``runtime.ngram.graft_chain``, exactly: ``(tokens, parents, depth, mask, added)``; None where the
+    C operator does not run."""
+    ints = (tokens, parents, depth, chain)
+    if (
+        _native(*ints, mask, valid)
+        and all(t.dtype == torch.int64 for t in ints)
+        and mask.dtype == torch.bool
+        and valid.dtype == torch.bool
+        and chain.shape[-1] >= 1
+    ):
+        return torch.ops.tritonspec_cpu.graft_chain(tokens, parents, depth, mask, chain, valid)
+    return None
+
+
+def kv_compact(
+    k_cache: torch.Tensor,  # [L, B_max, S, Hkv, D]
+    v_cache: torch.Tensor,  # [L, B_max, S, Hkv, D]
+    start: torch.Tensor,  # [B] int64, slot of the tree root per row
+    nodes: torch.Tensor,  # [B, W] int64, accepted node ids (root first), -1 = none
+) -> bool:
+    """``kernels.kv_compact.kv_compact_reference`` in place, exactly; False (nothing done) where the C
+    operator does not run."""
+    if (
+        _native(k_cache, v_cache, start, nodes)
+        and start.dtype == torch.int64
+        and nodes.dtype == torch.int64
+        and k_cache.dim() >= 4
+        and k_cache.shape == v_cache.shape
+        and k_cache.dtype == v_cache.dtype
+    ):
+        torch.ops.tritonspec_cpu.kv_compact(k_cache, v_cache, start, nodes)
+        return True
+    return False

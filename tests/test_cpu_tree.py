@@ -1,0 +1,248 @@
+"""The round's index bookkeeping as C operators (``kernels/cpu_tree.py``, ``kernels/cpu/tree_ops.c``):
+each equals its PyTorch reference exactly on drawn inputs (ragged batches, padding nodes, duplicate
+tokens, histories read through a column slice), returns None where it must not run (traced), and an
+eager CPU decode runs them and emits the tokens the references give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_tree import synthetic_candidates
+
+import tritonspec as ts
+from tritonspec.kernels import cpu_linear as cl
+from tritonspec.kernels import cpu_tree
+from tritonspec.kernels.verify import verify_greedy_reference
+from tritonspec.runtime import decode as decode_module
+from tritonspec.runtime.ngram import graft_chain, ngram_lookup
+from tritonspec.runtime.ops import TorchOps
+from tritonspec.runtime.tree import build_tree, rerank
+
+from _util import perm_pair, runtime
+
+WHY = cl.native_op()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the native CPU operators did not build here: {WHY}")
+
+
+def _equal(got, want, names):
+    assert got is not None, "the C operator did not run (the comparison would hold vacuously)"
+    for name, a, b in zip(names, got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
+        assert torch.equal(a, b), f"{name}: {a.tolist()} != {b.tolist()}"
+
+
+# ================================================================== verify_greedy
+@st.composite
+def verify_case(draw):
+    B, N, D = draw(st.integers(1, 5)), draw(st.integers(1, 24)), draw(st.integers(0, 9))
+    vocab = draw(st.sampled_from([1, 2, 3, 50]))  # tiny vocabularies: duplicate sibling tokens
+    par = [[-1] + [draw(st.integers(-1, i - 1)) for i in range(1, N)] for _ in range(B)]  # -1: padding nodes
+    tok = [[draw(st.integers(0, vocab - 1)) for _ in range(N)] for _ in range(B)]
+    am = []
+    for b in range(B):  # mostly follow a child: long accepted paths
+        row = []
+        for i in range(N):
+            kids = [c for c in range(1, N) if par[b][c] == i]
+            follow = kids and draw(st.booleans())
+            row.append(tok[b][draw(st.sampled_from(kids))] if follow else draw(st.integers(0, vocab)))
+        am.append(row)
+    return torch.tensor(tok), torch.tensor(par), torch.tensor(am), D
+
+
+@settings(max_examples=150, deadline=None)
+@given(verify_case())
+def test_verify_greedy_equals_reference(case):
+    _equal(cpu_tree.verify_greedy(*case), verify_greedy_reference(*case), ("nodes", "num", "emitted"))
+
+
+def test_verify_greedy_known_answer_and_the_comparison_sees_one_changed_entry():
+    """A chain accepted in full (then the bonus token); inverse: ``_equal`` fails on one changed count."""
+    tok, par = torch.tensor([[5, 7, 9, 4]]), torch.tensor([[-1, 0, 1, 2]])
+    am = torch.tensor([[7, 9, 4, 3]])
+    nodes, num, emitted = got = cpu_tree.verify_greedy(tok, par, am, 3)
+    assert num.tolist() == [3] and emitted.tolist() == [[7, 9, 4, 3]] and nodes.tolist() == [[0, 1, 2, 3]]
+    with pytest.raises(AssertionError, match="num"):
+        _equal((got[0], got[1] - 1, got[2]), verify_greedy_reference(tok, par, am, 3), ("nodes", "num", "emitted"))
+
+
+# ================================================================== build_tree
+@settings(max_examples=80, deadline=None)
+@given(
+    K=st.integers(1, 5),
+    D=st.integers(1, 5),
+    frac=st.floats(0.01, 1.0),
+    seed=st.integers(0, 10_000),
+    ties=st.booleans(),
+    rows=st.integers(1, 3),
+)
+def test_build_tree_equals_reference(K, D, frac, seed, ties, rows):
+    cands = [synthetic_candidates(K, D, seed + r, ties) for r in range(rows)]
+    scores = torch.cat([c[0] for c in cands])
+    cparent, cdepth = torch.cat([c[1] for c in cands]), cands[0][2]
+    keep = rerank(scores, max(1, int(frac * scores.shape[1])))
+    for depth in (D, max(D - 2, 0)):  # a max_depth below the tree's cuts the ancestor walk alike
+        args = (keep, cparent, cdepth, depth)
+        _equal(cpu_tree.build_tree(*args), build_tree(*args), ("parents", "depth", "mask"))
+
+
+def test_build_tree_refuses_ids_outside_the_candidates():
+    with pytest.raises(RuntimeError, match="keep id 7 outside"):
+        cpu_tree.build_tree(torch.tensor([[0, 7]]), torch.tensor([[-1, 0, 0]]), torch.tensor([1, 2, 2]), 2)
+
+
+# ================================================================== ngram_lookup
+@settings(max_examples=200, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=4),
+    m=st.integers(1, 8),
+    n_max=st.integers(1, 4),
+    n_min_off=st.integers(0, 4),
+    junk=st.integers(-1, 3),
+    extra=st.integers(0, 5),
+    cut=st.integers(0, 3),
+)
+def test_ngram_lookup_equals_reference(rows, m, n_max, n_min_off, junk, extra, cut):
+    """Every entry (the invalid ones too), through a column slice of a wider history (as the decoder
+    reads it), with -1 junk past the roots (the decoder's emitted padding)."""
+    n_min = n_max - n_min_off  # down to n_min <= 0: every position matches
+    S = max(len(r) for r in rows) + extra
+    hist = torch.full((len(rows), S + cut), junk, dtype=torch.int64)
+    for b, r in enumerate(rows):
+        hist[b, : len(r)] = torch.tensor(r)
+    hist = hist[:, :S]
+    L = torch.tensor([len(r) - 1 for r in rows])
+    _equal(cpu_tree.ngram_lookup(hist, L, m, n_max, n_min), ngram_lookup(hist, L, m, n_max, n_min), ("chain", "valid"))
+
+
+def test_ngram_lookup_refuses_a_root_past_the_history():
+    with pytest.raises(RuntimeError, match="L = 4 >= S = 4"):
+        cpu_tree.ngram_lookup(torch.zeros(1, 4, dtype=torch.int64), torch.tensor([4]), 2, 2, 1)
+
+
+# ================================================================== graft_chain
+@st.composite
+def graft_case(draw):
+    B, N, M = draw(st.integers(1, 3)), draw(st.integers(1, 10)), draw(st.integers(1, 6))
+    tokens, parents, depth = [], [], []
+    mask = torch.zeros(B, N, N, dtype=torch.bool)
+    for b in range(B):
+        par, tok, dep = [-1], [draw(st.integers(0, 5))], [0]
+        for j in range(1, N):
+            p = draw(st.integers(-1, j - 1))  # -1: a padding node (sees itself only)
+            used = {tok[c] for c in range(1, j) if par[c] == p}
+            tok.append(draw(st.sampled_from([t for t in range(12) if t not in used])))  # distinct siblings
+            par.append(p)
+            dep.append(dep[p] + 1 if p >= 0 else draw(st.integers(0, 2)))
+        for j in range(N):
+            u = j
+            while u >= 0:
+                mask[b, j, u] = True
+                u = par[u]
+        tokens.append(tok), parents.append(par), depth.append(dep)
+    chain = [[draw(st.integers(0, 4)) for _ in range(M)] for _ in range(B)]
+    valid = [[r < v for r in range(M)] for v in (draw(st.integers(0, M)) for _ in range(B))]
+    T = torch.tensor
+    return T(tokens), T(parents), T(depth), mask, T(chain), T(valid)
+
+
+@settings(max_examples=300, deadline=None)
+@given(graft_case())
+def test_graft_chain_equals_reference(case):
+    _equal(cpu_tree.graft_chain(*case), graft_chain(*case), ("tokens", "parents", "depth", "mask", "added"))
+
+
+# ================================================================== where they run
+def test_traced_calls_return_none_so_the_references_run():
+    """Under a tracer (make_fx: what torch.compile and the fake-tensor pass see) every operator declines,
+    so compiled rounds trace the references (inverse: eager calls do run it, see the tests above)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen = []
+
+    def f(tok, par, am):
+        seen.append(cpu_tree.verify_greedy(tok, par, am, 2))
+        return verify_greedy_reference(tok, par, am, 2)[0]
+
+    args = (torch.tensor([[5, 7, 9]]), torch.tensor([[-1, 0, 1]]), torch.tensor([[7, 9, 3]]))
+    make_fx(f)(*args)
+    assert seen == [None]
+    assert cpu_tree.verify_greedy(*args, 2) is not None
+
+
+@pytest.mark.parametrize("spec", ["tree+lookup", "chain"])
+def test_decoding_runs_the_operators_and_emits_the_references_tokens(spec, monkeypatch):
+    """A speculative greedy generation with the operators gives the tokens it gives with the references
+    (``TorchOps.cpu_index`` off), and the operators really ran in it (counted)."""
+    cfg = (
+        ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6, prompt_lookup_num_tokens=4)
+        if spec == "tree+lookup"
+        else ts.SpecConfig.chain(3)
+    )
+    rt = runtime(*perm_pair("llama", vocab=24, seed=1, alpha=0.15), spec=cfg, max_batch_size=4)
+    if not rt.decoder.ops.cpu_index:
+        pytest.skip("the CPU kernels do not run here (cpu_linear)")
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 3, 5, 9], [7, 3], [2, 4, 6, 8, 2, 4, 6, 8, 2]]
+    calls: dict[str, int] = {}
+    for name in ("verify_greedy", "build_tree", "ngram_lookup", "graft_chain"):
+        real = getattr(cpu_tree, name)
+
+        def counted(*a, _real=real, _name=name):
+            out = _real(*a)
+            calls[_name] = calls.get(_name, 0) + (out is not None)
+            return out
+
+        monkeypatch.setattr(cpu_tree, name, counted)
+    with_c = rt.generate(prompts, max_new_tokens=24)
+    assert calls.get("verify_greedy", 0) > 0
+    if spec == "tree+lookup":
+        assert min(calls.get(n, 0) for n in ("build_tree", "ngram_lookup", "graft_chain")) > 0, calls
+    monkeypatch.setattr(TorchOps, "cpu_index", property(lambda self: False))
+    assert decode_module.cpu_tree is cpu_tree
+    before = dict(calls)
+    with_refs = rt.generate(prompts, max_new_tokens=24)
+    assert calls == before, "cpu_index off: the references ran"
+    assert with_c.token_ids == with_refs.token_ids
+    assert with_c.token_ids == rt.generate(prompts, max_new_tokens=24, speculative=False).token_ids
+    assert with_c.stats.mean_acceptance_length > 1.3  # drafts were accepted: the walk was exercised
+
+
+# ================================================================== kv_compact
+@settings(max_examples=80, deadline=None)
+@given(
+    L=st.integers(1, 3),
+    B=st.integers(1, 3),
+    extra_rows=st.integers(0, 2),
+    W=st.integers(1, 6),
+    heads=st.sampled_from([(1, 4), (2, 8), (3, 5)]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    data=st.data(),
+)
+def test_kv_compact_equals_reference(L, B, extra_rows, W, heads, dtype, data):
+    """Rows as the decoder passes them: an accepted path (the root, then increasing node ids, then -1)
+    or an idle row (all -1); the other cache rows and slots stay untouched."""
+    S = 24
+    start = torch.tensor([data.draw(st.integers(0, S - 12)) for _ in range(B)])
+    nodes = torch.full((B, W), -1, dtype=torch.int64)
+    for b in range(B):
+        if data.draw(st.booleans()) or b == 0:
+            ids = sorted(data.draw(st.sets(st.integers(1, 10), max_size=W - 1)))
+            nodes[b, : 1 + len(ids)] = torch.tensor([0, *ids])
+    k = torch.randn(L, B + extra_rows, S, *heads).to(dtype)
+    v = torch.randn(L, B + extra_rows, S, *heads).to(dtype)
+    k2, v2 = k.clone(), v.clone()
+    from tritonspec.kernels.kv_compact import kv_compact_reference
+
+    assert cpu_tree.kv_compact(k, v, start, nodes), "the C operator did not run"
+    kv_compact_reference(k2, v2, start, nodes)
+    assert torch.equal(k, k2) and torch.equal(v, v2)
+
+
+def test_kv_compact_moves_the_path_and_refuses_slots_past_the_cache():
+    k = torch.arange(2 * 1 * 8 * 2, dtype=torch.float32).view(2, 1, 8, 2)  # [L, B, S, D]: slot s holds 2s, 2s+1
+    v = k.clone()
+    assert cpu_tree.kv_compact(k, v, torch.tensor([1]), torch.tensor([[0, 2, 5, -1]]))
+    assert k[0, 0, :, 0].tolist() == [0, 2, 6, 12, 8, 10, 12, 14]  # slots 1, 2, 3 <- 1, 3, 6
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_tree.kv_compact(k, v, torch.tensor([4]), torch.tensor([[0, 5]]))
