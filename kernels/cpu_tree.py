@@ -1,20 +1,26 @@
 """The decode round's index bookkeeping on the CPU: greedy verification, the draft tree's node
-arrays, prompt lookup and the lookup branch's graft, one C call each (``kernels/cpu/tree_ops.c``).
+arrays, prompt lookup, the lookup branch's graft and the K/V compaction, one C call each
+(``kernels/cpu/tree_ops.c``).
 
-Math: that of the references, which stay the specification and run wherever these do not (CUDA,
-a traced or compiled round, a build without the native operator, ``cpu_linear="torch"``): each
-function here returns None there and its caller runs the reference (as ``kernels.cpu_attention``).
+Math: that of the references, which stay the specification and run wherever these do not: each
+function here returns None (``kv_compact``: False) on CUDA tensors, under a tracer (a compiled round),
+without the native operator, or for inputs it does not take, and its caller runs the reference; the
+callers also keep the references under ``cpu_linear="torch"`` (``TorchOps.cpu_index``):
 
-    verify_greedy   kernels/verify.py   verify_greedy_reference   accepted path, count, emitted tokens
-    build_tree      runtime/tree.py     build_tree                 parents, depths, ancestor mask
-    ngram_lookup    runtime/ngram.py    ngram_lookup               the prompt-lookup chain and its validity
-    graft_chain     runtime/ngram.py    graft_chain                the chain grafted below the root
-    kv_compact      kernels/kv_compact.py  kv_compact_reference    the accepted path's K/V moved in place
+    verify_greedy   kernels/verify.py      verify_greedy_reference   accepted path, count, emitted tokens
+    build_tree      runtime/tree.py        build_tree                parents, depths, ancestor mask
+    ngram_lookup    runtime/ngram.py       ngram_lookup              the prompt-lookup chain and its validity
+    graft_chain     runtime/ngram.py       graft_chain               the chain grafted below the root
+    kv_compact      kernels/kv_compact.py  kv_compact_reference      the accepted path's K/V moved in place
 
-All integers, booleans and copies, so the C results equal the references' exactly (tested with hypothesis
-in ``tests/test_cpu_tree.py``); only the cost changes. Each reference is fixed-shape tensor work so
-that CUDA graphs and compiled rounds can take it, which on a CPU costs 30-130 small PyTorch ops:
-on the demo pair an eager default round spent 1.4 of its 9.7 ms in these four (2026-12-04).
+Integers, booleans and copies, so the C results equal the references' exactly on the inputs the decoder
+passes (tested with hypothesis in ``tests/test_cpu_tree.py``); only the cost changes. Each reference is
+fixed-shape tensor work so that CUDA graphs and compiled rounds can take it, which on a CPU costs
+30-130 small PyTorch ops: on the demo pair an eager default round spent 1.5 of its 9.7 ms in these
+five (2026-12-04). Where the decoder cannot go, they differ only in how they fail: the graft of a tree
+whose root is off the chain's path (the reference raises, the C result is clamped), a compaction path
+not starting at the root or an idle row starting outside the cache (the reference's order is undefined
+or it raises; the C operator moves only the path).
 """
 
 from __future__ import annotations
@@ -118,7 +124,18 @@ def kv_compact(
         and k_cache.dim() >= 4
         and k_cache.shape == v_cache.shape
         and k_cache.dtype == v_cache.dtype
+        and all(_slots_contiguous(c) for c in (k_cache, v_cache))
     ):
         torch.ops.tritonspec_cpu.kv_compact(k_cache, v_cache, start, nodes)
         return True
     return False
+
+
+def _slots_contiguous(cache: torch.Tensor) -> bool:
+    """Every slot's values contiguous (the C operator copies each slot as one block)."""
+    row = 1
+    for d in range(cache.dim() - 1, 2, -1):
+        if cache.stride(d) != row:
+            return False
+        row *= cache.shape[d]
+    return cache.stride(2) == row

@@ -178,6 +178,9 @@ class Decoder:
         self.pad_root = False  # plain rounds verify root + a padding node (deterministic mode on probed ops)
         self._kv_cap: int | None = None  # attention bound of a whole-cache round (``round(kv_cap=)``)
         self._cut_nodes: int | None = None  # draft nodes of the last eager CPU round that cut its lookup padding
+        self.top1_chains = (
+            True  # draft a top-1 tree that keeps every candidate as a chain (``draft``; tests turn it off)
+        )
 
     def _fit(self, spec: SpecConfig) -> None:
         """Grow the caches (never shrink) so that ``spec`` fits: the target's ``max_seq_len + N``
@@ -475,6 +478,14 @@ class Decoder:
         d, dev = self.drafter, self.device
         K, D, N = spec.top_k, spec.num_speculative_tokens, spec.num_draft_tokens
         B = self.L.shape[0]
+        if K == 1 and N - 1 == D and self.observer is None and self.top1_chains:
+            # a top-1 tree that keeps every candidate is the chain of each depth's top token: the same
+            # drafter steps on the same inputs (so the same tokens, bit for bit) without the tree's
+            # frontier bookkeeping (~0.3 ms of small ops a round on a CPU)
+            pick = lambda s, lp: d.to_target_ids(lp.topk(1, dim=-1)[1][:, 0])  # noqa: E731  (the tree's top-1)
+            toks, _ = self.draft_chain(D, pick, whole_cache=whole_cache)
+            node_tokens = torch.cat([self.root[:, None], torch.stack(toks, 1)], 1)
+            return self._graft_lookup(spec, node_tokens, *self._chain_consts(B, N), whole_cache, timings, t0)
         lp = self.draft_logprobs(self.hn)  # [B, Vd]
         score, tk = lp.topk(K, dim=-1)  # [B, K] (ties over the vocabulary need no fixed order)
         tok = d.to_target_ids(tk)
@@ -515,10 +526,27 @@ class Decoder:
             offset += K * K
         keep = rerank(torch.cat(scores, dim=1), N - 1)
         cand = (keep, torch.cat(parents, dim=1), torch.cat(depths), D)
-        cpu = self._cpu_index()  # eager CPU rounds: one C call each instead of dozens of small ops, same integers
-        par, depth, mask = (cpu and cpu_tree.build_tree(*cand)) or build_tree(*cand)
+        # eager CPU rounds: one C call each instead of dozens of small ops, the same integers
+        par, depth, mask = (self._cpu_index() and cpu_tree.build_tree(*cand)) or build_tree(*cand)
         node_tokens = torch.cat([self.root[:, None], torch.cat(tokens, dim=1).gather(1, keep)], dim=1)
+        return self._graft_lookup(spec, node_tokens, par, depth, mask, whole_cache, timings, t0)
+
+    def _graft_lookup(
+        self,
+        spec: SpecConfig,
+        node_tokens: torch.Tensor,  # [B, N]
+        par: torch.Tensor,  # [B, N]
+        depth: torch.Tensor,  # [B, N]
+        mask: torch.Tensor,  # [B, N, N]
+        whole_cache: bool,
+        timings: dict[str, float] | None,
+        t0: float,
+    ) -> DraftTree:
+        """The drafted tree with the prompt-lookup branch grafted on (``runtime/ngram.py``) when the
+        spec asks for one."""
+        N = spec.num_draft_tokens
         if spec.prompt_lookup_num_tokens:
+            cpu = self._cpu_index()
             chain, valid = self.lookup(spec, whole_cache)
             tree = (node_tokens, par, depth, mask, chain, valid)
             node_tokens, par, depth, mask, added = (cpu and cpu_tree.graft_chain(*tree)) or graft_chain(*tree)
@@ -684,11 +712,16 @@ class Decoder:
             )  # idle rows move nothing
         if self.speculative:
             index = torch.where(v.nodes >= 0, torch.arange(B, device=self.device)[:, None] * N + v.nodes, -1)
+            n_valid = torch.where(self.active, v.num + 1, 0)
+            emitted = v.emitted
+            if not whole_cache and self._cpu_index():  # eager CPU kernels: re-encode only up to the longest
+                q = max(int(n_valid.max()), 1)  # accepted path (a read, not a sync); the kernels compute each
+                index, emitted = index[:, :q], emitted[:, :q]  # row alone, so its bits do not change
             self._catch_up(
                 v.aux.reshape(B * N, -1),
                 index,
-                v.emitted.clamp(min=0),
-                torch.where(self.active, v.num + 1, 0),
+                emitted.clamp(min=0),
+                n_valid,
                 self.L,
                 self._kv_len(whole_cache, tree.max_depth + 1),
             )

@@ -298,8 +298,8 @@ class Eagle3Drafter(nn.Module):
         rounds is repacked at the next round's entry, as before."""
         prev = self._round_pack
         self._round_pack = None
-        self._round_pack = (ops, self._cpu_weights(ops))
         try:
+            self._round_pack = (ops, self._cpu_weights(ops))
             yield
         finally:
             self._round_pack = prev

@@ -95,7 +95,7 @@ def test_build_tree_refuses_ids_outside_the_candidates():
 # ================================================================== ngram_lookup
 @settings(max_examples=200, deadline=None)
 @given(
-    rows=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=40), min_size=1, max_size=4),
+    rows=st.lists(st.lists(st.integers(-1, 3), min_size=1, max_size=40), min_size=1, max_size=4),
     m=st.integers(1, 8),
     n_max=st.integers(1, 4),
     n_min_off=st.integers(0, 4),
@@ -105,7 +105,8 @@ def test_build_tree_refuses_ids_outside_the_candidates():
 )
 def test_ngram_lookup_equals_reference(rows, m, n_max, n_min_off, junk, extra, cut):
     """Every entry (the invalid ones too), through a column slice of a wider history (as the decoder
-    reads it), with -1 junk past the roots (the decoder's emitted padding)."""
+    reads it), with -1 junk past the roots (the decoder's emitted padding) and -1 tokens inside the
+    rows (the reference's padding before a sequence matches them)."""
     n_min = n_max - n_min_off  # down to n_min <= 0: every position matches
     S = max(len(r) for r in rows) + extra
     hist = torch.full((len(rows), S + cut), junk, dtype=torch.int64)
@@ -185,17 +186,17 @@ def test_decoding_runs_the_operators_and_emits_the_references_tokens(spec, monke
         pytest.skip("the CPU kernels do not run here (cpu_linear)")
     prompts = [[1, 5, 9, 5, 9, 5, 9, 3, 5, 9], [7, 3], [2, 4, 6, 8, 2, 4, 6, 8, 2]]
     calls: dict[str, int] = {}
-    for name in ("verify_greedy", "build_tree", "ngram_lookup", "graft_chain"):
+    for name in ("verify_greedy", "build_tree", "ngram_lookup", "graft_chain", "kv_compact"):
         real = getattr(cpu_tree, name)
 
         def counted(*a, _real=real, _name=name):
             out = _real(*a)
-            calls[_name] = calls.get(_name, 0) + (out is not None)
+            calls[_name] = calls.get(_name, 0) + (out is not None and out is not False)
             return out
 
         monkeypatch.setattr(cpu_tree, name, counted)
     with_c = rt.generate(prompts, max_new_tokens=24)
-    assert calls.get("verify_greedy", 0) > 0
+    assert calls.get("verify_greedy", 0) > 0 and calls.get("kv_compact", 0) > 0, calls
     if spec == "tree+lookup":
         assert min(calls.get(n, 0) for n in ("build_tree", "ngram_lookup", "graft_chain")) > 0, calls
     monkeypatch.setattr(TorchOps, "cpu_index", property(lambda self: False))
@@ -246,3 +247,41 @@ def test_kv_compact_moves_the_path_and_refuses_slots_past_the_cache():
     assert k[0, 0, :, 0].tolist() == [0, 2, 6, 12, 8, 10, 12, 14]  # slots 1, 2, 3 <- 1, 3, 6
     with pytest.raises(RuntimeError, match="outside"):
         cpu_tree.kv_compact(k, v, torch.tensor([4]), torch.tensor([[0, 5]]))
+
+
+def test_kv_compact_declines_caches_whose_slots_are_not_contiguous():
+    """A v cache of another layout: the launcher declines (the reference runs) and the operator itself
+    refuses before writing either cache."""
+    k = torch.arange(16.0).view(1, 1, 8, 2)
+    v = torch.arange(16.0).view(1, 1, 2, 8).transpose(2, 3)  # [L, B, S, D] with slots 1 apart
+    before = k.clone()
+    assert cpu_tree.kv_compact(k, v, torch.tensor([0]), torch.tensor([[0, 2]])) is False
+    with pytest.raises(RuntimeError, match="contiguous"):
+        torch.ops.tritonspec_cpu.kv_compact(k, v, torch.tensor([0]), torch.tensor([[0, 2]]))
+    assert torch.equal(k, before)
+
+
+# ================================================================== the drafter's packed weights, once a round
+def test_packed_weights_are_checked_once_a_round_and_restored_after_an_error(monkeypatch):
+    """``generate`` checks the drafter's packed copy once per eager round (not at each of its ~9 drafter
+    calls), a weight changed between rounds is repacked at the next one, and an error inside the block
+    leaves no stale entry behind."""
+    model, drafter = perm_pair("llama", vocab=24, seed=1, alpha=0.15)
+    rt = runtime(model, drafter, ts.SpecConfig(3, 2, 6), max_batch_size=4)
+    dr = rt.decoder.drafter
+    if not dr.packs_on(rt.decoder.ops):
+        pytest.skip("the drafter runs unpacked here (no AVX2 panel kernels)")
+    checks = []
+    real = type(dr)._versions
+    monkeypatch.setattr(type(dr), "_versions", lambda self: checks.append(1) or real(self))
+    out = rt.generate([[1, 5, 9, 3]], max_new_tokens=20)
+    rounds = out.stats.num_drafts
+    assert rounds > 2 and len(checks) <= rounds + 4, (len(checks), rounds)  # + the prefill's catch-up
+    with pytest.raises(RuntimeError, match="inside"), dr.packed_for_round(rt.decoder.ops):
+        raise RuntimeError("an error inside the round")
+    assert dr._round_pack is None
+    with torch.no_grad():  # changed between rounds: the next round's entry repacks
+        dr.fc.weight.mul_(2)
+    with torch.inference_mode(), dr.packed_for_round(rt.decoder.ops):
+        packed = dr._cpu_weights(rt.decoder.ops)["fc"]
+    assert torch.equal(cl.unpack(packed), dr.fc.weight)

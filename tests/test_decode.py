@@ -79,3 +79,34 @@ def test_draft_with_another_shape_leaves_the_spec_alone():
     assert rt.spec == ts.SpecConfig(3, 2, 6) and dec.spec is rt.spec
     with pytest.raises(ValueError, match="needs a drafter"):
         runtime(perm_pair("llama", vocab=24, seed=2)[0]).decoder.prefill([[1, 2]], speculative=True)
+
+
+@pytest.mark.parametrize("lookup", [0, 3])
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_a_top1_tree_drafted_as_a_chain_is_the_tree(lookup, temperature):
+    """A top-1 tree keeping every candidate (``K = 1``, ``N - 1 = D``) is drafted as a chain without the
+    tree's frontier bookkeeping: the same tree (tokens, parents, depths, mask) and the same drafter
+    state as the general expansion, round after round, greedy and sampled (tree verification at 0.9:
+    ``sample_chain_drafts`` off), with and without a lookup branch."""
+    spec = ts.SpecConfig(4, 1, 5, prompt_lookup_num_tokens=lookup, sample_chain_drafts=False)
+    model, drafter = perm_pair("llama", vocab=24, seed=2, alpha=0.3)
+    rt = runtime(model, drafter, spec, cuda_graphs=False)
+    prompts = random_prompts(24, [5, 9, 3], seed=4)
+    dec = rt.decoder
+    with torch.inference_mode():
+        dec.prefill(prompts, speculative=True, sampling=SamplingParams(temperature=temperature), seeds=[1, 2, 3])
+        for _ in range(6):
+            snap = dec.snapshot()
+            dec.top1_chains = False
+            general = dec.draft()
+            state = [t.clone() for t in (dec.draft_cache.k, dec.draft_cache.v)]
+            dec.restore(snap)
+            dec.top1_chains = True
+            chain = dec.draft()
+            for name in ("tokens", "parents", "depth", "mask"):
+                assert torch.equal(getattr(chain, name), getattr(general, name)), name
+            assert chain.max_depth == general.max_depth
+            assert all(torch.equal(a, b) for a, b in zip(state, (dec.draft_cache.k, dec.draft_cache.v)))
+            dec.commit(chain, dec.verify(chain))
+            dec.collect()
+    assert int(chain.parents[0, 1:5].eq(torch.arange(4)).all()), "a chain below the root"

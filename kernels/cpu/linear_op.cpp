@@ -257,7 +257,7 @@ at::Tensor u8(const at::Tensor& t, const char* what, int64_t dim) {
               "-d bool tensor");
   return t.contiguous();
 }
-const uint8_t* bytes(const at::Tensor& t) { return reinterpret_cast<const uint8_t*>(t.const_data_ptr<bool>()); }
+const uint8_t* cbytes(const at::Tensor& t) { return reinterpret_cast<const uint8_t*>(t.const_data_ptr<bool>()); }
 uint8_t* bytes(at::Tensor& t) { return reinterpret_cast<uint8_t*>(t.mutable_data_ptr<bool>()); }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_greedy(const at::Tensor& tokens, const at::Tensor& parents,
@@ -316,27 +316,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> graft_cha
               "tritonspec_cpu::graft_chain: tokens, parents, depth [B, N >= 1], mask [B, N, N], chain and valid [B, M >= 1]");
   at::Tensor tok = at::empty({B, T}, t.options()), par = at::empty({B, T}, t.options()), dep = at::empty({B, T}, t.options());
   at::Tensor out = at::empty({B, T, T}, m.options()), added = at::empty({B}, t.options()), on = at::empty({N}, m.options());
-  tritonspec_graft_chain(t.const_data_ptr<int64_t>(), p.const_data_ptr<int64_t>(), d.const_data_ptr<int64_t>(), bytes(m),
-                         c.const_data_ptr<int64_t>(), bytes(v), B, N, M, tok.mutable_data_ptr<int64_t>(),
+  tritonspec_graft_chain(t.const_data_ptr<int64_t>(), p.const_data_ptr<int64_t>(), d.const_data_ptr<int64_t>(), cbytes(m),
+                         c.const_data_ptr<int64_t>(), cbytes(v), B, N, M, tok.mutable_data_ptr<int64_t>(),
                          par.mutable_data_ptr<int64_t>(), dep.mutable_data_ptr<int64_t>(), bytes(out),
                          added.mutable_data_ptr<int64_t>(), bytes(on));
   return {tok, par, dep, out, added};
+}
+
+// Elements per cache slot when every slot's values are contiguous (the trailing dims, and the slot stride equal to
+// them), else -1.
+int64_t slot_elems(const at::Tensor& c) {
+  int64_t row = 1;
+  for (int64_t d = c.dim() - 1; d >= 3; d--) {
+    if (c.stride(d) != row) return -1;
+    row *= c.size(d);
+  }
+  return c.stride(2) == row ? row : -1;
 }
 
 void kv_compact(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& start, const at::Tensor& nodes) {
   at::Tensor st = i64(start, "start", 1), nd = i64(nodes, "nodes", 2);
   const int64_t B = nd.size(0), W = nd.size(1);
   TORCH_CHECK(st.size(0) == B, "tritonspec_cpu::kv_compact: start [B] and nodes [B, W]");
+  TORCH_CHECK(k_cache.dim() >= 4 && k_cache.size(1) >= B && v_cache.sizes() == k_cache.sizes() &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "tritonspec_cpu::kv_compact: caches [L, B_max >= B, S, ...] of one shape and dtype");
+  const int64_t row = slot_elems(k_cache);  // both layouts checked before either cache is written
+  TORCH_CHECK(row >= 0 && slot_elems(v_cache) == row, "tritonspec_cpu::kv_compact: each slot's values must be contiguous");
+  at::Tensor tmp = at::empty({std::max<int64_t>(W, 1) * row}, k_cache.options());
   for (const at::Tensor* c : {&k_cache, &v_cache}) {
-    TORCH_CHECK(c->dim() >= 4 && c->size(1) >= B && c->sizes() == k_cache.sizes() && c->scalar_type() == k_cache.scalar_type(),
-                "tritonspec_cpu::kv_compact: caches [L, B_max >= B, S, ...] of one shape and dtype");
-    int64_t row = 1;  // elements per slot: the trailing dims, contiguous
-    for (int64_t d = c->dim() - 1; d >= 3; d--) {
-      TORCH_CHECK(c->stride(d) == row, "tritonspec_cpu::kv_compact: each slot's values must be contiguous");
-      row *= c->size(d);
-    }
-    TORCH_CHECK(c->stride(2) == row, "tritonspec_cpu::kv_compact: each slot's values must be contiguous");
-    at::Tensor tmp = at::empty({std::max<int64_t>(W, 1) * row}, c->options());
     const int64_t bad = tritonspec_kv_compact(static_cast<char*>(c->data_ptr()), c->stride(0), c->stride(1), c->stride(2),
                                               c->size(0), B, c->size(2), st.const_data_ptr<int64_t>(),
                                               nd.const_data_ptr<int64_t>(), W, row * c->element_size(),

@@ -1,15 +1,17 @@
 /* The decode round's index bookkeeping on the CPU: greedy verification, the draft tree's node arrays, prompt
- * lookup and the lookup branch's graft. Integers and booleans only, so each result is exactly its PyTorch
- * reference's (kernels/verify.py verify_greedy_reference, runtime/tree.py build_tree, runtime/ngram.py
- * ngram_lookup and graft_chain, where the math is stated); the references stay the specification and run
- * while a round is traced.
+ * lookup, the lookup branch's graft, and the accepted path's K/V compaction. Integers, booleans and copies, so
+ * each result is exactly its PyTorch reference's (kernels/verify.py verify_greedy_reference, runtime/tree.py
+ * build_tree, runtime/ngram.py ngram_lookup and graft_chain, kernels/kv_compact.py kv_compact_reference, where
+ * the math is stated) on the inputs the decoder passes; the references stay the specification and run while a
+ * round is traced, on CUDA, and under cpu_linear="torch". Inputs the decoder never passes and the reference
+ * rejects (an index out of range) raise in the C++ wrappers (kernels/cpu/linear_op.cpp) before any write.
  *
  * Why: each reference is fixed-shape tensor work (no host sync, so CUDA graphs and compiled rounds take
  * it), which on a CPU is 30-130 small PyTorch ops: on the demo pair, an eager default round spent 0.64 ms
- * in greedy verification, 0.30 in the graft, 0.23 in the lookup and 0.21 building the tree, 14 % of a
- * 9.7 ms round (2026-12-04). One call each costs microseconds.
+ * in greedy verification, 0.30 in the graft, 0.23 in the lookup, 0.21 building the tree and 0.13 moving
+ * the K/V, 16 % of a 9.7 ms round (2026-12-04). One call each costs microseconds.
  *
- * Every tensor is contiguous int64 (masks: one byte per bool), B rows of the shapes given per function.
+ * Index tensors are contiguous int64 (hist: unit stride along a row), masks one byte per bool.
  */
 #include <stdint.h>
 #include <string.h>
@@ -90,8 +92,11 @@ void tritonspec_ngram_lookup(const int64_t* hist, int64_t sh, const int64_t* L, 
         const int64_t l = L[b];
         int64_t best = -1;
         for (int64_t q = 0; q < S && q < l; q++) {
-            int64_t run = 0; /* tokens ending at q equal to those ending at l, compared back to front */
-            while (run < n_max && q - run >= 0 && l - run >= 0 && h[q - run] == h[l - run]) run++;
+            int64_t run = 0; /* tokens ending at q equal to those ending at l, compared back to front; as in the */
+            for (; run < n_max; run++) { /* reference, -1 before the sequence at q and -2 before it at l */
+                const int64_t a = q - run >= 0 ? h[q - run] : -1, c = l - run >= 0 ? h[l - run] : -2;
+                if (a != c) break;
+            }
             if (run < n_min) continue;
             const int64_t score = run * (4 * S) + (q + M <= l) * (2 * S) + q;
             if (score > best) best = score;
