@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..kernels import cpu_linear as _cpu_linear
 from ..kernels import cpu_tree
 from .config import SpecConfig
 from .deterministic import position_race
@@ -581,6 +582,16 @@ class Decoder:
         args = (hist, self.L, spec.prompt_lookup_num_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
         return (self._cpu_index() and cpu_tree.ngram_lookup(*args)) or ngram_lookup(*args)
 
+    def _row_invariant_drafter(self) -> bool:
+        """Whether a drafter forward gives each row the bits it gets in any row count: eager CPU rounds
+        whose drafter layer's projections all run packed on the CPU kernel (``Eagle3Drafter.pack_for_cpu``; an
+        unpacked weight may go to ``F.linear``, whose rows round by the row count) with the CPU norms and
+        attention (the ``cpu_linear`` switch, float32/bfloat16)."""
+        if not self._cpu_index() or self.drafter is None or self.target.dtype not in _cpu_linear.DTYPES:
+            return False
+        packed = self.drafter._cpu_weights(self.ops)  # the head is not part of a forward (logits run apart)
+        return packed is not None and all(_cpu_linear.is_packed(w) for k, w in packed.items() if k != "head")
+
     def _cpu_index(self) -> bool:
         """Whether the ops run the round's index bookkeeping as ``kernels.cpu_tree``'s C operators on
         CPU tensors (``TorchOps.cpu_index``: where the CPU kernels run); they return None when they do
@@ -714,9 +725,9 @@ class Decoder:
             index = torch.where(v.nodes >= 0, torch.arange(B, device=self.device)[:, None] * N + v.nodes, -1)
             n_valid = torch.where(self.active, v.num + 1, 0)
             emitted = v.emitted
-            if not whole_cache and self._cpu_index():  # eager CPU kernels: re-encode only up to the longest
-                q = max(int(n_valid.max()), 1)  # accepted path (a read, not a sync); the kernels compute each
-                index, emitted = index[:, :q], emitted[:, :q]  # row alone, so its bits do not change
+            if not whole_cache and self._row_invariant_drafter():  # re-encode only up to the longest accepted
+                q = max(int(n_valid.max()), 1)  # path (a read, not a sync): the kernels compute each row alone,
+                index, emitted = index[:, :q], emitted[:, :q]  # so the valid rows' bits do not change
             self._catch_up(
                 v.aux.reshape(B * N, -1),
                 index,

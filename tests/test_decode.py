@@ -97,10 +97,13 @@ def test_a_top1_tree_drafted_as_a_chain_is_the_tree(lookup, temperature):
         dec.prefill(prompts, speculative=True, sampling=SamplingParams(temperature=temperature), seeds=[1, 2, 3])
         for _ in range(6):
             snap = dec.snapshot()
+            cache = [t.clone() for t in (dec.draft_cache.k, dec.draft_cache.v)]
             dec.top1_chains = False
             general = dec.draft()
             state = [t.clone() for t in (dec.draft_cache.k, dec.draft_cache.v)]
             dec.restore(snap)
+            for t, c in zip((dec.draft_cache.k, dec.draft_cache.v), cache):  # the chain writes every slot itself
+                t.copy_(c)
             dec.top1_chains = True
             chain = dec.draft()
             for name in ("tokens", "parents", "depth", "mask"):
@@ -110,3 +113,45 @@ def test_a_top1_tree_drafted_as_a_chain_is_the_tree(lookup, temperature):
             dec.commit(chain, dec.verify(chain))
             dec.collect()
     assert int(chain.parents[0, 1:5].eq(torch.arange(4)).all()), "a chain below the root"
+
+
+def test_the_catch_up_reencodes_up_to_the_longest_path_only_on_row_invariant_kernels(monkeypatch):
+    """Where the drafter's projections run packed on the CPU kernel, a catch-up cut to the longest
+    accepted path leaves the state of every row as the full-width one does, bit for bit; where a
+    projection stays unpacked (``F.linear`` rounds by row count: Intel's size floors) it is not cut."""
+    from tritonspec.kernels import cpu_linear as cl
+
+    shapes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+    model, drafter = perm_pair("llama", vocab=32, seed=2, alpha=0.3, target_overrides=shapes)  # N % 16 == 0: packed
+    rt = runtime(model, drafter, ts.SpecConfig(4, 1, 5, prompt_lookup_num_tokens=3), cuda_graphs=False)
+    dec = rt.decoder
+    prompts = random_prompts(32, [5, 9, 3], seed=4)
+    cut = 0
+    with torch.inference_mode():
+        if not dec._row_invariant_drafter():
+            pytest.skip("the drafter's projections do not all run packed on the CPU kernel here (no AVX2/AVX-512)")
+        dec.prefill(prompts, speculative=True)
+        for _ in range(6):
+            tree = dec.draft()
+            v = dec.verify(tree)
+            B, N = tree.tokens.shape
+            index = torch.where(v.nodes >= 0, torch.arange(B)[:, None] * N + v.nodes, -1)
+            n_valid = torch.where(dec.active, v.num + 1, 0)
+            q = int(n_valid.max())
+            states = []
+            for width in (index.shape[1], q):
+                snap = dec.snapshot()
+                dec._catch_up(v.aux.reshape(B * N, -1), index[:, :width], v.emitted[:, :width].clamp(min=0),
+                              n_valid, dec.L, dec._kv_len(False, tree.max_depth + 1))  # fmt: skip
+                kv = [c[:, :-1].clone() for c in (dec.draft_cache.k, dec.draft_cache.v)]  # the trash slot aside
+                states.append([dec.hn.clone(), dec.carry.clone(), *kv])
+                dec.restore(snap)
+            cut += q < index.shape[1]
+            assert all(torch.equal(a, b) for a, b in zip(*states))
+            dec.commit(tree, v)
+            dec.collect()
+    assert cut, "no round had a shorter accepted path: the comparison was vacuous"
+    monkeypatch.setattr(cl, "panels_pay", lambda w: False)  # the projections stay [N, K]: F.linear may run them
+    dec.drafter.pack_for_cpu()
+    with torch.inference_mode():
+        assert not dec._row_invariant_drafter()

@@ -334,8 +334,10 @@ def test_numpy_and_torch_integers_and_tensor_prompts(demo_rt):
         assert rt.generate([ids, other], seed=seed, **kw).token_ids == want, seed
     for prompts in (torch.tensor([ids, other]), np.array([ids, other]), [torch.tensor(ids), np.array(other)]):
         assert rt.generate(prompts, seed=3, **kw).token_ids == want, type(prompts)
-    assert rt.generate(torch.tensor(ids), seed=3, **kw).token_ids == want[:1]
-    assert [t for p in rt.stream(torch.tensor(ids), seed=3, **kw) for t in p.token_ids] == want[0]
+    # one prompt alone: batch 1 may run another tuned tree shape than batch 2 (its own sampled tokens)
+    alone = rt.generate([ids], seed=3, **kw).token_ids
+    assert rt.generate(torch.tensor(ids), seed=3, **kw).token_ids == alone
+    assert [t for p in rt.stream(torch.tensor(ids), seed=3, **kw) for t in p.token_ids] == alone[0]
     assert rt.generate(ids, max_new_tokens=np.int64(3)).token_ids == rt.generate(ids, max_new_tokens=3).token_ids
 
 

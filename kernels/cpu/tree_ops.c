@@ -8,7 +8,7 @@
  *
  * Why: each reference is fixed-shape tensor work (no host sync, so CUDA graphs and compiled rounds take
  * it), which on a CPU is 30-130 small PyTorch ops: on the demo pair, an eager default round spent 0.64 ms
- * in greedy verification, 0.30 in the graft, 0.23 in the lookup, 0.21 building the tree and 0.13 moving
+ * in greedy verification, 0.30 in the graft, 0.25 in the lookup, 0.21 building the tree and 0.14 moving
  * the K/V, 16 % of a 9.7 ms round (2026-12-04). One call each costs microseconds.
  *
  * Index tensors are contiguous int64 (hist: unit stride along a row), masks one byte per bool.
