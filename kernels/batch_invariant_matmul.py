@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from .store import config_problem
 from .utils import ENABLE_FP_FUSION, FLOAT_DTYPES, check_tensor, require_triton, round_to, tl, triton
 
 # One configuration per dtype, never chosen by the problem size: (BLOCK_M, BLOCK_N, BLOCK_K, num_warps,
@@ -116,18 +117,23 @@ def _bi_matmul_kernel(
     tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
 
 
-SMEM_BYTES = 227 * 1024  # shared memory a Hopper/Ampere block may use: the pipelined A and B tiles must fit
+SMEM_BYTES = 227 * 1024  # an H100/H200 block's opt-in shared memory: the limit without a CUDA device to ask
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
 
-def check_config(config: tuple[int, int, int, int, int], element_size: int = 2) -> tuple[int, int, int, int, int]:
-    """Validate ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``: blocks powers of two in
-    [16, 256], num_warps in (1, 2, 4, 8), num_stages in [1, 8], and the ``num_stages`` buffered A
-    and B tiles within ``SMEM_BYTES`` for inputs of ``element_size`` bytes."""
+def check_config(
+    config: tuple[int, int, int, int, int], element_size: int, device: torch.device | None = None
+) -> tuple[int, int, int, int, int]:
+    """Validate ``(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)``: positive ints, blocks powers of
+    two in [16, 256] (``store.config_problem``'s rules, then the ranges), num_warps in (1, 2, 4, 8),
+    num_stages in [1, 8], and the ``num_stages`` buffered A and B tiles (an estimate; Triton's own
+    check at launch is exact) within the CUDA ``device``'s opt-in shared memory per block
+    (``SMEM_BYTES``, Hopper's, without one) for inputs of ``element_size`` bytes."""
     ok = (
         isinstance(config, tuple)
         and len(config) == 5
-        and all(type(v) is int for v in config)
-        and all(16 <= v <= 256 and v & (v - 1) == 0 for v in config[:3])
+        and config_problem(dict(zip(CONFIG_KEYS, config)), dict.fromkeys(CONFIG_KEYS, 1)) is None
+        and all(16 <= v <= 256 for v in config[:3])
         and config[3] in (1, 2, 4, 8)
         and 1 <= config[4] <= 8
     )
@@ -138,10 +144,13 @@ def check_config(config: tuple[int, int, int, int, int], element_size: int = 2) 
         )
     bm, bn, bk, _, stages = config
     smem = stages * (bm * bk + bk * bn) * element_size
-    if smem > SMEM_BYTES:
+    limit = SMEM_BYTES
+    if device is not None and device.type == "cuda":
+        limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+    if smem > limit:
         raise ValueError(
             f"config={config!r}: {stages} stages of a {bm}x{bk} and a {bk}x{bn} tile take {smem} bytes of shared "
-            f"memory (> {SMEM_BYTES}); use smaller blocks or fewer stages"
+            f"memory (> {limit} on this device); use smaller blocks or fewer stages"
         )
     return config
 
@@ -183,7 +192,7 @@ def batch_invariant_matmul(
     n = b3.shape[2]
     if bias is not None:
         check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(n,), device=a.device)
-    cfg = CONFIGS[a.dtype] if config is None else check_config(config, a.element_size())
+    cfg = CONFIGS[a.dtype] if config is None else check_config(config, a.element_size(), a.device)
     block_m, block_n, block_k, warps, stages = cfg
     c = torch.empty(bt, m, n, dtype=a.dtype, device=a.device)
     if c.numel():

@@ -57,6 +57,7 @@ INFO_KEYS_HIDDEN = {
     "device",
     "us_per_call",
     "us_per_call_graph",
+    "gbps_graph",
     "graph_error",
     "bytes",
     "gbps",
@@ -239,7 +240,8 @@ def table_rows(bench: dict, copy_gbps: float | None) -> list[dict]:
         if "us_per_call" not in info:
             continue
         shape = " ".join(f"{k}={v}" for k, v in info.items() if k not in INFO_KEYS_HIDDEN)
-        gbps = info.get("gbps")
+        gbps, gbps_graph = info.get("gbps"), info.get("gbps_graph")
+        pct = lambda g: 100 * g / copy_gbps if g is not None and copy_gbps else None  # noqa: E731
         rows.append(
             dict(
                 op=b["name"].removeprefix("test_"),
@@ -247,15 +249,12 @@ def table_rows(bench: dict, copy_gbps: float | None) -> list[dict]:
                 us=info["us_per_call"],
                 us_graph=info.get("us_per_call_graph"),
                 gbps=gbps,
-                pct_copy=100 * gbps / copy_gbps if gbps is not None and copy_gbps else None,
-                gbps_graph=(info["bytes"] / info["us_per_call_graph"] / 1e3)
-                if info.get("us_per_call_graph") and info.get("bytes")
-                else None,
+                pct_copy=pct(gbps),
+                gbps_graph=gbps_graph,
+                pct_copy_graph=pct(gbps_graph),
                 graph_error=info.get("graph_error"),
             )
         )
-        r = rows[-1]
-        r["pct_copy_graph"] = 100 * r["gbps_graph"] / copy_gbps if r["gbps_graph"] is not None and copy_gbps else None
     return rows
 
 

@@ -179,9 +179,7 @@ class Decoder:
         self.pad_root = False  # plain rounds verify root + a padding node (deterministic mode on probed ops)
         self._kv_cap: int | None = None  # attention bound of a whole-cache round (``round(kv_cap=)``)
         self._cut_nodes: int | None = None  # draft nodes of the last eager CPU round that cut its lookup padding
-        self.top1_chains = (
-            True  # draft a top-1 tree that keeps every candidate as a chain (``draft``; tests turn it off)
-        )
+        self.top1_chains = True  # a top-1 tree keeping every candidate is drafted as a chain (``draft``)
 
     def _fit(self, spec: SpecConfig) -> None:
         """Grow the caches (never shrink) so that ``spec`` fits: the target's ``max_seq_len + N``
@@ -526,9 +524,9 @@ class Decoder:
             gid = offset + sel
             offset += K * K
         keep = rerank(torch.cat(scores, dim=1), N - 1)
-        cand = (keep, torch.cat(parents, dim=1), torch.cat(depths), D)
-        # eager CPU rounds: one C call each instead of dozens of small ops, the same integers
-        par, depth, mask = (self._cpu_index() and cpu_tree.build_tree(*cand)) or build_tree(*cand)
+        par, depth, mask = self._bookkeeping(
+            cpu_tree.build_tree, build_tree, keep, torch.cat(parents, dim=1), torch.cat(depths), D
+        )
         node_tokens = torch.cat([self.root[:, None], torch.cat(tokens, dim=1).gather(1, keep)], dim=1)
         return self._graft_lookup(spec, node_tokens, par, depth, mask, whole_cache, timings, t0)
 
@@ -547,10 +545,10 @@ class Decoder:
         spec asks for one."""
         N = spec.num_draft_tokens
         if spec.prompt_lookup_num_tokens:
-            cpu = self._cpu_index()
             chain, valid = self.lookup(spec, whole_cache)
-            tree = (node_tokens, par, depth, mask, chain, valid)
-            node_tokens, par, depth, mask, added = (cpu and cpu_tree.graft_chain(*tree)) or graft_chain(*tree)
+            node_tokens, par, depth, mask, added = self._bookkeeping(
+                cpu_tree.graft_chain, graft_chain, node_tokens, par, depth, mask, chain, valid
+            )
             if not whole_cache and self.device.type == "cpu":  # eager on the CPU: verify no padding nodes
                 n = N + int(added.max())  # (a read, not a device sync; fixed shapes on GPUs and in compiled rounds)
                 node_tokens, par, depth, mask = node_tokens[:, :n], par[:, :n], depth[:, :n], mask[:, :n, :n]
@@ -579,8 +577,14 @@ class Decoder:
         hist = self.bufs.hist[: self.rows]
         if S is not None:
             hist = hist[:, : min(S, hist.shape[1])]
-        args = (hist, self.L, spec.prompt_lookup_num_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
-        return (self._cpu_index() and cpu_tree.ngram_lookup(*args)) or ngram_lookup(*args)
+        n = (spec.prompt_lookup_num_tokens, spec.prompt_lookup_max, spec.prompt_lookup_min)
+        return self._bookkeeping(cpu_tree.ngram_lookup, ngram_lookup, hist, self.L, *n)
+
+    def _bookkeeping(self, c_op: Callable, reference: Callable, *args):
+        """``reference(*args)``, as ``kernels.cpu_tree``'s C operator ``c_op`` where it runs (eager CPU
+        rounds with the CPU kernels on: one call instead of dozens of small ops, the same integers)."""
+        out = c_op(*args) if self._cpu_index() else None
+        return reference(*args) if out is None else out
 
     def _row_invariant_drafter(self) -> bool:
         """Whether a drafter forward gives each row the bits it gets in any row count: eager CPU rounds

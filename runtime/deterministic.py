@@ -361,14 +361,13 @@ def chunked_attention(
     G = Hq // Hkv
     C, nC = layout.chunk, layout.chunks
     qg = q.float().view(B, Q, Hkv, G, D).permute(0, 2, 1, 3, 4)  # [B, Hkv, Q, G, D]
-    neg = torch.full((), float("-inf"), device=q.device)  # a fill, not a host copy (capturable)
     # ---- shared chunks: all queries of a row against slots [0, nC*C)
     ks = _slot_range(k, B, nC * C).view(B, nC, C, Hkv, D)
     kc = ks.permute(0, 3, 1, 4, 2).reshape(B * Hkv * nC, D, C)
     rows = qg.reshape(B, Hkv, 1, Q * G, D).expand(B, Hkv, nC, Q * G, D).reshape(B * Hkv * nC, Q * G, D)
     s = bmm(_pad_rows(rows, min_rows), kc)[:, : Q * G].reshape(B, Hkv, nC, Q, G, C) * scale
     ok = layout.shared_ok.view(B, Q, nC, C).permute(0, 2, 1, 3)[:, None, :, :, None, :]  # [B, 1, nC, Q, 1, C]
-    s = torch.where(ok, s, neg)
+    s = torch.where(ok, s, float("-inf"))  # a Python scalar: no tensor, no host copy (capturable)
     m = s.amax(dim=(2, 5))  # [B, Hkv, Q, G]
     # ---- tails: per query, positions gathered from wherever they live
     if layout.tail_slot is not None:
@@ -380,7 +379,7 @@ def chunked_attention(
         trows = qg[:, :, :, None].expand(B, Hkv, Q, nT, G, D).reshape(B * Hkv * Q * nT, G, D)
         st = bmm(_pad_rows(trows, min_rows), kt)[:, :G].reshape(B, Hkv, Q, nT, G, C) * scale
         okt = layout.tail_ok.view(B, Q, nT, C)[:, None, :, :, None, :]  # [B, 1, Q, nT, 1, C]
-        st = torch.where(okt, st, neg)
+        st = torch.where(okt, st, float("-inf"))
         m = torch.maximum(m, st.amax(dim=(3, 5)))
     m = torch.where(m > float("-inf"), m, 0.0)  # a query that sees nothing: p = 0, output 0
     # ---- p @ [V | 1] per chunk, then the chunks summed in sequence order

@@ -637,10 +637,8 @@ class SpeculativeRuntime:
             if g.run(key, lambda: dec.round(whole_cache=True, kv_cap=kv), dec.bufs.tensors()):
                 stats.time_split_s["graph"] = stats.time_split_s.get("graph", 0.0) + time.perf_counter() - t0
                 return
-        if dec.drafter is None or not dec.speculative:
-            dec.round(timings=stats.time_split_s)
-            return
-        with dec.drafter.packed_for_round(dec.ops):  # its packed weights looked up once, not per drafter call
+        drafting = dec.drafter is not None and dec.speculative  # its packed weights looked up once a round
+        with dec.drafter.packed_for_round(dec.ops) if drafting else contextlib.nullcontext():
             dec.round(timings=stats.time_split_s)
 
     @contextlib.contextmanager

@@ -93,6 +93,9 @@ def test_a_top1_tree_drafted_as_a_chain_is_the_tree(lookup, temperature):
     rt = runtime(model, drafter, spec, cuda_graphs=False)
     prompts = random_prompts(24, [5, 9, 3], seed=4)
     dec = rt.decoder
+    chains = []
+    real_chain = dec.draft_chain
+    dec.draft_chain = lambda *a, **k: chains.append(1) or real_chain(*a, **k)  # the chain path really runs
     with torch.inference_mode():
         dec.prefill(prompts, speculative=True, sampling=SamplingParams(temperature=temperature), seeds=[1, 2, 3])
         for _ in range(6):
@@ -105,7 +108,9 @@ def test_a_top1_tree_drafted_as_a_chain_is_the_tree(lookup, temperature):
             for t, c in zip((dec.draft_cache.k, dec.draft_cache.v), cache):  # the chain writes every slot itself
                 t.copy_(c)
             dec.top1_chains = True
+            before = len(chains)
             chain = dec.draft()
+            assert len(chains) == before + 1, "the top-1 tree was not drafted as a chain"
             for name in ("tokens", "parents", "depth", "mask"):
                 assert torch.equal(getattr(chain, name), getattr(general, name)), name
             assert chain.max_depth == general.max_depth

@@ -56,6 +56,7 @@ def test_table_from_benchmark_json(gpu_check):
                     "us_per_call_graph": 2.1,
                     "bytes": 1966080,
                     "gbps": 468.1,
+                    "gbps_graph": 936.2,
                     "timestamp": "x",
                 },
             },
