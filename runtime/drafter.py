@@ -31,10 +31,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import cpu_linear
+from ..kernels import cpu_drafter, cpu_linear
 from .checkpoint import FORMATS, read_checkpoint, write_checkpoint
 from .drafter_config import DrafterConfig
 from .metadata import AttentionMetadata, KVCache
+from .ops import TorchOps
 from .rope import Rope, rope_parameters
 from .target import DEFAULT_MAX_POSITIONS, default_aux_layer_ids, target_info
 
@@ -115,6 +116,9 @@ class Eagle3Drafter(nn.Module):
         self._rope: Rope | None = None
         self._packed: tuple | None = None  # pack_for_cpu: (sources' versions, {name: packed weight})
         self._round_pack: tuple | None = None  # packed_for_round: (ops, what _cpu_weights gave for them)
+        # decode-round steps on the torch backend's packed CPU weights run as one native operator
+        # (kernels/cpu_drafter.py: the same bits); False runs them op by op (its reference)
+        self.native_step = True
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -346,11 +350,23 @@ class Eagle3Drafter(nn.Module):
         eps = c.rms_norm_eps
         B, Q, _ = hidden.shape
         ops.begin_forward()
+        packed = self._cpu_weights(ops)
+        if packed is not None and self.native_step and not meta.prefill and type(ops) is TorchOps:
+            rope = self.rope()
+            norms = (m.input_layernorm.weight, m.hidden_norm.weight, m.post_attention_layernorm.weight)
+            norms += (self.norm.weight,)
+            out = cpu_drafter.drafter_step(
+                hidden, tokens, self.embed_tokens.weight, norms, packed, rope.cos, rope.sin, meta.positions,
+                meta.slots, cache.k, cache.v, meta.prefix_lens, meta.tree_mask, eps, c.head_dim**-0.5, meta.kv_len,
+                c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.norm_before_residual,
+            )  # fmt: skip
+            if out is not None:
+                hn, h = out
+                return hn, (hn if c.norm_output else h)
         e = ops.rms_norm(self.embed_tokens(tokens).to(hidden.dtype), m.input_layernorm.weight, eps)
         v = ops.rms_norm(hidden, m.hidden_norm.weight, eps)
         z = torch.cat([e, v], dim=-1)  # [B, Q, 2H]: embedding first, hidden second
         a = m.self_attn
-        packed = self._cpu_weights(ops)
         hq, hkv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
         if packed is None:
             q, k, val = ops.linear(z, a.q_proj.weight), ops.linear(z, a.k_proj.weight), ops.linear(z, a.v_proj.weight)

@@ -1,0 +1,113 @@
+"""One EAGLE-3 drafter step as one C++ operator (``tritonspec_cpu::drafter_step``, ``kernels/cpu/linear_op.cpp``).
+
+A drafter step of a decode round (``runtime/drafter.py`` ``Eagle3Drafter.step``, not a prompt's causal
+forward) is ~20 small calls: two RMSNorms, the fused q/k/v projection, rope on q and k, two K/V
+writes, tree attention, the output projection, the post-attention RMSNorm with its residual, the fused
+gate/up projection, SiLU and product, the down projection, the residual add and the final RMSNorm.
+On the demo drafter (hidden 128) each is a few microseconds of work behind ~10 us of Python and
+dispatch: a step took ~340 us. The operator makes the same calls from C++: the same kernel wrappers
+(``cpu_linear``, ``cpu_norm``, ``cpu_rope``, ``cpu_attention``) and the same ATen ops (embedding, cat,
+silu, mul, add) with the same arguments in the same order, so its outputs are the Python step's bit for
+bit (``tests/test_cpu_drafter.py``).
+
+    e = RMS_in(E[y]); v = RMS_hid(u); z = [e; v]
+    q, k, val = split(W_qkv z); q, k = rope(q), rope(k); cache[slots] = k, val
+    r = (v or u) + W_o Attn(q, cache, prefix_lens, tree_mask)
+    h = r + W_down (silu(W_gate x) * W_up x), x = RMS_post(r);  hn = RMS_norm(h)
+
+``drafter_step`` returns None where it does not apply (a projection not packed into panels, dtypes
+that differ, head shapes the attention kernel declines, no native operator, a traced call); the caller
+then runs the Python step. The reference is that Python step (``Eagle3Drafter.step`` with
+``native_step = False``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+from . import cpu_linear as _lib
+from .cpu_attention import MAX_GROUP, MAX_HEAD_DIM
+
+_DTYPES = (torch.float32, torch.bfloat16)
+_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def supported(
+    hidden: torch.Tensor,  # [B, Q, H]
+    packed: dict[str, torch.Tensor],  # Eagle3Drafter._cpu_weights: "qkv", "o", "gate_up", "down" [N/16, K, 16]
+    norms: tuple[torch.Tensor, ...],  # [H] each
+    k_cache: torch.Tensor,  # [B_max, S, Hkv, D]
+    v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
+    slots: torch.Tensor,  # [B, Q] int64
+    prefix_lens: torch.Tensor,  # [B] int64
+    tree_mask: torch.Tensor,  # [B, Q, T] bool
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> bool:
+    """Whether the operator takes these tensors with the results of the Python step (the checks each
+    kernel's Python launcher makes before it runs the kernel instead of a reference)."""
+    dt = hidden.dtype
+    if dt not in _DTYPES or hidden.dim() != 3 or k_cache.dtype != dt or v_cache.dtype != dt:
+        return False
+    if any(packed[n].dim() != 3 or packed[n].dtype != dt for n in _PROJECTIONS):
+        return False
+    if any(w.dtype != dt or w.dim() != 1 or not w.is_contiguous() for w in norms):
+        return False
+    d = head_dim
+    if num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP or d > MAX_HEAD_DIM:
+        return False
+    if d % 2 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (num_kv_heads, d):
+        return False
+    if any(c.stride(3) != 1 or c.stride(2) != d for c in (k_cache, v_cache)) or k_cache.shape[0] < hidden.shape[0]:
+        return False
+    return (
+        slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and slots.shape == hidden.shape[:2]
+        and prefix_lens.dtype == torch.int64
+        and prefix_lens.is_contiguous()
+        and tree_mask.dtype == torch.bool
+        and tree_mask.dim() == 3
+        and not torch.is_grad_enabled()
+    )
+
+
+def drafter_step(
+    hidden: torch.Tensor,  # [B, Q, H] fused target features or the previous step's carry
+    tokens: torch.Tensor,  # [B, Q] int64 target ids
+    embed: torch.Tensor,  # [V, H] the embedding table
+    norms: tuple[torch.Tensor, ...],  # input_layernorm, hidden_norm, post_attention_layernorm, norm: [H] each
+    packed: dict[str, torch.Tensor],  # the panels of "qkv", "o", "gate_up", "down"
+    cos: torch.Tensor,  # [max_pos, D] rope table
+    sin: torch.Tensor,  # [max_pos, D]
+    positions: torch.Tensor,  # [B, Q] int64
+    slots: torch.Tensor,  # [B, Q] int64, -1 = the trash slot
+    k_cache: torch.Tensor,  # [B_max, S, Hkv, D], written at slots
+    v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
+    prefix_lens: torch.Tensor,  # [B] int64
+    tree_mask: torch.Tensor,  # [B, Q, T] bool
+    eps: float,
+    scale: float,
+    kv_len: int | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    norm_before_residual: bool,
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # (hn, h) [B, Q, H] each, or None: run the Python step
+    """The step as one native call where ``supported`` holds and the operator loaded (eager calls only),
+    else None."""
+    tracing = torch.compiler.is_compiling() or get_proxy_mode() is not None or isinstance(hidden, FakeTensor)
+    if tracing or not _lib._native_ready():
+        return None
+    heads = (num_heads, num_kv_heads, head_dim)
+    if not supported(hidden, packed, norms, k_cache, v_cache, slots, prefix_lens, tree_mask, *heads):
+        return None
+    n_in, n_hid, n_post, n_out = norms
+    return torch.ops.tritonspec_cpu.drafter_step(
+        hidden, tokens, embed, n_in, n_hid, packed["qkv"], packed["o"], n_post, packed["gate_up"], packed["down"],
+        n_out, cos, sin, positions, slots, k_cache, v_cache, prefix_lens, tree_mask, float(eps), float(scale),
+        -1 if kv_len is None else int(kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual,
+    )  # fmt: skip

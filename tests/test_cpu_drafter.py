@@ -1,0 +1,201 @@
+"""A drafter step as one native operator (``kernels/cpu_drafter.py``, ``tritonspec_cpu::drafter_step``): on
+drawn shapes (batches, query rows, GQA groups, head dims, ragged prefixes, tree masks, trash slots, both
+EAGLE-3.1 switches and ``norm_before_residual``, float32 and bfloat16) it returns the Python step's state
+and writes its K/V bit for bit; it declines what the Python step would run differently (weights not in
+panels, mixed dtypes, a traced call); and a decode runs it (counted) with the drafts of the Python step."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from transformers import LlamaConfig
+
+import tritonspec as ts
+from tritonspec.kernels import cpu_drafter
+from tritonspec.kernels import cpu_linear as cl
+from tritonspec.runtime.metadata import AttentionMetadata, KVCache
+from tritonspec.runtime.ops import TorchOps
+
+from _util import perm_pair, runtime
+
+WHY = cl.native_op()
+pytestmark = [
+    pytest.mark.skipif(WHY is not None, reason=f"the native CPU operators did not build here: {WHY}"),
+    pytest.mark.skipif(
+        WHY is None and not TorchOps().packs_cpu_weights,
+        reason="this CPU's torch backend does not pack drafter weights into panels (cpu_linear.panels_default)",
+    ),
+]
+
+
+def _drafter(H, heads, kv_heads, inter, dtype, fc_norm, norm_output, nbr, seed=0):
+    cfg = LlamaConfig(
+        hidden_size=H, intermediate_size=inter, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        num_hidden_layers=4, vocab_size=96, max_position_embeddings=256,
+    )  # fmt: skip
+    d = ts.Eagle3Drafter.for_target(cfg, fc_norm=fc_norm, norm_output=norm_output, draft_vocab_size=48, seed=seed)
+    d.config = dataclasses.replace(d.config, norm_before_residual=nbr)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "norm" in name:  # norms away from 1, so a norm applied to the wrong tensor shows
+                p.copy_(0.5 + torch.rand(p.shape, generator=g))
+    d.attach_target_embedding(torch.randn(96, H, generator=g))
+    d = d.to(dtype)
+    d.embed_tokens.weight.data = d.embed_tokens.weight.data.to(dtype)
+    return d
+
+
+@st.composite
+def step_case(draw):
+    heads, kv_heads, D = draw(st.sampled_from([(4, 2, 16), (3, 1, 32), (2, 2, 64), (6, 3, 16), (8, 1, 16)]))
+    B = draw(st.integers(1, 4))
+    Q = draw(st.integers(1, 9))
+    T = draw(st.integers(Q, Q + 4))
+    S = draw(st.integers(T + 2, 120))
+    prefix = [draw(st.integers(0, S - T - 1)) for _ in range(B)]
+    return dict(
+        heads=heads, kv_heads=kv_heads, D=D, B=B, Q=Q, T=T, S=S, prefix=prefix,
+        inter=draw(st.sampled_from([32, 48, 80])),
+        dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        flags=draw(st.sampled_from([(True, True), (False, False), (True, False)])),
+        nbr=draw(st.booleans()),
+        trash=draw(st.booleans()),
+        whole=draw(st.booleans()),
+        seed=draw(st.integers(0, 2**16)),
+    )  # fmt: skip
+
+
+def _inputs(c):
+    g = torch.Generator().manual_seed(c["seed"])
+    B, Q, T, S, D = c["B"], c["Q"], c["T"], c["S"], c["D"]
+    H = c["heads"] * D
+    dt = c["dtype"]
+    hidden = torch.randn(B, Q, H, generator=g).to(dt)
+    tokens = torch.randint(0, 96, (B, Q), generator=g)
+    prefix = torch.tensor(c["prefix"])
+    offs = torch.randint(0, T - Q + 1, (B,), generator=g)
+    slots = prefix[:, None] + offs[:, None] + torch.arange(Q)  # the rows' own tree slots
+    if c["trash"]:
+        slots[0, -1] = -1  # an idle row writes nowhere
+    positions = prefix[:, None] + torch.arange(Q) + 3
+    mask = torch.rand(B, Q, T, generator=g) < 0.5
+    mask[torch.arange(B)[:, None], torch.arange(Q), offs[:, None] + torch.arange(Q)] = True  # sees itself
+    k = torch.randn(max(B, 2), S, c["kv_heads"], D, generator=g).to(dt)
+    v = torch.randn(max(B, 2), S, c["kv_heads"], D, generator=g).to(dt)
+    meta = AttentionMetadata(positions, slots, prefix, mask, None if c["whole"] else S - 1)
+    return hidden, tokens, meta, KVCache(k, v)
+
+
+def _run(d, ops, hidden, tokens, meta, cache, native):
+    cache = KVCache(cache.k.clone(), cache.v.clone())
+    d.native_step = native
+    with torch.inference_mode():
+        hn, carry = d.step(ops, hidden, tokens, meta, cache)
+    return hn, carry, cache.k, cache.v
+
+
+@settings(max_examples=60, deadline=None)
+@given(step_case())
+def test_native_step_is_the_python_step_bit_for_bit(c):
+    d = _drafter(c["heads"] * c["D"], c["heads"], c["kv_heads"], c["inter"], c["dtype"], *c["flags"], c["nbr"])
+    ops = TorchOps()
+    d.pack_for_cpu()
+    ran = []
+    real = cpu_drafter.drafter_step
+    cpu_drafter.drafter_step = lambda *a: ran.append(real(*a)) or ran[-1]
+    try:
+        args = _inputs(c)
+        got = _run(d, ops, *args, native=True)
+        assert len(ran) == 1 and ran[0] is not None, "the operator did not run (the comparison would hold vacuously)"
+        want = _run(d, ops, *args, native=False)
+        assert len(ran) == 1, "native_step=False ran the operator"
+    finally:
+        cpu_drafter.drafter_step = real
+    for name, a, b in zip(("hn", "carry", "k_cache", "v_cache"), got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert torch.equal(a, b), f"{name}: max diff {(a.float() - b.float()).abs().max()}"
+
+
+def test_the_comparison_sees_a_wrong_residual_and_a_wrong_slot():
+    """Inverse: the operator with ``norm_before_residual`` flipped, or one slot moved, differs from the
+    Python step (so the equality above is not vacuous)."""
+    c = dict(heads=4, kv_heads=2, D=16, B=2, Q=3, T=5, S=40, prefix=[7, 20], inter=48, dtype=torch.float32,
+             flags=(True, True), nbr=False, trash=False, whole=True, seed=3)  # fmt: skip
+    d = _drafter(64, 4, 2, 48, torch.float32, True, True, False)
+    ops = TorchOps()
+    d.pack_for_cpu()
+    hidden, tokens, meta, cache = _inputs(c)
+    want = _run(d, ops, hidden, tokens, meta, cache, native=False)
+    assert torch.equal(_run(d, ops, hidden, tokens, meta, cache, native=True)[0], want[0])
+    d.config = dataclasses.replace(d.config, norm_before_residual=True)
+    assert not torch.equal(_run(d, ops, hidden, tokens, meta, cache, native=True)[0], want[0])
+    d.config = dataclasses.replace(d.config, norm_before_residual=False)
+    moved = dataclasses.replace(meta, slots=meta.slots + (torch.arange(3) == 1))
+    got = _run(d, ops, hidden, tokens, moved, cache, native=True)
+    assert not torch.equal(got[2], want[2])
+
+
+def test_declines_what_the_python_step_runs_otherwise():
+    """None (the Python step runs): a projection left ``[N, K]``, hidden states of another dtype, a
+    traced call; the inverse call with everything in place runs."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    c = dict(heads=4, kv_heads=2, D=16, B=1, Q=2, T=3, S=20, prefix=[5], inter=48, dtype=torch.float32,
+             flags=(True, True), nbr=False, trash=False, whole=True, seed=1)  # fmt: skip
+    d = _drafter(64, 4, 2, 48, torch.float32, True, True, False)
+    d.pack_for_cpu()
+    packed = d._packed[1]
+    hidden, tokens, meta, cache = _inputs(c)
+    m = d.midlayer
+    norms = (m.input_layernorm.weight, m.hidden_norm.weight, m.post_attention_layernorm.weight, d.norm.weight)
+    rope = d.rope()
+
+    def call(h=hidden, p=packed):
+        with torch.inference_mode():
+            return cpu_drafter.drafter_step(
+                h, tokens, d.embed_tokens.weight, norms, p, rope.cos, rope.sin, meta.positions, meta.slots,
+                cache.k.clone(), cache.v.clone(), meta.prefix_lens, meta.tree_mask, 1e-6, 0.25, None, 4, 2, 16, False,
+            )  # fmt: skip
+
+    assert call() is not None
+    assert call(p={**packed, "o": m.self_attn.o_proj.weight.detach()}) is None
+    assert call(h=hidden.to(torch.bfloat16)) is None
+    seen = []
+    make_fx(lambda h: seen.append(call(h)) or h)(hidden)
+    assert seen == [None]
+
+
+@pytest.mark.parametrize("spec", ["tree+lookup", "chain", "sampled"])
+def test_decoding_runs_the_operator_with_the_python_steps_drafts(spec, monkeypatch):
+    """A speculative generation with the native step (counted) gives the tokens, and the acceptance,
+    of the Python step: the drafts are the same (greedy and seeded sampling); the catch-up runs it too."""
+    cfg = {
+        "tree+lookup": ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6, prompt_lookup_num_tokens=4),
+        "chain": ts.SpecConfig.chain(3),
+        "sampled": ts.SpecConfig.chain(3),
+    }[spec]
+    rt = runtime(*perm_pair("llama", vocab=24, seed=1, alpha=0.15), spec=cfg, max_batch_size=4)
+    d = rt.decoder.drafter
+    if not d.packs_on(rt.decoder.ops):
+        pytest.skip("this runtime's drafter does not run packed (dtype or CPU)")
+    kw = dict(max_new_tokens=24)
+    if spec == "sampled":
+        kw.update(temperature=1.0, seed=5)
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 3, 5, 9], [7, 3], [2, 4, 6, 8, 2, 4, 6, 8, 2]]
+    calls = []
+    real = cpu_drafter.drafter_step
+    monkeypatch.setattr(cpu_drafter, "drafter_step", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    native = rt.generate(prompts, **kw)
+    assert len(calls) > 0 and max(calls) > 1, "the operator ran for draft steps and multi-row catch-ups"
+    d.native_step = False
+    n = len(calls)
+    python = rt.generate(prompts, **kw)
+    assert len(calls) == n
+    assert native.token_ids == python.token_ids
+    assert native.stats.mean_acceptance_length == python.stats.mean_acceptance_length
+    assert native.stats.mean_acceptance_length > 1.3
