@@ -125,6 +125,8 @@ def _launch_ctypes(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len, t
         prefix_lens.data_ptr(), tree_mask.data_ptr(), *tree_mask.stride(), tree_mask.shape[-1], S, float(scale),
         out.data_ptr(), threads if threads is not None else torch.get_num_threads(),
     )  # fmt: skip
+    if rc == -2:
+        raise MemoryError("cpu_tree_attention: out of memory for the shared-prefix scratch")
     if rc != 0:
         raise ValueError(
             f"cpu_tree_attention: head shape q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)} not supported"

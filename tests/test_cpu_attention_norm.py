@@ -186,6 +186,42 @@ def test_attention_rows_independent_of_batch_and_threads(dtype):
             assert torch.equal(one[0], full[b])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=40, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    Q=st.integers(2, 40),
+    heads=st.sampled_from([(4, 2, 32), (9, 3, 64), (5, 5, 16), (16, 1, 16), (2, 1, 40)]),
+    prefixes=st.lists(st.integers(0, 300), min_size=3, max_size=3),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 10**6),
+)
+def test_shared_prefix_path_is_each_query_alone(dtype, B, Q, heads, prefixes, threads, seed):
+    """Several queries over a prefix holding full 64-key blocks run those blocks query after query in
+    groups (attention.c's shared-prefix path; groups of up to 16 queries, split for the threads): every
+    query's output is the one it gets alone (a one-query call, the per-query path), bit for bit, for
+    ragged prefixes (some rows under one block), any group split and thread count."""
+    Hq, Hkv, D = heads
+    g = torch.Generator().manual_seed(seed)
+    T = 6
+    S = max(prefixes[:B]) + T + 2
+    q = torch.randn(B, Q, Hq, D, generator=g).to(dtype)
+    kc = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
+    vc = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
+    pl = torch.tensor(prefixes[:B])
+    tm = torch.rand(B, Q, T, generator=g) < 0.5
+    full = ca.cpu_tree_attention(q, kc, vc, pl, tm, D**-0.5, threads=threads)
+    for b in range(B):
+        for i in range(Q):
+            one = ca.cpu_tree_attention(
+                q[b : b + 1, i : i + 1], kc[b : b + 1], vc[b : b + 1], pl[b : b + 1], tm[b : b + 1, i : i + 1],
+                D**-0.5, threads=1,
+            )  # fmt: skip
+            assert torch.equal(one[0, 0], full[b, i]), (b, i)
+    ref = tree_attention_reference(q.float(), kc.float(), vc.float(), pl, tm, D**-0.5)
+    assert _close(full, ref, dtype)
+
+
 def test_attention_bad_inputs_are_named():
     q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 9, 3, 16)
     with pytest.raises(ValueError, match="Hq a multiple of Hkv"):

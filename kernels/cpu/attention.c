@@ -24,10 +24,18 @@
  * vector block max and a 64-byte scan of the mask row made causal prompts 2-3x faster than the first
  * version (400-800 tokens of the demo's shapes 2.6-3.0x, 300 of SmolLM2's 2.1-2.7x) and one-query decode
  * over 500-1000 keys 1.7-2.1x, at the same bits (2026-12-02, quiet runs; checked on 168 random calls).
+ * Several queries of a row over a prefix of at least one full block (a verify's tree rows) share that
+ * prefix's full blocks: a task takes a group of up to 16 of them for one KV head and runs each block query
+ * after query while its K and V rows sit in L1, then each query goes on alone (the same calls in the same
+ * order per query, so the same bits as alone; TRITONSPEC_CPU_ATTENTION_SHARED=0 turns it off for A/B
+ * runs). Demo verify (13 queries, 4 heads / 2 KV heads, D 32, 800 keys) 205 -> 157 us on one thread,
+ * 114 -> 83 us on two; SmolLM2's (9 / 3, D 64) 2,500 keys 1.27 -> 1.12 ms, 300 keys 155 -> 146 us
+ * (two threads; 2026-12-04, AVX2 Zen 3).
  */
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "avx2.h" /* AVX2 + FMA CPUs: the AVX-512 intrinsics below, emulated lane for lane */
 #include "bf16.h"
@@ -106,6 +114,81 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
  * head dims specialised at compile time (16, 32, 64, 128), 0 for any other D. */
 #define CHAINS 8
 #define TASK(NAME, T, LOAD)                                                                                  \
+    /* a query's state: qf (its G heads, float32), acc, m, l */                                              \
+    static inline __attribute__((always_inline)) void NAME##_init(                                           \
+        const T* qrow, int64_t sqh, int G, int64_t D, int64_t nd, float (*qf)[MAX_D], float (*acc)[MAX_D],   \
+        float* m, float* l) {                                                                                 \
+        for (int g = 0; g < G; g++) {                                                                         \
+            for (int64_t c = 0; c < nd; c++) {                                                                \
+                __mmask16 mk = tail_mask(D - 16 * c);                                                         \
+                _mm512_store_ps(&qf[g][16 * c], LOAD(qrow + g * sqh + 16 * c, mk));                           \
+                _mm512_store_ps(&acc[g][16 * c], _mm512_setzero_ps());                                        \
+            }                                                                                                 \
+            m[g] = -INFINITY;                                                                                 \
+            l[g] = 0.0f;                                                                                      \
+        }                                                                                                     \
+    }                                                                                                         \
+    /* one block of n visible keys at slot[]: scores, the online softmax's update, acc += p v */              \
+    static inline __attribute__((always_inline)) void NAME##_block(                                          \
+        float (*qf)[MAX_D], float (*acc)[MAX_D], float (*s)[BLOCK], float* m, float* l, const T* kb,          \
+        const T* vb, int64_t sks, int64_t svs, const int64_t* slot, int n, int G, int64_t D, int64_t nd,      \
+        float scale, const int ND) {                                                                          \
+        switch (G) { /* scores: each K chunk loaded once for the G heads, 16 / G keys at a time */            \
+        case 1: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 1); break;                               \
+        case 2: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 2); break;                               \
+        case 3: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 3); break;                               \
+        case 4: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 4); break;                               \
+        default: /* one head at a time, 16 keys per hsum16 */                                                 \
+            for (int g = 0; g < G; g++) NAME##_scores(qf + g, s + g, kb, slot, n, sks, D, nd, scale, 1);      \
+        }                                                                                                     \
+        for (int g = 0; g < G; g++) { /* online softmax: block max (exact in any order), rescale, exp, sum */ \
+            __m512 mx = _mm512_set1_ps(-INFINITY);                                                            \
+            for (int i0 = 0; i0 < n; i0 += 16)                                                                \
+                mx = _mm512_mask_max_ps(mx, tail_mask(n - i0), mx, _mm512_loadu_ps(&s[g][i0]));               \
+            const float bm = _mm512_reduce_max_ps(mx);                                                        \
+            const float mn = bm > m[g] ? bm : m[g];                                                           \
+            const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mn);                                   \
+            m[g] = mn;                                                                                        \
+            __m512 sum = _mm512_setzero_ps();                                                                 \
+            for (int i0 = 0; i0 < n; i0 += 16) {                                                              \
+                __mmask16 mk = tail_mask(n - i0);                                                             \
+                __m512 p = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&s[g][i0]), _mm512_set1_ps(mn)))); \
+                _mm512_storeu_ps(&s[g][i0], p);                                                               \
+                sum = _mm512_add_ps(sum, p);                                                                  \
+            }                                                                                                 \
+            l[g] = l[g] * alpha + _mm512_reduce_add_ps(sum);                                                  \
+            if (alpha != 1.0f)                                                                                \
+                for (int64_t c = 0; c < nd; c++)                                                              \
+                    _mm512_store_ps(&acc[g][16 * c], _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), _mm512_set1_ps(alpha))); \
+        }                                                                                                     \
+        switch (G) { /* acc += p v, key after key: each V chunk loaded once for the G heads */               \
+        case 1: PV_HEADS(NAME, acc, s, 1); break;                                                             \
+        case 2: PV_HEADS(NAME, acc, s, 2); break;                                                             \
+        case 3: PV_HEADS(NAME, acc, s, 3); break;                                                             \
+        case 4: PV_HEADS(NAME, acc, s, 4); break;                                                             \
+        default: /* one head at a time, CHAINS chunks side by side */                                        \
+            for (int g = 0; g < G; g++) PV_HEADS(NAME, acc + g, s + g, 1);                                    \
+        }                                                                                                     \
+    }                                                                                                         \
+    /* from cursor (j, t) on: the query's remaining blocks, then its output [G, D] (float32) */               \
+    static inline __attribute__((always_inline)) void NAME##_rest(                                           \
+        float (*qf)[MAX_D], float (*acc)[MAX_D], float (*s)[BLOCK], float* m, float* l, const T* kb,          \
+        const T* vb, int64_t sks, int64_t svs, int64_t P, const uint8_t* mrow, int64_t smt, int64_t T_,       \
+        int64_t S, int G, int64_t D, int64_t nd, float scale, float* outf, int64_t j, const int ND) {         \
+        const int64_t pre = P < S ? (P > 0 ? P : 0) : S;                                                      \
+        const int64_t lim = T_ < S - P ? T_ : S - P; /* tree offsets t with P + t < S */                      \
+        int64_t t = 0; /* cursor: prefix slot j, then tree offset t */                                        \
+        int64_t slot[BLOCK];                                                                                  \
+        for (;;) {                                                                                            \
+            const int n = next_block(slot, &j, &t, pre, P, mrow, smt, lim);                                   \
+            if (n == 0) break;                                                                                \
+            NAME##_block(qf, acc, s, m, l, kb, vb, sks, svs, slot, n, G, D, nd, scale, ND);                   \
+        }                                                                                                     \
+        for (int g = 0; g < G; g++) {                                                                         \
+            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;                                               \
+            for (int64_t d = 0; d < D; d++) outf[g * D + d] = acc[g][d] * inv;                                \
+        }                                                                                                     \
+    }                                                                                                         \
     static inline __attribute__((always_inline)) void NAME##_body(                                           \
         const T* qrow, int64_t sqh, const T* kb, const T* vb, int64_t sks, int64_t svs, int64_t P,           \
         const uint8_t* mrow, int64_t smt, int64_t T_, int64_t S, int G, int64_t D, float scale, float* outf, \
@@ -116,63 +199,37 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
         float acc[MAX_G][MAX_D] __attribute__((aligned(64)));                                                 \
         float s[MAX_G][BLOCK] __attribute__((aligned(64)));                                                   \
         float m[MAX_G], l[MAX_G];                                                                             \
-        for (int g = 0; g < G; g++) {                                                                         \
-            for (int64_t c = 0; c < nd; c++) {                                                                \
-                __mmask16 mk = tail_mask(D - 16 * c);                                                         \
-                _mm512_store_ps(&qf[g][16 * c], LOAD(qrow + g * sqh + 16 * c, mk));                           \
-                _mm512_store_ps(&acc[g][16 * c], _mm512_setzero_ps());                                        \
-            }                                                                                                 \
-            m[g] = -INFINITY;                                                                                 \
-            l[g] = 0.0f;                                                                                      \
-        }                                                                                                     \
-        const int64_t pre = P < S ? (P > 0 ? P : 0) : S;                                                      \
-        const int64_t lim = T_ < S - P ? T_ : S - P; /* tree offsets t with P + t < S */                      \
-        int64_t j = 0, t = 0; /* cursor: prefix slot j, then tree offset t */                                 \
+        NAME##_init(qrow, sqh, G, D, nd, qf, acc, m, l);                                                      \
+        NAME##_rest(qf, acc, s, m, l, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, nd, scale, outf, 0, ND);   \
+    }                                                                                                         \
+    /* Queries q0..q0+nq-1 of one row and KV head, which share the prefix's first nfull blocks (full       \
+     * blocks of consecutive prefix slots: the first blocks of each query's visible sequence): those      \
+     * blocks run query after query while their K and V rows sit in L1, then each query goes on alone.     \
+     * Every query's values are those of NAME##_body (the same blocks, the same calls). st: scratch of     \
+     * nq * G * (2 * MAX_D + BLOCK + 2) floats, 64-byte aligned. out rows at stride sout elements. */     \
+    static inline __attribute__((always_inline)) void NAME##_multi_body(                                     \
+        const T* q0row, int64_t sqq, int64_t sqh, int64_t nq, const T* kb, const T* vb, int64_t sks,         \
+        int64_t svs, int64_t P, const uint8_t* m0row, int64_t smq, int64_t smt, int64_t T_, int64_t S,       \
+        int64_t nfull, int G, int64_t D, float scale, float* st, float* outf, const int ND) {                 \
+        const int64_t nd = ND ? ND : (D + 15) / 16;                                                           \
+        if (ND) D = 16 * ND;                                                                                  \
+        float(*qf)[MAX_D] = (float(*)[MAX_D])st;                                                              \
+        float(*acc)[MAX_D] = qf + nq * G;                                                                     \
+        float(*s)[BLOCK] = (float(*)[BLOCK])(acc + nq * G);                                                   \
+        float* m = (float*)(s + nq * G);                                                                      \
+        float* l = m + nq * G;                                                                                \
+        for (int64_t i = 0; i < nq; i++)                                                                      \
+            NAME##_init(q0row + i * sqq, sqh, G, D, nd, qf + i * G, acc + i * G, m + i * G, l + i * G);       \
         int64_t slot[BLOCK];                                                                                  \
-        for (;;) {                                                                                            \
-            const int n = next_block(slot, &j, &t, pre, P, mrow, smt, lim);                                   \
-            if (n == 0) break;                                                                                \
-            switch (G) { /* scores: each K chunk loaded once for the G heads, 16 / G keys at a time */        \
-            case 1: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 1); break;                           \
-            case 2: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 2); break;                           \
-            case 3: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 3); break;                           \
-            case 4: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 4); break;                           \
-            default: /* one head at a time, 16 keys per hsum16 */                                             \
-                for (int g = 0; g < G; g++) NAME##_scores(qf + g, s + g, kb, slot, n, sks, D, nd, scale, 1);  \
-            }                                                                                                 \
-            for (int g = 0; g < G; g++) { /* online softmax: block max (exact in any order), rescale, exp, sum */ \
-                __m512 mx = _mm512_set1_ps(-INFINITY);                                                        \
-                for (int i0 = 0; i0 < n; i0 += 16)                                                            \
-                    mx = _mm512_mask_max_ps(mx, tail_mask(n - i0), mx, _mm512_loadu_ps(&s[g][i0]));           \
-                const float bm = _mm512_reduce_max_ps(mx);                                                    \
-                const float mn = bm > m[g] ? bm : m[g];                                                       \
-                const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mn);                               \
-                m[g] = mn;                                                                                    \
-                __m512 sum = _mm512_setzero_ps();                                                             \
-                for (int i0 = 0; i0 < n; i0 += 16) {                                                          \
-                    __mmask16 mk = tail_mask(n - i0);                                                         \
-                    __m512 p = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&s[g][i0]), _mm512_set1_ps(mn)))); \
-                    _mm512_storeu_ps(&s[g][i0], p);                                                           \
-                    sum = _mm512_add_ps(sum, p);                                                              \
-                }                                                                                             \
-                l[g] = l[g] * alpha + _mm512_reduce_add_ps(sum);                                              \
-                if (alpha != 1.0f)                                                                            \
-                    for (int64_t c = 0; c < nd; c++)                                                          \
-                        _mm512_store_ps(&acc[g][16 * c], _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), _mm512_set1_ps(alpha))); \
-            }                                                                                                 \
-            switch (G) { /* acc += p v, key after key: each V chunk loaded once for the G heads */           \
-            case 1: PV_HEADS(NAME, acc, s, 1); break;                                                         \
-            case 2: PV_HEADS(NAME, acc, s, 2); break;                                                         \
-            case 3: PV_HEADS(NAME, acc, s, 3); break;                                                         \
-            case 4: PV_HEADS(NAME, acc, s, 4); break;                                                         \
-            default: /* one head at a time, CHAINS chunks side by side */                                    \
-                for (int g = 0; g < G; g++) PV_HEADS(NAME, acc + g, s + g, 1);                                \
-            }                                                                                                 \
+        for (int64_t b = 0; b < nfull; b++) {                                                                 \
+            for (int i = 0; i < BLOCK; i++) slot[i] = b * BLOCK + i;                                          \
+            for (int64_t i = 0; i < nq; i++)                                                                  \
+                NAME##_block(qf + i * G, acc + i * G, s + i * G, m + i * G, l + i * G, kb, vb, sks, svs, slot, \
+                             BLOCK, G, D, nd, scale, ND);                                                     \
         }                                                                                                     \
-        for (int g = 0; g < G; g++) {                                                                         \
-            const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;                                               \
-            for (int64_t d = 0; d < D; d++) outf[g * D + d] = acc[g][d] * inv;                                \
-        }                                                                                                     \
+        for (int64_t i = 0; i < nq; i++)                                                                      \
+            NAME##_rest(qf + i * G, acc + i * G, s + i * G, m + i * G, l + i * G, kb, vb, sks, svs, P,        \
+                        m0row + i * smq, smt, T_, S, G, D, nd, scale, outf + i * G * D, nfull * BLOCK, ND);   \
     }                                                                                                         \
     static void NAME(const T* qrow, int64_t sqh, const T* kb, const T* vb, int64_t sks, int64_t svs, int64_t P, \
                      const uint8_t* mrow, int64_t smt, int64_t T_, int64_t S, int G, int64_t D, float scale,  \
@@ -183,6 +240,18 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
         case 128: NAME##_body(qrow, sqh, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, scale, outf, 8); break; \
         case 16: NAME##_body(qrow, sqh, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, scale, outf, 1); break; \
         default: NAME##_body(qrow, sqh, kb, vb, sks, svs, P, mrow, smt, T_, S, G, D, scale, outf, 0);        \
+        }                                                                                                     \
+    }                                                                                                         \
+    static void NAME##_multi(const T* q0row, int64_t sqq, int64_t sqh, int64_t nq, const T* kb, const T* vb,  \
+                             int64_t sks, int64_t svs, int64_t P, const uint8_t* m0row, int64_t smq,          \
+                             int64_t smt, int64_t T_, int64_t S, int64_t nfull, int G, int64_t D, float scale, \
+                             float* st, float* outf /* [nq, G, D] float32 */) {                               \
+        switch (D) {                                                                                          \
+        case 32: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, outf, 2); break; \
+        case 64: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, outf, 4); break; \
+        case 128: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, outf, 8); break; \
+        case 16: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, outf, 1); break; \
+        default: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, outf, 0); \
         }                                                                                                     \
     }
 
@@ -251,7 +320,8 @@ TASK(task_bf16, uint16_t, load_bf16)
 /* q [B, Q, Hq, D] at strides (sqb, sqq, sqh, 1); k, v [>=B, >=S, Hkv, D] at strides (skb, sks, skh, 1) and
  * (svb, svs, svh, 1); prefix_lens [B]; tree_mask [B, Q, T] (bytes) at strides (smb, smq, smt); out [B, Q, Hq, D]
  * contiguous.
- * Returns 0, or -1 when G or D exceed the kernel's limits (the caller checks them first). */
+ * Returns 0, -1 when G or D exceed the kernel's limits (the caller checks them first), or -2 when the scratch
+ * of the shared-prefix path could not be allocated. */
 #define ATTENTION(NAME, T, TASKFN, STORE)                                                                     \
     int NAME(const T* q, int64_t B, int64_t Q, int64_t Hq, int64_t D, int64_t sqb, int64_t sqq, int64_t sqh, \
              const T* k, const T* v, int64_t Hkv, int64_t skb, int64_t sks, int64_t skh, int64_t svb,         \
@@ -264,6 +334,42 @@ TASK(task_bf16, uint16_t, load_bf16)
         int64_t keys = 0; /* work bound: small calls run on one thread (the result never depends on it) */  \
         for (int64_t b = 0; b < B; b++) keys += (prefix_lens[b] < S ? prefix_lens[b] : S) + T_;             \
         if (keys * Q * Hq * D < SMALL_WORK) threads = 1;                                                     \
+        int64_t shared = 0; /* full prefix blocks the rows' queries share */                                  \
+        for (int64_t b = 0; b < B && Q > 1; b++) shared += (prefix_lens[b] < S ? prefix_lens[b] : S) / BLOCK; \
+        const char* off = getenv("TRITONSPEC_CPU_ATTENTION_SHARED"); /* "0": per-query tasks only (A/B runs) */ \
+        if (shared > 0 && !(off && off[0] == '0')) { /* several queries over a common prefix: its blocks once per group */ \
+            int64_t ng = (2 * threads + B * Hkv - 1) / (B * Hkv); /* groups per (row, KV head): ~2 tasks a thread */ \
+            if (ng < (Q + 15) / 16) ng = (Q + 15) / 16;                                                        \
+            if (ng > Q) ng = Q;                                                                               \
+            const int64_t qg = (Q + ng - 1) / ng;                                                             \
+            ng = (Q + qg - 1) / qg;                                                                           \
+            const size_t scratch = (size_t)qg * G * (2 * MAX_D + BLOCK + 2) * sizeof(float);                 \
+            int failed = 0;                                                                                   \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)")                                 \
+            for (int64_t task = 0; task < B * Hkv * ng; task++) {                                             \
+                const int64_t b = task / (Hkv * ng), kh = (task / ng) % Hkv, q0 = (task % ng) * qg;            \
+                const int64_t nq = Q - q0 < qg ? Q - q0 : qg;                                                 \
+                const int64_t P = prefix_lens[b], pre = P < S ? (P > 0 ? P : 0) : S;                          \
+                float* st = (float*)aligned_alloc(64, (scratch + 63) / 64 * 64);                              \
+                float* o = (float*)malloc((size_t)nq * G * D * sizeof(float));                                \
+                if (!st || !o) {                                                                              \
+                    free(st);                                                                                 \
+                    free(o);                                                                                  \
+                    failed = 1;                                                                               \
+                    continue;                                                                                 \
+                }                                                                                             \
+                TASKFN##_multi(q + b * sqb + q0 * sqq + kh * G * sqh, sqq, sqh, nq, k + b * skb + kh * skh,     \
+                               v + b * svb + kh * svh, sks, svs, P, tree_mask + b * smb + q0 * smq, smq, smt, T_, \
+                               S, pre / BLOCK, G, D, scale, st, o);                                           \
+                for (int64_t i = 0; i < nq; i++) {                                                            \
+                    T* dst = out + ((b * Q + q0 + i) * Hq + kh * G) * D;                                      \
+                    for (int64_t e = 0; e < G * D; e++) dst[e] = STORE(o[i * G * D + e]);                     \
+                }                                                                                             \
+                free(st);                                                                                     \
+                free(o);                                                                                      \
+            }                                                                                                 \
+            return failed ? -2 : 0;                                                                           \
+        }                                                                                                     \
         _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
         for (int64_t task = 0; task < tasks; task++) {                                                        \
             const int64_t b = task / (Q * Hkv), qi = (task / Hkv) % Q, kh = task % Hkv;                       \

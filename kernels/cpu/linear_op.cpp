@@ -160,6 +160,7 @@ at::Tensor tree_attention(const at::Tensor& q, const at::Tensor& k, const at::Te
                                         float(scale),
                                         reinterpret_cast<uint16_t*>(out.mutable_data_ptr<c10::BFloat16>()), nt);
   }
+  TORCH_CHECK(rc != -2, "tritonspec_cpu::tree_attention: out of memory for the shared-prefix scratch");
   TORCH_CHECK(rc == 0, "tritonspec_cpu::tree_attention: unsupported head shape");
   return out;
 }
