@@ -36,6 +36,8 @@ _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 def supported(
     hidden: torch.Tensor,  # [B, Q, H]
+    tokens: torch.Tensor,  # [B, Q]
+    positions: torch.Tensor,  # [B, Q] (the Python step would broadcast other shapes)
     packed: dict[str, torch.Tensor],  # Eagle3Drafter._cpu_weights: "qkv", "o", "gate_up", "down" [N/16, K, 16]
     norms: tuple[torch.Tensor, ...],  # [H] each
     k_cache: torch.Tensor,  # [B_max, S, Hkv, D]
@@ -67,6 +69,8 @@ def supported(
         slots.dtype == torch.int64
         and slots.is_contiguous()
         and slots.shape == hidden.shape[:2]
+        and positions.shape == hidden.shape[:2]
+        and tokens.shape == hidden.shape[:2]
         and prefix_lens.dtype == torch.int64
         and prefix_lens.is_contiguous()
         and tree_mask.dtype == torch.bool
@@ -103,7 +107,8 @@ def drafter_step(
     if tracing or not _lib._native_ready():
         return None
     heads = (num_heads, num_kv_heads, head_dim)
-    if not supported(hidden, packed, norms, k_cache, v_cache, slots, prefix_lens, tree_mask, *heads):
+    tensors = (hidden, tokens, positions, packed, norms, k_cache, v_cache, slots, prefix_lens, tree_mask)
+    if not supported(*tensors, *heads):
         return None
     n_in, n_hid, n_post, n_out = norms
     return torch.ops.tritonspec_cpu.drafter_step(

@@ -199,8 +199,13 @@ def test_attention_rows_independent_of_batch_and_threads(dtype):
 def test_shared_prefix_path_is_each_query_alone(dtype, B, Q, heads, prefixes, threads, seed):
     """Several queries over a prefix holding full 64-key blocks run those blocks query after query in
     groups (attention.c's shared-prefix path; groups of up to 16 queries, split for the threads): every
-    query's output is the one it gets alone (a one-query call, the per-query path), bit for bit, for
-    ragged prefixes (some rows under one block), any group split and thread count."""
+    query's output is the one it gets alone (a one-query call, the per-query path), bit for bit, and the
+    one of the whole call with the path switched off (``TRITONSPEC_CPU_ATTENTION_SHARED=0``), for ragged
+    prefixes (some rows under one block, one past the cache, one negative), any group split and thread
+    count."""
+    import os
+
+    os.environ.pop("TRITONSPEC_CPU_ATTENTION_SHARED", None)
     Hq, Hkv, D = heads
     g = torch.Generator().manual_seed(seed)
     T = 6
@@ -209,8 +214,16 @@ def test_shared_prefix_path_is_each_query_alone(dtype, B, Q, heads, prefixes, th
     kc = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
     vc = torch.randn(B, S, Hkv, D, generator=g).to(dtype)
     pl = torch.tensor(prefixes[:B])
+    if B == 3 and seed % 3 == 0:  # a row past the cache (reads the cache only), a negative one (nothing)
+        pl[1], pl[2] = S + 5, -70
     tm = torch.rand(B, Q, T, generator=g) < 0.5
     full = ca.cpu_tree_attention(q, kc, vc, pl, tm, D**-0.5, threads=threads)
+    os.environ["TRITONSPEC_CPU_ATTENTION_SHARED"] = "0"
+    try:
+        per_query = ca.cpu_tree_attention(q, kc, vc, pl, tm, D**-0.5, threads=threads)
+    finally:
+        del os.environ["TRITONSPEC_CPU_ATTENTION_SHARED"]
+    assert torch.equal(full, per_query)
     for b in range(B):
         for i in range(Q):
             one = ca.cpu_tree_attention(
@@ -218,8 +231,9 @@ def test_shared_prefix_path_is_each_query_alone(dtype, B, Q, heads, prefixes, th
                 D**-0.5, threads=1,
             )  # fmt: skip
             assert torch.equal(one[0, 0], full[b, i]), (b, i)
-    ref = tree_attention_reference(q.float(), kc.float(), vc.float(), pl, tm, D**-0.5)
-    assert _close(full, ref, dtype)
+    if (pl >= 0).all() and (pl <= S - T).all():  # the reference's slot convention
+        ref = tree_attention_reference(q.float(), kc.float(), vc.float(), pl, tm, D**-0.5)
+        assert _close(full, ref, dtype)
 
 
 def test_attention_bad_inputs_are_named():

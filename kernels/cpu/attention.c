@@ -206,7 +206,7 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
      * blocks of consecutive prefix slots: the first blocks of each query's visible sequence): those      \
      * blocks run query after query while their K and V rows sit in L1, then each query goes on alone.     \
      * Every query's values are those of NAME##_body (the same blocks, the same calls). st: scratch of     \
-     * nq * G * (2 * MAX_D + BLOCK + 2) floats, 64-byte aligned. out rows at stride sout elements. */     \
+     * nq * G * (2 * MAX_D + BLOCK + 2) floats, 64-byte aligned; outf: [nq, G, D] float32. */     \
     static inline __attribute__((always_inline)) void NAME##_multi_body(                                     \
         const T* q0row, int64_t sqq, int64_t sqh, int64_t nq, const T* kb, const T* vb, int64_t sks,         \
         int64_t svs, int64_t P, const uint8_t* m0row, int64_t smq, int64_t smt, int64_t T_, int64_t S,       \
@@ -335,7 +335,7 @@ TASK(task_bf16, uint16_t, load_bf16)
         for (int64_t b = 0; b < B; b++) keys += (prefix_lens[b] < S ? prefix_lens[b] : S) + T_;             \
         if (keys * Q * Hq * D < SMALL_WORK) threads = 1;                                                     \
         int64_t shared = 0; /* full prefix blocks the rows' queries share */                                  \
-        for (int64_t b = 0; b < B && Q > 1; b++) shared += (prefix_lens[b] < S ? prefix_lens[b] : S) / BLOCK; \
+        for (int64_t b = 0; b < B && Q > 1; b++) shared += (prefix_lens[b] < S ? (prefix_lens[b] > 0 ? prefix_lens[b] : 0) : S) / BLOCK; \
         const char* off = getenv("TRITONSPEC_CPU_ATTENTION_SHARED"); /* "0": per-query tasks only (A/B runs) */ \
         if (shared > 0 && !(off && off[0] == '0')) { /* several queries over a common prefix: its blocks once per group */ \
             int64_t ng = (2 * threads + B * Hkv - 1) / (B * Hkv); /* groups per (row, KV head): ~2 tasks a thread */ \
@@ -355,6 +355,7 @@ TASK(task_bf16, uint16_t, load_bf16)
                 if (!st || !o) {                                                                              \
                     free(st);                                                                                 \
                     free(o);                                                                                  \
+                    _Pragma("omp atomic write")                                                               \
                     failed = 1;                                                                               \
                     continue;                                                                                 \
                 }                                                                                             \
