@@ -12,6 +12,7 @@ callers also keep the references under ``cpu_linear="torch"`` (``TorchOps.cpu_in
     ngram_lookup    runtime/ngram.py       ngram_lookup              the prompt-lookup chain and its validity
     graft_chain     runtime/ngram.py       graft_chain               the chain grafted below the root
     kv_compact      kernels/kv_compact.py  kv_compact_reference      the accepted path's K/V moved in place
+    row_hash        runtime/sampling.py    RowRandom.hashes          a sampled round's random words (integer hash)
 
 Integers, booleans and copies, so the C results equal the references' exactly on the inputs the decoder
 passes (tested with hypothesis in ``tests/test_cpu_tree.py``); only the cost changes. Each reference is
@@ -139,3 +140,16 @@ def _slots_contiguous(cache: torch.Tensor) -> bool:
             return False
         row *= cache.shape[d]
     return cache.stride(2) == row
+
+
+def row_hash(
+    key: torch.Tensor,  # [B] int64 in [0, 2^32)
+    counter: torch.Tensor,  # [B] int64
+    n: int,
+    vocab: int,
+) -> torch.Tensor | None:  # [B, n + vocab] int64 in [0, 2^32)
+    """``runtime.sampling.RowRandom.hashes``'s 32-bit words, exactly (the same integer hash, in uint32 arithmetic
+    instead of the reference's ~60 int64 tensor ops); None where the C operator does not run."""
+    if _native(key, counter) and key.dtype == torch.int64 and counter.dtype == torch.int64:
+        return torch.ops.tritonspec_cpu.row_hash(key, counter, int(n), int(vocab))
+    return None

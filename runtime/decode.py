@@ -387,7 +387,7 @@ class Decoder:
         elif self.deterministic:  # the token at position len(prompt), raced on (seed, position)
             root = position_race(process_logits(logits, sampling), rng.key, lens)
         else:  # the first token: an exponential-race sample of the processed distribution
-            _, xi = rng.draw(1, logits.shape[-1])
+            _, xi = rng.draw(1, logits.shape[-1], native=self._cpu_index())
             root = (process_logits(logits, sampling).log_softmax(-1) - xi.log()).argmax(-1)
         rows = slice(row0, row0 + B)
         bufs = self.bufs
@@ -639,7 +639,7 @@ class Decoder:
         t0 = time.perf_counter()
         B = self.L.shape[0]
         Vd = self.drafter.config.draft_vocab_size
-        _, xi = self.rng.draw(0, n * Vd)
+        _, xi = self.rng.draw(0, n * Vd, native=self._cpu_index())
         xi = xi.view(B, n, Vd)  # Exp(1) noise per depth
         d2t = self.d2t  # [Vd] target id of each draft id
         toks, lps = self.draft_chain(n, lambda s, lp: d2t[(lp - xi[:, s].log()).argmax(-1)], whole_cache=whole_cache)
@@ -703,7 +703,7 @@ class Decoder:
         else:
             logits = self.target.logits(hidden, self.ops)  # [B, N, V]
             probs = process_logits(logits, self.sampling).softmax(-1)
-            uniforms, xi = self.rng.draw(N, logits.shape[-1])
+            uniforms, xi = self.rng.draw(N, logits.shape[-1], native=self._cpu_index())
             if tree.draft_probs is not None:  # a sampled chain: min(1, p/q)
                 nodes, num, emitted = self.ops.verify_chain(tree.tokens, probs, tree.draft_probs, uniforms, xi)
             else:

@@ -285,3 +285,56 @@ def test_packed_weights_are_checked_once_a_round_and_restored_after_an_error(mon
     with torch.inference_mode(), dr.packed_for_round(rt.decoder.ops):
         packed = dr._cpu_weights(rt.decoder.ops)["fc"]
     assert torch.equal(cl.unpack(packed), dr.fc.weight)
+
+
+# ================================================================== row_hash
+@settings(max_examples=60, deadline=None)
+@given(
+    seeds=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=5),
+    counters=st.data(),
+    n=st.integers(0, 9),
+    vocab=st.integers(0, 300),
+)
+def test_row_hash_equals_the_reference_and_draw_is_unchanged(seeds, counters, n, vocab):
+    """The C words equal ``RowRandom.hashes`` (counters past 2^32 included), so ``draw(native=True)`` gives
+    the reference's uniforms and noise bit for bit and advances the counter alike."""
+    from tritonspec.runtime.sampling import RowRandom
+
+    a, b = RowRandom(seeds, torch.device("cpu")), RowRandom(seeds, torch.device("cpu"))
+    c = torch.tensor([counters.draw(st.integers(0, 2**40)) for _ in seeds])
+    a.counter.copy_(c)
+    b.counter.copy_(c)
+    got = cpu_tree.row_hash(a.key, a.counter, n, vocab)
+    assert got is not None, "the C operator did not run"
+    assert torch.equal(got, a.hashes(n, vocab))
+    (u1, e1), (u2, e2) = a.draw(n, vocab, native=True), b.draw(n, vocab)
+    assert torch.equal(u1, u2) and torch.equal(e1, e2) and torch.equal(a.counter, b.counter)
+
+
+def test_row_hash_sees_the_counter_and_the_key():
+    """Inverse: another round (counter + 1) or another seed changes the words."""
+    from tritonspec.runtime.sampling import RowRandom
+
+    r = RowRandom([3, 4], torch.device("cpu"))
+    h = cpu_tree.row_hash(r.key, r.counter, 2, 50)
+    assert not torch.equal(h, cpu_tree.row_hash(r.key, r.counter + 1, 2, 50))
+    assert not torch.equal(h[0], h[1])
+
+
+def test_sampled_decoding_draws_through_the_operator_with_the_references_tokens(monkeypatch):
+    """Seeded sampling with the C words (counted) emits the tokens it emits with the references."""
+    rt = runtime(*perm_pair("llama", vocab=24, seed=1, alpha=0.15), spec=ts.SpecConfig.chain(3), max_batch_size=4)
+    if not rt.decoder.ops.cpu_index:
+        pytest.skip("the CPU kernels do not run here (cpu_linear)")
+    prompts = [[1, 5, 9, 5, 9, 5, 9, 3, 5, 9], [7, 3], [2, 4, 6, 8, 2, 4, 6, 8, 2]]
+    calls = []
+    real = cpu_tree.row_hash
+    monkeypatch.setattr(cpu_tree, "row_hash", lambda *a: calls.append(1) or real(*a))
+    kw = dict(max_new_tokens=24, temperature=1.0, seed=11)
+    with_c = rt.generate(prompts, **kw)
+    assert len(calls) > 0
+    monkeypatch.setattr(TorchOps, "cpu_index", property(lambda self: False))
+    n = len(calls)
+    with_refs = rt.generate(prompts, **kw)
+    assert len(calls) == n, "cpu_index off: the references ran"
+    assert with_c.token_ids == with_refs.token_ids

@@ -1,6 +1,6 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
-// .ngram_lookup, .graft_chain and .kv_compact: the kernels of linear.c, attention.c, norm.c, rope_kv.c and tree_ops.c
-// as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
+// .ngram_lookup, .graft_chain, .kv_compact, .row_hash and .drafter_step: the kernels of linear.c, attention.c,
+// norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
 // there; otherwise the ctypes path runs the same kernels.
@@ -54,6 +54,7 @@ void tritonspec_graft_chain(const int64_t*, const int64_t*, const int64_t*, cons
                             uint8_t*);
 int64_t tritonspec_kv_compact(char*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
                               const int64_t*, int64_t, int64_t, int64_t, char*);
+void tritonspec_row_hash(const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t*);
 void tritonspec_rms_norm_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
                               float, uint16_t*, uint16_t*, int);
 }
@@ -357,6 +358,16 @@ void kv_compact(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::
   }
 }
 
+at::Tensor row_hash(const at::Tensor& key, const at::Tensor& counter, int64_t n, int64_t vocab) {
+  at::Tensor k = i64(key, "key", 1), c = i64(counter, "counter", 1);
+  TORCH_CHECK(c.size(0) == k.size(0) && n >= 0 && vocab >= 0,
+              "tritonspec_cpu::row_hash: key and counter [B], n, vocab >= 0");
+  at::Tensor h = at::empty({k.size(0), n + vocab}, k.options());
+  tritonspec_row_hash(k.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>(), k.size(0), n, vocab,
+                      h.mutable_data_ptr<int64_t>());
+  return h;
+}
+
 // One EAGLE-3 drafter step (runtime/drafter.py Eagle3Drafter.step, decode rounds: not a prompt's causal forward)
 // as one operator: the same wrappers and ATen calls the Python step makes, in the same order with the same
 // arguments, so the same bits, without ~20 Python-level dispatches (~0.3 ms a step on the demo drafter).
@@ -419,6 +430,7 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
   m.def("kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor nodes) -> ()");
   m.def("graft_chain(Tensor tokens, Tensor parents, Tensor depth, Tensor mask, Tensor chain, Tensor valid) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("row_hash(Tensor key, Tensor counter, int n, int vocab) -> Tensor");
   m.def("drafter_step(Tensor hidden, Tensor tokens, Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, "
         "Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, Tensor final_norm, Tensor cos, Tensor sin, "
         "Tensor positions, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor prefix_lens, Tensor tree_mask, "
@@ -438,4 +450,5 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("graft_chain", &graft_chain);
   m.impl("kv_compact", &kv_compact);
   m.impl("drafter_step", &drafter_step);
+  m.impl("row_hash", &row_hash);
 }

@@ -194,3 +194,23 @@ int64_t tritonspec_kv_compact(char* cache, int64_t sl, int64_t sb, int64_t ss, i
         }
     return 0;
 }
+
+/* runtime/sampling.py RowRandom.draw's hashes: h[b, j] = mix32(mix32((idx_j + base_b) mod 2^32) ^ key_b), base_b =
+ * mix32(key_b ^ mix32(counter_b mod 2^32)), idx_j = j for j < n (the coins), 2^31 + j - n after (the noise); mix32 is
+ * Wellons' lowbias32 on 32-bit words (the reference's int64 arithmetic mod 2^32). h: [B, n + vocab]. */
+static inline uint32_t mix32(uint32_t x) {
+    x ^= x >> 16;
+    x *= 0x7FEB352Du;
+    x ^= x >> 15;
+    x *= 0x846CA68Bu;
+    return x ^ (x >> 16);
+}
+
+void tritonspec_row_hash(const int64_t* key, const int64_t* counter, int64_t B, int64_t n, int64_t vocab, int64_t* h) {
+    for (int64_t b = 0; b < B; b++) {
+        const uint32_t k = (uint32_t)key[b], base = mix32(k ^ mix32((uint32_t)counter[b]));
+        int64_t* row = h + b * (n + vocab);
+        for (int64_t j = 0; j < n; j++) row[j] = mix32(mix32((uint32_t)j + base) ^ k);
+        for (int64_t j = 0; j < vocab; j++) row[n + j] = mix32(mix32((uint32_t)j + 0x80000000u + base) ^ k);
+    }
+}
