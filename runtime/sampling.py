@@ -7,7 +7,8 @@ applied to the target's logits (the distribution that output follows) and to the
 (so drafted trees rank tokens the target can actually emit).
 
 Random numbers are counter-based: the draw for (request seed, round counter, index) is a pure
-integer hash (``RowRandom``), computed with tensor ops from a per-row key and counter that live
+integer hash (``RowRandom``), computed with tensor ops (eager CPU rounds: one C operator,
+``kernels.cpu_tree.row_hash``, the same integers) from a per-row key and counter that live
 in device tensors. So a request's output depends only on its seed, never on the batch it runs
 in, and the draws need no ``torch.Generator``: a captured CUDA graph replays them as it replays
 everything else (the counter advances on the device).
