@@ -343,7 +343,9 @@ class Eagle3Drafter(nn.Module):
 
         The tokens' K/V go to ``cache`` at ``meta.slots``; ``meta.prefill`` (empty prefix, causal
         mask over left-aligned rows) runs attention causally over the new K/V, as
-        ``TargetModel.forward`` does."""
+        ``TargetModel.forward`` does. A decode-round step on the torch backend's packed CPU weights
+        runs as one native operator (``kernels.cpu_drafter.drafter_step``: the same calls from C++,
+        the same bits) unless ``native_step`` is False or the operator declines the inputs."""
         if self.embed_tokens is None:
             raise RuntimeError("the drafter has no embedding: attach the target's with attach_target_embedding()")
         c, m = self.config, self.midlayer
