@@ -24,13 +24,11 @@ then runs the Python step. The reference is that Python step (``Eagle3Drafter.st
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import cpu_linear as _lib
 from .cpu_attention import MAX_GROUP, MAX_HEAD_DIM
+from .cpu_rope import _tracing
 
-_DTYPES = (torch.float32, torch.bfloat16)
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
@@ -52,7 +50,7 @@ def supported(
     """Whether the operator takes these tensors with the results of the Python step (the checks each
     kernel's Python launcher makes before it runs the kernel instead of a reference)."""
     dt = hidden.dtype
-    if dt not in _DTYPES or hidden.dim() != 3 or k_cache.dtype != dt or v_cache.dtype != dt:
+    if dt not in _lib.DTYPES or hidden.dim() != 3 or k_cache.dtype != dt or v_cache.dtype != dt:
         return False
     if any(packed[n].dim() != 3 or packed[n].dtype != dt for n in _PROJECTIONS):
         return False
@@ -103,8 +101,7 @@ def drafter_step(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (hn, h) [B, Q, H] each, or None: run the Python step
     """The step as one native call where ``supported`` holds and the operator loaded (eager calls only),
     else None."""
-    tracing = torch.compiler.is_compiling() or get_proxy_mode() is not None or isinstance(hidden, FakeTensor)
-    if tracing or not _lib._native_ready():
+    if _tracing(hidden) or not _lib._native_ready():
         return None
     heads = (num_heads, num_kv_heads, head_dim)
     tensors = (hidden, tokens, positions, packed, norms, k_cache, v_cache, slots, prefix_lens, tree_mask)

@@ -355,8 +355,9 @@ class Eagle3Drafter(nn.Module):
         packed = self._cpu_weights(ops)
         if packed is not None and self.native_step and not meta.prefill and type(ops) is TorchOps:
             rope = self.rope()
-            norms = (m.input_layernorm.weight, m.hidden_norm.weight, m.post_attention_layernorm.weight)
-            norms += (self.norm.weight,)
+            norms = (
+                m.input_layernorm.weight, m.hidden_norm.weight, m.post_attention_layernorm.weight, self.norm.weight
+            )  # fmt: skip
             out = cpu_drafter.drafter_step(
                 hidden, tokens, self.embed_tokens.weight, norms, packed, rope.cos, rope.sin, meta.positions,
                 meta.slots, cache.k, cache.v, meta.prefix_lens, meta.tree_mask, eps, c.head_dim**-0.5, meta.kv_len,

@@ -65,6 +65,9 @@ static inline __m512 exp_ps(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* the prefix slots a query of a row with prefix length P sees in a cache of S slots */
+static inline int64_t visible_prefix(int64_t P, int64_t S) { return P < S ? (P > 0 ? P : 0) : S; }
+
 static inline __mmask16 tail_mask(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
 
 /* 16 (or fewer, masked) elements as float32 from float32 or bfloat16 storage. */
@@ -175,7 +178,7 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
         float (*qf)[MAX_D], float (*acc)[MAX_D], float (*s)[BLOCK], float* m, float* l, const T* kb,          \
         const T* vb, int64_t sks, int64_t svs, int64_t P, const uint8_t* mrow, int64_t smt, int64_t T_,       \
         int64_t S, int G, int64_t D, int64_t nd, float scale, float* outf, int64_t j, const int ND) {         \
-        const int64_t pre = P < S ? (P > 0 ? P : 0) : S;                                                      \
+        const int64_t pre = visible_prefix(P, S);                                                             \
         const int64_t lim = T_ < S - P ? T_ : S - P; /* tree offsets t with P + t < S */                      \
         int64_t t = 0; /* cursor: prefix slot j, then tree offset t */                                        \
         int64_t slot[BLOCK];                                                                                  \
@@ -335,7 +338,7 @@ TASK(task_bf16, uint16_t, load_bf16)
         for (int64_t b = 0; b < B; b++) keys += (prefix_lens[b] < S ? prefix_lens[b] : S) + T_;             \
         if (keys * Q * Hq * D < SMALL_WORK) threads = 1;                                                     \
         int64_t shared = 0; /* full prefix blocks the rows' queries share */                                  \
-        for (int64_t b = 0; b < B && Q > 1; b++) shared += (prefix_lens[b] < S ? (prefix_lens[b] > 0 ? prefix_lens[b] : 0) : S) / BLOCK; \
+        for (int64_t b = 0; b < B && Q > 1; b++) shared += visible_prefix(prefix_lens[b], S) / BLOCK;       \
         const char* off = getenv("TRITONSPEC_CPU_ATTENTION_SHARED"); /* "0": per-query tasks only (A/B runs) */ \
         if (shared > 0 && !(off && off[0] == '0')) { /* several queries over a common prefix: its blocks once per group */ \
             int64_t ng = (2 * threads + B * Hkv - 1) / (B * Hkv); /* groups per (row, KV head): ~2 tasks a thread */ \
@@ -343,31 +346,31 @@ TASK(task_bf16, uint16_t, load_bf16)
             if (ng > Q) ng = Q;                                                                               \
             const int64_t qg = (Q + ng - 1) / ng;                                                             \
             ng = (Q + qg - 1) / qg;                                                                           \
-            const size_t scratch = (size_t)qg * G * (2 * MAX_D + BLOCK + 2) * sizeof(float);                 \
+            /* one scratch per thread, not per task: the query states, then the group's output [qg, G, D] */      \
+            const size_t state = (size_t)qg * G * (2 * MAX_D + BLOCK + 2), bytes = (state + (size_t)qg * G * D) * 4; \
             int failed = 0;                                                                                   \
-            _Pragma("omp parallel for schedule(static) num_threads(threads)")                                 \
-            for (int64_t task = 0; task < B * Hkv * ng; task++) {                                             \
-                const int64_t b = task / (Hkv * ng), kh = (task / ng) % Hkv, q0 = (task % ng) * qg;            \
-                const int64_t nq = Q - q0 < qg ? Q - q0 : qg;                                                 \
-                const int64_t P = prefix_lens[b], pre = P < S ? (P > 0 ? P : 0) : S;                          \
-                float* st = (float*)aligned_alloc(64, (scratch + 63) / 64 * 64);                              \
-                float* o = (float*)malloc((size_t)nq * G * D * sizeof(float));                                \
-                if (!st || !o) {                                                                              \
-                    free(st);                                                                                 \
-                    free(o);                                                                                  \
+            _Pragma("omp parallel num_threads(threads)")                                                      \
+            {                                                                                                 \
+                float* st = (float*)aligned_alloc(64, (bytes + 63) / 64 * 64);                                \
+                if (!st) {                                                                                    \
                     _Pragma("omp atomic write")                                                               \
                     failed = 1;                                                                               \
-                    continue;                                                                                 \
                 }                                                                                             \
-                TASKFN##_multi(q + b * sqb + q0 * sqq + kh * G * sqh, sqq, sqh, nq, k + b * skb + kh * skh,     \
-                               v + b * svb + kh * svh, sks, svs, P, tree_mask + b * smb + q0 * smq, smq, smt, T_, \
-                               S, pre / BLOCK, G, D, scale, st, o);                                           \
-                for (int64_t i = 0; i < nq; i++) {                                                            \
-                    T* dst = out + ((b * Q + q0 + i) * Hq + kh * G) * D;                                      \
-                    for (int64_t e = 0; e < G * D; e++) dst[e] = STORE(o[i * G * D + e]);                     \
+                _Pragma("omp for schedule(static)")                                                           \
+                for (int64_t task = 0; task < B * Hkv * ng; task++) {                                         \
+                    if (!st) continue;                                                                        \
+                    const int64_t b = task / (Hkv * ng), kh = (task / ng) % Hkv, q0 = (task % ng) * qg;        \
+                    const int64_t nq = Q - q0 < qg ? Q - q0 : qg, P = prefix_lens[b];                         \
+                    float* o = st + state;                                                                    \
+                    TASKFN##_multi(q + b * sqb + q0 * sqq + kh * G * sqh, sqq, sqh, nq, k + b * skb + kh * skh, \
+                                   v + b * svb + kh * svh, sks, svs, P, tree_mask + b * smb + q0 * smq, smq, smt, \
+                                   T_, S, visible_prefix(P, S) / BLOCK, G, D, scale, st, o);                  \
+                    for (int64_t i = 0; i < nq; i++) {                                                        \
+                        T* dst = out + ((b * Q + q0 + i) * Hq + kh * G) * D;                                  \
+                        for (int64_t e = 0; e < G * D; e++) dst[e] = STORE(o[i * G * D + e]);                 \
+                    }                                                                                         \
                 }                                                                                             \
                 free(st);                                                                                     \
-                free(o);                                                                                      \
             }                                                                                                 \
             return failed ? -2 : 0;                                                                           \
         }                                                                                                     \
