@@ -22,11 +22,13 @@
    within 3% of the fastest is kept: ``LOOKUP_TIE``), unless plain decoding, measured again beside them, is
    faster still (then the row goes to plain decoding). A greedy row that plain
    decoding won tries the one-token chain with each lookup branch instead (kept only if faster)
-8. optionally (``long_prompts``), the batch-1 rows again on long prompts: the short prompts'
-   winner, the same candidates as step 6 and plain decoding side by side (then step 7 on the
-   winner). Every verified row attends over the whole context, so long prompts often want smaller
-   trees. These rows carry ``"context": T``, T the geometric mean of the two prompt sets' median
-   lengths: the runtime runs them for prompts of at least T tokens (``runtime/spec_policy.py``)
+8. optionally (``long_prompts``), the rows again on long prompts (batch 1, and every batch size
+   and mode step 6 measured): the short prompts' winner at that batch, the same candidates as
+   step 6 (at batch > 1 around the long batch-1 winner's row budget) and plain decoding side by
+   side (then step 7 on the winner). Every verified row attends over the whole context, so long
+   prompts often want smaller trees. These rows carry ``"context": T``, T the geometric mean of
+   the two prompt sets' median lengths: the runtime runs them for requests whose longest prompt
+   has at least T tokens (``runtime/spec_policy.py``)
 9. the profile written for the runtime to pick up (``runtime/profiles.write_profile``)
 
 ``compile=True`` (CPU) measures steps 5-6 with compiled rounds (``SpeculativeRuntime(compile=True)``;
@@ -152,7 +154,8 @@ def tune_tree(
     rounds and write a ``rounds=compiled`` profile (module docstring). ``prompt_lookup``: lengths of
     a prompt-lookup branch to try on each row's winning shape (step 7; e.g. ``(4, 8)``).
     ``long_prompts``: prompts (strings or token ids) much longer than ``prompts``, for the
-    long-context rows of step 8 (batch 1, greedy and, with ``sampled``, sampled).
+    long-context rows of step 8 (batch 1 or, as in step 6, every batch size; greedy and, with
+    ``sampled``, sampled).
     """
     from ..runtime.drafter import Eagle3Drafter
     from ..runtime.engine import SpeculativeRuntime
@@ -261,9 +264,10 @@ def tune_tree(
             )
     shapes = []
     modes = [("greedy", 0.0)] + ([("sampled", temperature)] if sampled else [])
-    if len(batch_sizes) > 1 or sampled or compile:  # every row measured, batch 1 greedy included
+    sizes = sorted(set(batch_sizes) | {1}) if len(batch_sizes) > 1 or sampled or compile else []
+    if sizes:  # every row measured, batch 1 greedy included
         for mode, temp in modes:
-            for b in sorted(set(batch_sizes) | {1}):
+            for b in sizes:
                 checked = [c.spec for c in checks] if (b, mode) == (1, "greedy") else []  # the check pass's shapes too
                 shapes.append(_best_at(rt, ids, max_new_tokens, b, mode, temp, best.spec, big, say, compile, checked))
     else:
@@ -274,18 +278,22 @@ def tune_tree(
             shapes.append({"batch_size": 1, "sampling": "greedy", "spec": best.spec, "temperature": 0.0})
     for row in shapes if lookups else []:
         _lookup_at(rt, ids, max_new_tokens, row, lookups, say)
-    if long_ids:  # step 8: batch-1 rows on long prompts, for prompts of at least `threshold` tokens
+    if long_ids:  # step 8: the rows again on long prompts, for prompts of at least `threshold` tokens
         n = _median_len(long_ids)
         say(f"[autotune tree] long prompts ({len(long_ids)}, median {n} tokens): rows for prompts >= {threshold}")
+        short_rows = {(r["batch_size"], r["sampling"]): r["spec"] for r in shapes}
         for mode, temp in modes:
-            short = next((r for r in shapes if (r["batch_size"], r["sampling"]) == (1, mode)), None)
-            short_spec = short["spec"] if short else best.spec if mode == "greedy" else None
-            extra = [short_spec] if short_spec is not None else []
-            row = _best_at(rt, long_ids, max_new_tokens, 1, mode, temp, best.spec, big, say, compile, extra)
-            row.update(context=threshold, prompt_tokens=n)
-            if lookups:
-                _lookup_at(rt, long_ids, max_new_tokens, row, lookups, say)
-            shapes.append(row)
+            seed = best.spec  # the candidates' row budget: at batch > 1, the long batch-1 row's shape's
+            for b in sizes or [1]:
+                short_spec = short_rows.get((b, mode), best.spec if (b, mode) == (1, "greedy") else None)
+                extra = [short_spec] if short_spec is not None else []
+                row = _best_at(rt, long_ids, max_new_tokens, b, mode, temp, seed, big, say, compile, extra)
+                row.update(context=threshold, prompt_tokens=n)
+                if lookups:
+                    _lookup_at(rt, long_ids, max_new_tokens, row, lookups, say)
+                if b == 1 and row["spec"] is not None:
+                    seed = replace(row["spec"], prompt_lookup_num_tokens=0)
+                shapes.append(row)
     path = None
     if not dry_run:
         path = _write_profile(out_dir, key, best, costs, acc, checks, plain, n_roots, max_new_tokens, shapes)

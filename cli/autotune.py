@@ -88,8 +88,9 @@ checks it, two neighbours and the default shape by generating (measured vs predi
     t.add_argument(
         "--long-prompts",
         default=None,
-        help="also tune batch-1 rows on these long prompts (same formats as --prompts; a few thousand tokens "
-        "each, e.g. a document and a question): the runtime runs them for prompts of at least the geometric "
+        help="also tune the rows (batch 1, or each of --batch-sizes) on these long prompts (same formats as "
+        "--prompts; a few thousand tokens each, e.g. a document and a question): the runtime runs them for "
+        "requests whose longest prompt has at least the geometric "
         "mean of both sets' median lengths, where smaller trees often win; 'demo': the demo pair's long "
         "tuning prompts (demo/prompts/tune_long.jsonl)",
     )

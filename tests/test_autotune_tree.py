@@ -4,6 +4,7 @@ acceptance models, and an end-to-end run on the CPU with a tiny target + drafter
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import warnings
 
@@ -384,6 +385,67 @@ def test_long_prompts_get_rows_of_their_own_that_the_runtime_runs_on_long_prompt
     # the inverse: "long" prompts no longer than the others are refused, not written as a bucket
     with pytest.raises(ValueError, match="at least twice"):
         tune_tree(model, drafter, short, long_prompts=random_prompts(24, [6, 7], seed=4), dry_run=True, **kw)
+
+
+def test_long_prompts_are_tuned_at_every_batch_size_the_short_rows_were(tuned_dir, monkeypatch):
+    """With ``batch_sizes``, step 8 measures the long prompts at each batch size too, around the
+    long batch-1 winner's row budget, and a batch of long prompts runs its own measured row (before:
+    the rule scaled from the long batch-1 row, here plain decoding at batch 2)."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    real = tree_tuner.measure_generation
+    seeds = []
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        if specs == [None]:
+            return real(rt, ids, max_new_tokens, specs)
+        long = min(len(p) for p in ids) >= 20
+        if not long:  # a deep chain wins short prompts at every batch
+            rates = [10.0 if s is None else 12.0 + s.num_draft_tokens for s in specs]
+        elif batch_size == 1:  # a one-token chain wins long ones alone
+            rates = [10.0 if s is None else 14.0 - s.num_draft_tokens for s in specs]
+        else:  # and the deep chain again in a batch of long prompts
+            rates = [10.0 if s is None else 10.0 + s.num_draft_tokens for s in specs]
+        return [Measured(100, 100 / r, 0.0, 4, 4, 0) for r in rates]
+
+    def cands(b, greedy, chosen, *a, **k):
+        seeds.append((b, chosen))
+        return [ts.SpecConfig.chain(1), ts.SpecConfig.chain(3)]
+
+    real_search = tree_tuner.search
+
+    def search(*a, **k):  # the cost model's pick fixed, unlike the long batch-1 winner
+        ranked = real_search(*a, **k)
+        return [dataclasses.replace(ranked[0], spec=ts.SpecConfig.chain(3)), *ranked[1:]]
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    monkeypatch.setattr(tree_tuner, "candidates_at", cands)
+    monkeypatch.setattr(tree_tuner, "search", search)
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    short, long = random_prompts(24, [4, 5, 6], seed=1), random_prompts(24, [30, 40, 50], seed=2)
+    kw = dict(max_new_tokens=8, max_depth=3, top_ks=(1,), max_draft_tokens=4, reps=1, validate=False)
+    res = tune_tree(model, drafter, short, out_dir=tuned_dir, batch_sizes=(1, 2), long_prompts=long, **kw)
+    rows = {(r["batch_size"], r["sampling"], r.get("context", 0)): r["spec"] for r in res.shapes}
+    t = round((5 * 40) ** 0.5)
+    chain = ts.SpecConfig.chain
+    assert rows == {
+        (1, "greedy", 0): chain(3),
+        (2, "greedy", 0): chain(3),
+        (1, "greedy", t): chain(1),
+        (2, "greedy", t): chain(3),
+    }
+    assert seeds == [(1, chain(3)), (2, chain(3)), (1, chain(3)), (2, chain(1))]  # long b2: the long b1 winner's
+    rt = runtime(model, drafter, spec=None, max_seq_len=96, max_batch_size=2)
+    assert rt.shape_policy.choose(2, True, t).spec == chain(3)
+    assert rt.shape_policy.choose(1, True, t).spec == chain(1)
+    out = rt.generate(random_prompts(24, [t + 1, 6], seed=3), max_new_tokens=6)
+    assert out.stats.spec == chain(3) and out.stats.spec_source == f"profile, context >= {t}"
+    # the inverse: without the batch-2 long row the bucket's rule runs (chain(1)'s 2 rows over 2 prompts: plain)
+    data = json.loads(res.profile_path.read_text())
+    data["shapes"] = [r for r in data["shapes"] if (r["batch_size"], r.get("context", 0)) != (2, t)]
+    res.profile_path.write_text(json.dumps(data))
+    rt = runtime(model, drafter, spec=None, max_seq_len=96, max_batch_size=2)
+    assert rt.shape_policy.choose(2, True, t).spec is None
 
 
 def test_cli_reads_chat_prompt_rows(tmp_path, monkeypatch):
