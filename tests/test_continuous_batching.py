@@ -56,6 +56,36 @@ def test_outputs_equal_solo_runs(pair, batch, temperature, speculative):
         assert getattr(out.stats, field) == total, field
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("lengths, forwards", [([150, 9, 40], [1, 1, 1]), ([90, 88, 93], [3])])
+def test_a_ragged_batch_prefills_prompt_by_prompt(pair, monkeypatch, temperature, lengths, forwards):
+    """On a CPU a batch whose padding would be much of its prompt forward runs each prompt alone
+    (``PREFILL_SPLIT_PAD``): one target forward per prompt, each of one row, and every output is
+    still its solo run's (greedy and seeded sampling, speculative and plain). The inverse: prompts
+    of about one length run one forward of all rows."""
+    rt = runtime(*pair, SPEC, max_batch_size=3, max_seq_len=200)
+    prompts = random_prompts(24, lengths, seed=12)
+    kw = dict(max_new_tokens=16, temperature=temperature, stop_token_ids=[])
+    seeds = [7, 8, 9]
+    rows = []
+    forward = rt.decoder.target.forward
+
+    def counted(ops, tokens, meta, *a, **k):
+        if meta.prefill:
+            rows.append(tokens.shape[0])
+        return forward(ops, tokens, meta, *a, **k)
+
+    monkeypatch.setattr(rt.decoder.target, "forward", counted)
+    for speculative in (True, False):
+        rows.clear()
+        out = rt.generate(prompts, seed=seeds, speculative=speculative, **kw)
+        assert rows == forwards
+        solo = _solo(rt, prompts, seed=seeds, speculative=speculative, **kw)
+        assert out.token_ids == [s.token_ids[0] for s in solo]
+        if speculative:  # the drafter's state after the prompt too: acceptance as in the solo runs
+            assert out.stats.num_accepted_tokens == sum(s.stats.num_accepted_tokens for s in solo)
+
+
 def test_a_row_finishing_mid_batch_is_reused(pair, monkeypatch):
     """Rows leave from anywhere: a prompt is admitted into a row below a row still decoding."""
     admitted: list[tuple[int, list[bool]]] = []
