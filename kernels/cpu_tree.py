@@ -13,8 +13,10 @@ callers also keep the references under ``cpu_linear="torch"`` (``TorchOps.cpu_in
     graft_chain     runtime/ngram.py       graft_chain               the chain grafted below the root
     kv_compact      kernels/kv_compact.py  kv_compact_reference      the accepted path's K/V moved in place
     row_hash        runtime/sampling.py    RowRandom.hashes          a sampled round's random words (integer hash)
+    verify_chain    kernels/verify_chain.py verify_chain_reference   a sampled chain's accepted count and tokens
 
-Integers, booleans and copies, so the C results equal the references' exactly on the inputs the decoder
+Integers, booleans and copies (``verify_chain``: the reference's float64 coin test, float32 residual and
+division, first-maximum argmax), so the C results equal the references' exactly on the inputs the decoder
 passes (tested with hypothesis in ``tests/test_cpu_tree.py``); only the cost changes. Each reference is
 fixed-shape tensor work so that CUDA graphs and compiled rounds can take it, which on a CPU costs
 30-130 small PyTorch ops: on the demo pair an eager default round spent 1.5 of its 9.7 ms in these
@@ -152,4 +154,19 @@ def row_hash(
     instead of the reference's ~60 int64 tensor ops); None where the C operator does not run."""
     if _native(key, counter) and key.dtype == torch.int64 and counter.dtype == torch.int64:
         return torch.ops.tritonspec_cpu.row_hash(key, counter, int(n), int(vocab))
+    return None
+
+
+def verify_chain(
+    tokens: torch.Tensor,  # [B, N] int64, node 0 = root
+    probs: torch.Tensor,  # [B, N, V] float32
+    draft_probs: torch.Tensor,  # [B, N-1, V] float32
+    uniforms: torch.Tensor,  # [B, N] float32
+    exp_noise: torch.Tensor,  # [B, V] float32
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:  # nodes [B, N], num [B], emitted [B, N]
+    """``kernels.verify_chain.verify_chain_reference``, exactly (its ~30 tensor ops, ~0.35 ms on the demo's
+    4,096-token vocabulary, as one C loop); None where the C operator does not run."""
+    floats = (probs, draft_probs, uniforms, exp_noise)
+    if _native(tokens, *floats) and tokens.dtype == torch.int64 and all(t.dtype == torch.float32 for t in floats):
+        return torch.ops.tritonspec_cpu.verify_chain(tokens, probs, draft_probs, uniforms, exp_noise)
     return None

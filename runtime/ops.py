@@ -271,7 +271,15 @@ class TorchOps:
         return verify_greedy_reference(tokens, parents, target_argmax, max_depth)
 
     verify_sampling = staticmethod(verify_sampling_reference)
-    verify_chain = staticmethod(verify_chain_reference)
+
+    def verify_chain(self, tokens, probs, draft_probs, uniforms, exp_noise):
+        """``kernels.verify_chain.verify_chain_reference``; eager CPU calls run ``kernels.cpu_tree``'s
+        C operator where ``cpu_index`` holds (the same tokens and counts)."""
+        if tokens.is_cpu and self.cpu_index:
+            out = _cpu_tree.verify_chain(tokens, probs, draft_probs, uniforms, exp_noise)
+            if out is not None:
+                return out
+        return verify_chain_reference(tokens, probs, draft_probs, uniforms, exp_noise)
 
     def kv_compact(self, k_cache, v_cache, start, nodes):
         """``kernels.kv_compact.kv_compact_reference``; eager CPU calls run ``kernels.cpu_tree``'s C

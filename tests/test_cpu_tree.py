@@ -15,6 +15,7 @@ import tritonspec as ts
 from tritonspec.kernels import cpu_linear as cl
 from tritonspec.kernels import cpu_tree
 from tritonspec.kernels.verify import verify_greedy_reference
+from tritonspec.kernels.verify_chain import verify_chain_reference
 from tritonspec.runtime import decode as decode_module
 from tritonspec.runtime.ngram import graft_chain, ngram_lookup
 from tritonspec.runtime.ops import TorchOps
@@ -321,8 +322,72 @@ def test_row_hash_sees_the_counter_and_the_key():
     assert not torch.equal(h[0], h[1])
 
 
+# ================================================================== verify_chain
+@st.composite
+def chain_case(draw):
+    B, N = draw(st.integers(1, 4)), draw(st.integers(1, 7))
+    V = draw(st.sampled_from([1, 2, 5, 64, 300]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    sharp = draw(st.sampled_from([0.5, 3.0, 12.0]))  # flat to near one-hot distributions
+    probs = (torch.randn(B, N, V, generator=g) * sharp).softmax(-1)
+    q = (torch.randn(B, max(N - 1, 0), V, generator=g) * sharp).softmax(-1)
+    kind = draw(st.sampled_from(["free", "q_is_p", "q_zero", "ties", "exact_coin"]))
+    if kind == "q_is_p" and N > 1:  # every draft accepted with p == q; a rejection's residual all zero
+        q = probs[:, 1:].clone() if draw(st.booleans()) else probs[:, :-1].clone()
+    tokens = torch.randint(0, V, (B, N), generator=g)
+    if draw(st.booleans()) and N > 1:  # drafts drawn where q has mass: long accepted runs
+        tokens[:, 1:] = q.argmax(-1)
+    if kind == "q_zero" and N > 1:
+        q[torch.arange(B), 0, tokens[:, 1]] = 0.0
+    u = torch.rand(B, N, generator=g)
+    if kind == "exact_coin" and N > 1:  # u * q == p exactly at depth 1: accepted (<=)
+        x = tokens[:, 1]
+        q[torch.arange(B), 0, x] = 0.5
+        u[:, 1] = 0.25
+        probs[torch.arange(B), 0, x] = 0.125
+    xi = torch.rand(B, V, generator=g) + 0.05
+    if kind == "ties":  # equal race values: the first maximal index wins
+        probs = torch.full((B, N, V), 1.0 / V)
+        xi = torch.ones(B, V)
+    return tokens, probs, q, u, xi
+
+
+@settings(max_examples=200, deadline=None)
+@given(chain_case())
+def test_verify_chain_equals_reference(case):
+    _equal(cpu_tree.verify_chain(*case), verify_chain_reference(*case), ("nodes", "num", "emitted"))
+
+
+def test_verify_chain_known_answers_and_what_the_comparison_sees():
+    """Two drafts, the second rejected: the bonus is the residual's race winner; a NaN residual falls
+    back to p as in the reference; a coin moved past p(x) / q(x) changes the count (inverse)."""
+    V = 4
+    tokens = torch.tensor([[0, 1, 2]])
+    probs = torch.tensor([[[0.1, 0.6, 0.2, 0.1], [0.1, 0.1, 0.2, 0.6], [0.25, 0.25, 0.25, 0.25]]])
+    q = torch.tensor([[[0.1, 0.5, 0.3, 0.1], [0.1, 0.1, 0.7, 0.1]]])
+    u = torch.tensor([[0.0, 0.9, 0.5]])  # depth 1: 0.9 * 0.5 <= 0.6; depth 2: 0.5 * 0.7 > 0.2
+    xi = torch.ones(1, V)
+    nodes, num, emitted = cpu_tree.verify_chain(tokens, probs, q, u, xi)
+    assert num.tolist() == [1] and nodes.tolist() == [[0, 1, -1]] and emitted.tolist() == [[1, 3, -1]]
+    _equal((nodes, num, emitted), verify_chain_reference(tokens, probs, q, u, xi), ("nodes", "num", "emitted"))
+    u2 = u.clone()
+    u2[0, 2] = 0.1  # 0.1 * 0.7 <= 0.2: depth 2 accepted, the bonus drawn from p at depth 2 (a tie: index 0)
+    assert [t.tolist() for t in cpu_tree.verify_chain(tokens, probs, q, u2, xi)] == [[[0, 1, 2]], [2], [[1, 2, 0]]]
+    p2 = probs.clone()
+    p2[0, 0, 1] = 0.3  # 0.9 * 0.5 > 0.3: depth 1 rejected
+    got = cpu_tree.verify_chain(tokens, p2, q, u, xi)
+    assert got[1].tolist() == [0]
+    _equal(got, verify_chain_reference(tokens, p2, q, u, xi), ("nodes", "num", "emitted"))
+    bad = probs.clone()
+    bad[0, 1, 0] = float("nan")
+    _equal(cpu_tree.verify_chain(tokens, bad, q, u, xi), verify_chain_reference(tokens, bad, q, u, xi), ("n", "c", "e"))
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_tree.verify_chain(tokens + 3, probs, q, u, xi)
+
+
 def test_sampled_decoding_draws_through_the_operator_with_the_references_tokens(monkeypatch):
-    """Seeded sampling with the C words (counted) emits the tokens it emits with the references."""
+    """Seeded sampling with the C words and the C chain verification (both counted) emits the
+    tokens it emits with the references."""
     rt = runtime(*perm_pair("llama", vocab=24, seed=1, alpha=0.15), spec=ts.SpecConfig.chain(3), max_batch_size=4)
     if not rt.decoder.ops.cpu_index:
         pytest.skip("the CPU kernels do not run here (cpu_linear)")
@@ -336,12 +401,22 @@ def test_sampled_decoding_draws_through_the_operator_with_the_references_tokens(
             calls.append(1)
         return out
 
+    chains = []
+    real_chain = cpu_tree.verify_chain
+
+    def counted_chain(*a):
+        out = real_chain(*a)
+        if out is not None:
+            chains.append(1)
+        return out
+
     monkeypatch.setattr(cpu_tree, "row_hash", counted)
+    monkeypatch.setattr(cpu_tree, "verify_chain", counted_chain)
     kw = dict(max_new_tokens=24, temperature=1.0, seed=11)
     with_c = rt.generate(prompts, **kw)
-    assert len(calls) > 0
+    assert len(calls) > 0 and len(chains) > 0
     monkeypatch.setattr(TorchOps, "cpu_index", property(lambda self: False))
-    n = len(calls)
+    n, m = len(calls), len(chains)
     with_refs = rt.generate(prompts, **kw)
-    assert len(calls) == n, "cpu_index off: the references ran"
+    assert (len(calls), len(chains)) == (n, m), "cpu_index off: the references ran"
     assert with_c.token_ids == with_refs.token_ids

@@ -1,5 +1,5 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
-// .ngram_lookup, .graft_chain, .kv_compact, .row_hash and .drafter_step: the kernels of linear.c, attention.c,
+// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain and .drafter_step: the kernels of linear.c, attention.c,
 // norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
@@ -55,6 +55,8 @@ void tritonspec_graft_chain(const int64_t*, const int64_t*, const int64_t*, cons
 int64_t tritonspec_kv_compact(char*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
                               const int64_t*, int64_t, int64_t, int64_t, char*);
 void tritonspec_row_hash(const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t*);
+void tritonspec_verify_chain(const int64_t*, const float*, const float*, const float*, const float*, int64_t, int64_t,
+                             int64_t, int64_t*, int64_t*, int64_t*);
 void tritonspec_rms_norm_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
                               float, uint16_t*, uint16_t*, int);
 }
@@ -358,6 +360,30 @@ void kv_compact(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::
   }
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_chain(const at::Tensor& tokens, const at::Tensor& probs,
+                                                            const at::Tensor& draft_probs, const at::Tensor& uniforms,
+                                                            const at::Tensor& exp_noise) {
+  at::Tensor t = i64(tokens, "tokens", 2);
+  const int64_t B = t.size(0), N = t.size(1);
+  TORCH_CHECK(N >= 1 && probs.dim() == 3 && probs.size(0) == B && probs.size(1) == N, "tritonspec_cpu::verify_chain: ",
+              "tokens [B, N >= 1] and probs [B, N, V]");
+  const int64_t V = probs.size(2);
+  TORCH_CHECK(draft_probs.sizes() == at::IntArrayRef({B, N - 1, V}) && uniforms.sizes() == at::IntArrayRef({B, N}) &&
+                  exp_noise.sizes() == at::IntArrayRef({B, V}) && V >= 1,
+              "tritonspec_cpu::verify_chain: draft_probs [B, N - 1, V], uniforms [B, N], exp_noise [B, V >= 1]");
+  for (const at::Tensor* x : {&probs, &draft_probs, &uniforms, &exp_noise})
+    TORCH_CHECK(x->scalar_type() == at::kFloat, "tritonspec_cpu::verify_chain: probabilities and noise must be float32");
+  const int64_t* tk = t.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < B * N; i++)
+    TORCH_CHECK(tk[i] >= 0 && tk[i] < V, "tritonspec_cpu::verify_chain: token ", tk[i], " is outside [0, ", V, ")");
+  at::Tensor p = probs.contiguous(), q = draft_probs.contiguous(), u = uniforms.contiguous(), xi = exp_noise.contiguous();
+  at::Tensor nodes = at::empty({B, N}, t.options()), num = at::empty({B}, t.options()), emitted = at::empty({B, N}, t.options());
+  tritonspec_verify_chain(t.const_data_ptr<int64_t>(), p.const_data_ptr<float>(), q.const_data_ptr<float>(),
+                          u.const_data_ptr<float>(), xi.const_data_ptr<float>(), B, N, V, nodes.mutable_data_ptr<int64_t>(),
+                          num.mutable_data_ptr<int64_t>(), emitted.mutable_data_ptr<int64_t>());
+  return {nodes, num, emitted};
+}
+
 at::Tensor row_hash(const at::Tensor& key, const at::Tensor& counter, int64_t n, int64_t vocab) {
   at::Tensor k = i64(key, "key", 1), c = i64(counter, "counter", 1);
   TORCH_CHECK(c.size(0) == k.size(0) && n >= 0 && vocab >= 0,
@@ -431,6 +457,8 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
   m.def("graft_chain(Tensor tokens, Tensor parents, Tensor depth, Tensor mask, Tensor chain, Tensor valid) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("row_hash(Tensor key, Tensor counter, int n, int vocab) -> Tensor");
+  m.def("verify_chain(Tensor tokens, Tensor probs, Tensor draft_probs, Tensor uniforms, Tensor exp_noise) -> "
+        "(Tensor, Tensor, Tensor)");
   m.def("drafter_step(Tensor hidden, Tensor tokens, Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, "
         "Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, Tensor final_norm, Tensor cos, Tensor sin, "
         "Tensor positions, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor prefix_lens, Tensor tree_mask, "
@@ -451,4 +479,5 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("kv_compact", &kv_compact);
   m.impl("drafter_step", &drafter_step);
   m.impl("row_hash", &row_hash);
+  m.impl("verify_chain", &verify_chain);
 }

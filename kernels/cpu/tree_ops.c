@@ -13,6 +13,7 @@
  *
  * Index tensors are contiguous int64 (hist: unit stride along a row), masks one byte per bool.
  */
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -212,5 +213,65 @@ void tritonspec_row_hash(const int64_t* key, const int64_t* counter, int64_t B, 
         int64_t* row = h + b * (n + vocab);
         for (int64_t j = 0; j < n; j++) row[j] = mix32(mix32((uint32_t)j + base) ^ k);
         for (int64_t j = 0; j < vocab; j++) row[n + j] = mix32(mix32((uint32_t)j + 0x80000000u + base) ^ k);
+    }
+}
+
+/* kernels/verify_chain.py verify_chain_reference: a sampled chain's lossless verification. tokens [B, N] (node 0 the
+ * root), probs [B, N, V] (p), q [B, N - 1, V], u [B, N], xi [B, V]; nodes, emitted [B, N], num [B]. Depth i's draft
+ * x is accepted while every shallower one was, q(x) > 0 and u_i * q(x) <= p(x) in float64 (exact: a product of two
+ * float32 values); then the bonus is the first maximal index of r / xi (float32 division), r = max(p - q, 0) at
+ * the last accepted node after a rejection (p when every draft was accepted), or p when r is all zero. NaN as
+ * the reference: clamp keeps it, a NaN residual falls back to p (its amax is NaN), argmax takes the first NaN. */
+void tritonspec_verify_chain(const int64_t* tokens, const float* probs, const float* q, const float* u, const float* xi,
+                             int64_t B, int64_t N, int64_t V, int64_t* nodes, int64_t* num, int64_t* emitted) {
+    const int64_t n = N - 1;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t* tok = tokens + b * N;
+        const float *pb = probs + b * N * V, *qb = q + b * n * V, *ub = u + b * N, *xb = xi + b * V;
+        int64_t *nd = nodes + b * N, *em = emitted + b * N;
+        for (int64_t i = 0; i < N; i++) em[i] = -1;
+        int64_t cnt = 0;
+        for (int64_t i = 1; i <= n; i++) {
+            const int64_t x = tok[i];
+            const double p = (double)pb[(i - 1) * V + x], qq = (double)qb[(i - 1) * V + x];
+            if (!(qq > 0 && (double)ub[i] * qq <= p)) break; /* the rest stays rejected: -1 */
+            em[i - 1] = x;
+            cnt++;
+        }
+        for (int64_t i = 0; i < N; i++) nd[i] = i <= cnt ? i : -1;
+        const float* p_at = pb + cnt * V;
+        const float* q_at = cnt < n ? qb + cnt * V : NULL; /* rejected: the residual against q at that depth */
+        float top = -INFINITY;
+        int nan = 0;
+        for (int64_t v = 0; v < V; v++) {
+            float r = p_at[v];
+            if (q_at) {
+                const float d = p_at[v] - q_at[v];
+                r = d < 0.0f ? 0.0f : d; /* clamp(min=0) keeps NaN */
+            }
+            if (r != r) nan = 1;
+            else if (r > top) top = r;
+        }
+        const int residual = q_at && !nan && top > 0.0f; /* the reference's amax > 0: a NaN amax is not */
+        int64_t best_v = 0;
+        float best = -INFINITY;
+        for (int64_t v = 0; v < V; v++) {
+            float r = p_at[v];
+            if (residual) {
+                const float d = p_at[v] - q_at[v];
+                r = d < 0.0f ? 0.0f : d;
+            }
+            const float s = r / xb[v];
+            if (s != s) {
+                best_v = v; /* argmax: the first NaN */
+                break;
+            }
+            if (s > best) {
+                best = s;
+                best_v = v;
+            }
+        }
+        em[cnt] = best_v;
+        num[b] = cnt;
     }
 }
