@@ -24,7 +24,8 @@
    decoding won tries the one-token chain with each lookup branch instead (kept only if faster)
 8. optionally (``long_prompts``), the rows again on long prompts (batch 1, and every batch size
    and mode step 6 measured): the short prompts' winner at that batch, the same candidates as
-   step 6 (at batch > 1 around the long batch-1 winner's row budget) and plain decoding side by
+   step 6 (at batch > 1 around the long batch-1 winner's row budget, or the cost model's pick's
+   where plain decoding won the long batch-1 row) and plain decoding side by
    side (then step 7 on the winner). Every verified row attends over the whole context, so long
    prompts often want smaller trees. These rows carry ``"context": T``, T the geometric mean of
    the two prompt sets' median lengths: the runtime runs them for requests whose longest prompt

@@ -23,7 +23,8 @@ fixed-shape tensor work so that CUDA graphs and compiled rounds can take it, whi
 five (2026-12-04). Where the decoder cannot go, they differ only in how they fail: the graft of a tree
 whose root is off the chain's path (the reference raises, the C result is clamped), a compaction path
 not starting at the root or an idle row starting outside the cache (the reference's order is undefined
-or it raises; the C operator moves only the path).
+or it raises; the C operator moves only the path); a negative chain token (the reference's indexing
+wraps it, the C operator raises).
 """
 
 from __future__ import annotations

@@ -348,6 +348,7 @@ class Decoder:
         split = (
             self.device.type == "cpu"
             and self.observer is None  # observed decoding counts one static batch's forwards
+            and not getattr(self.ops, "reads_host", False)  # an ops proxy recording the batch's forward (audit)
             and padded >= PREFILL_SPLIT_MIN_TOKENS
             and waste > PREFILL_SPLIT_PAD * padded
         )

@@ -56,14 +56,15 @@ def test_outputs_equal_solo_runs(pair, batch, temperature, speculative):
         assert getattr(out.stats, field) == total, field
 
 
+@pytest.mark.parametrize("spec", [SPEC, ts.SpecConfig.chain(3)])  # a tree, and sampled chains at temperature 1
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("lengths, forwards", [([150, 9, 40], [1, 1, 1]), ([90, 88, 93], [3])])
-def test_a_ragged_batch_prefills_prompt_by_prompt(pair, monkeypatch, temperature, lengths, forwards):
+def test_a_ragged_batch_prefills_prompt_by_prompt(pair, monkeypatch, temperature, lengths, forwards, spec):
     """On a CPU a batch whose padding would be much of its prompt forward runs each prompt alone
     (``PREFILL_SPLIT_PAD``): one target forward per prompt, each of one row, and every output is
     still its solo run's (greedy and seeded sampling, speculative and plain). The inverse: prompts
     of about one length run one forward of all rows."""
-    rt = runtime(*pair, SPEC, max_batch_size=3, max_seq_len=200)
+    rt = runtime(*pair, spec, max_batch_size=3, max_seq_len=200)
     prompts = random_prompts(24, lengths, seed=12)
     kw = dict(max_new_tokens=16, temperature=temperature, stop_token_ids=[])
     seeds = [7, 8, 9]
@@ -84,6 +85,16 @@ def test_a_ragged_batch_prefills_prompt_by_prompt(pair, monkeypatch, temperature
         assert out.token_ids == [s.token_ids[0] for s in solo]
         if speculative:  # the drafter's state after the prompt too: acceptance as in the solo runs
             assert out.stats.num_accepted_tokens == sum(s.stats.num_accepted_tokens for s in solo)
+
+
+def test_the_audit_recorder_sees_a_ragged_batch_in_one_prefill(pair):
+    """``generate_recorded`` (an ops proxy that reads the prefill's head rows as the batch's) keeps the
+    one padded prefill: every prompt's recorded logits pick its emitted tokens."""
+    rt = runtime(*pair, SPEC, max_batch_size=3, max_seq_len=200)
+    prompts = random_prompts(24, [150, 9, 40], seed=12)
+    tokens, logits = generate_recorded(rt, prompts, max_new_tokens=6, stop_token_ids=[])
+    assert [len(t) for t in tokens] == [6, 6, 6]
+    assert [lg.argmax(-1).tolist() for lg in logits] == tokens
 
 
 def test_a_row_finishing_mid_batch_is_reused(pair, monkeypatch):

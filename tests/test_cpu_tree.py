@@ -331,7 +331,7 @@ def chain_case(draw):
     sharp = draw(st.sampled_from([0.5, 3.0, 12.0]))  # flat to near one-hot distributions
     probs = (torch.randn(B, N, V, generator=g) * sharp).softmax(-1)
     q = (torch.randn(B, max(N - 1, 0), V, generator=g) * sharp).softmax(-1)
-    kind = draw(st.sampled_from(["free", "q_is_p", "q_zero", "ties", "exact_coin"]))
+    kind = draw(st.sampled_from(["free", "q_is_p", "q_above_p", "q_zero", "ties", "exact_coin", "nan"]))
     if kind == "q_is_p" and N > 1:  # every draft accepted with p == q; a rejection's residual all zero
         q = probs[:, 1:].clone() if draw(st.booleans()) else probs[:, :-1].clone()
     tokens = torch.randint(0, V, (B, N), generator=g)
@@ -340,6 +340,11 @@ def chain_case(draw):
     if kind == "q_zero" and N > 1:
         q[torch.arange(B), 0, tokens[:, 1]] = 0.0
     u = torch.rand(B, N, generator=g)
+    if kind == "q_above_p" and N > 1:  # q = 2p: a coin above 1/2 rejects, and the residual is all zero (p's race)
+        q = probs[:, :-1] * 2
+        u[:, 1:] = 0.5 + u[:, 1:] / 2 + 1e-3
+    if kind == "nan":  # a NaN in p somewhere: the residual's fallback and the race as the reference
+        probs[draw(st.integers(0, B - 1)), draw(st.integers(0, N - 1)), draw(st.integers(0, V - 1))] = float("nan")
     if kind == "exact_coin" and N > 1:  # u * q == p exactly at depth 1: accepted (<=)
         x = tokens[:, 1]
         q[torch.arange(B), 0, x] = 0.5
