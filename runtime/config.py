@@ -141,6 +141,7 @@ class SpecStats:
     spec_source: str = ""  # why: "caller", "profile", "shipped profile", "heuristic", "speculative=False", ...
     #                                                     rounds replayed as CUDA graphs (eager rounds split by phase)
     rows_refilled: int = 0  # continuous batching: prompts admitted into a finished row mid-run
+    rows_moved: int = 0  # rows moved down into finished ones once no prompt waits (the round narrows)
 
     def count_round(self, accepted: list[int], draft_tokens: int) -> None:
         """Count one verify round of each row that ran it: ``accepted[i]`` draft tokens accepted of

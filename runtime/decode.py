@@ -256,6 +256,27 @@ class Decoder:
             self.bufs.L.index_fill_(0, idx, 0)
             self.bufs.active.index_fill_(0, idx, False)
 
+    def move_row(self, src: int, dst: int) -> None:
+        """Move the running row ``src`` into the finished row ``dst < src`` and retire ``src``: both models'
+        K/V of its committed positions, its buffers (length, root, drafter state, history, random stream)
+        and host state. The round can then narrow past ``src`` instead of computing a finished row in the
+        middle of the batch as idle padding. Its later tokens are those it would have emitted from ``src``:
+        every op of a round works row by row. A copy of ``L`` slots per layer (continuous batching's tail,
+        ``SpeculativeRuntime._decode``)."""
+        if not (0 <= dst < src < len(self.running)) or not self.running[src] or self.running[dst]:
+            raise ValueError(f"move_row({src}, {dst}): needs a running row after a finished one")
+        n = self.lengths[src]  # committed slots: the next round writes from slot n on, in both caches
+        t = self.target
+        for c in (t.k_cache, t.v_cache):
+            c[:, dst, :n].copy_(c[:, src, :n])
+        if self.speculative and self.draft_cache is not None:
+            for c in (self.draft_cache.k, self.draft_cache.v):
+                c[dst, :n].copy_(c[src, :n])
+        for buf in self.bufs.tensors():
+            buf[dst].copy_(buf[src])
+        self.running[dst], self.lengths[dst] = True, n
+        self.finish([src])
+
     def snapshot(self) -> Snapshot:
         """Copy the state a draft/verify/commit changes (lengths, roots, drafter states)."""
         return Snapshot([t.clone() for t in (self.L, self.root, self.hn, self.carry)], list(self.lengths))

@@ -562,6 +562,8 @@ class SpeculativeRuntime:
                 if waiting:
                     continue  # every newcomer stopped at its first token: admit the next ones
                 break
+            if not waiting:
+                stats.rows_moved += self._compact(dec, slot_req)
             live = max(b for b, a in enumerate(dec.running) if a) + 1
             if self._rows(live) != dec.rows:  # finished rows at the end shrink the round; newcomers widen it
                 dec.narrow(self._rows(live))
@@ -578,6 +580,27 @@ class SpeculativeRuntime:
         if self.tokenizer is not None:
             texts = [requests.text(b) for b in range(len(requests.outs))]
         return GenerationOutput(token_ids=requests.outs, texts=texts, stats=stats, finish_reasons=requests.reasons)
+
+    def _compact(self, dec: Decoder, slot_req: list[int | None]) -> int:
+        """No prompt waits: move the last running rows into finished rows below them (``Decoder.move_row``),
+        so the round narrows to the rows still decoding; returns the rows moved. Eager rounds only (a
+        graph or compiled round per row count would be captured or compiled anew), not under an ops
+        proxy that keeps rows by position (``reads_host``: the audit's recorder) or an observer."""
+        if (self._graphs is not None and self._graphable()) or dec.observer is not None:
+            return 0
+        if getattr(dec.ops, "reads_host", False):
+            return 0
+        moved = 0
+        slot_req += [None] * (len(dec.running) - len(slot_req))
+        while True:
+            free = [b for b, a in enumerate(dec.running) if not a]
+            live = [b for b, a in enumerate(dec.running) if a]
+            if not free or not live or free[0] > live[-1]:
+                return moved
+            src, dst = live[-1], free[0]
+            dec.move_row(src, dst)
+            slot_req[dst], slot_req[src] = slot_req[src], None
+            moved += 1
 
     @staticmethod
     def _emit(dec: Decoder, requests: RequestRows, slot_req: list[int | None], new: list[list[int]]) -> None:

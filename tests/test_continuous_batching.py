@@ -15,6 +15,7 @@ import tritonspec as ts
 from tritonspec.runtime.audit import generate_recorded
 from tritonspec.runtime.decode import Decoder
 from tritonspec.runtime.graphs import GraphRunner
+from tritonspec.runtime.sampling import SamplingParams
 
 from _util import perm_pair, random_prompts, runtime
 
@@ -85,6 +86,71 @@ def test_a_ragged_batch_prefills_prompt_by_prompt(pair, monkeypatch, temperature
         assert out.token_ids == [s.token_ids[0] for s in solo]
         if speculative:  # the drafter's state after the prompt too: acceptance as in the solo runs
             assert out.stats.num_accepted_tokens == sum(s.stats.num_accepted_tokens for s in solo)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("speculative", [True, False])
+def test_the_last_running_row_moves_into_a_finished_one_and_the_round_narrows(pair, temperature, speculative):
+    """No prompt waits (a static batch) and a row below running ones stops: the last running row moves
+    into it (``Decoder.move_row``: caches, buffers, random stream), the round narrows to the rows still
+    decoding, and every output and the acceptance are the solo runs' (a row moved without its drafter
+    cache or its random stream would show in the acceptance or the sampled tokens)."""
+    rt = runtime(*pair, SPEC, max_batch_size=4)
+    prompts = random_prompts(24, [5, 12, 7, 9], seed=0)  # rows 2 and 3 stop first, then rows 0 and 1 run on
+    kw = dict(max_new_tokens=24, temperature=temperature, speculative=speculative, stop_token_ids=[STOP])
+    seeds = [1, 2, 3, 4]
+    dec, rows = rt.decoder, []
+    real_round = dec.round
+
+    def counted(*a, **k):
+        rows.append(dec.rows)
+        return real_round(*a, **k)
+
+    dec.round = counted
+    try:
+        out = rt.generate(prompts, seed=seeds, **kw)
+    finally:
+        del dec.round
+    solo = _solo(rt, prompts, seed=seeds, **kw)
+    assert out.token_ids == [s.token_ids[0] for s in solo]
+    assert out.stats.rows_moved > 0 and rows[0] == 4 and min(rows) < 4
+    if speculative:
+        assert out.stats.num_accepted_tokens == sum(s.stats.num_accepted_tokens for s in solo)
+        assert out.stats.accepted_per_position == [sum(x) for x in zip(*(s.stats.accepted_per_position for s in solo))]
+
+
+def test_move_row_copies_every_piece_of_a_rows_state(pair):
+    """``Decoder.move_row``: the destination holds what the source held (every buffer row, both caches'
+    committed slots), the source idles (L 0, inactive), and a bad move is refused."""
+    rt = runtime(*pair, SPEC, max_batch_size=3)
+    dec = rt.decoder
+    with torch.inference_mode():
+        sampling = SamplingParams(temperature=1.0)
+        dec.prefill(random_prompts(24, [5, 12, 7], seed=4), speculative=True, sampling=sampling, seeds=[1, 2, 3])
+        for _ in range(2):
+            dec.round()
+            dec.collect()
+        n = dec.lengths[2]
+        t = rt.target
+        want = (
+            [b[2].clone() for b in dec.bufs.tensors()]
+            + [c[:, 2, :n].clone() for c in (t.k_cache, t.v_cache)]
+            + [c[2, :n].clone() for c in (dec.draft_cache.k, dec.draft_cache.v)]
+        )
+        assert all(w.abs().sum() > 0 for w in want[-4:])  # caches filled: the comparison below is not vacuous
+        dec.finish([0])
+        with pytest.raises(ValueError, match="running row after a finished one"):
+            dec.move_row(0, 1)
+        dec.move_row(2, 0)
+        got = (
+            [b[0] for b in dec.bufs.tensors()]
+            + [c[:, 0, :n] for c in (t.k_cache, t.v_cache)]
+            + [c[0, :n] for c in (dec.draft_cache.k, dec.draft_cache.v)]
+        )
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert torch.equal(g, w), i
+        assert dec.running == [True, True, False] and dec.lengths[0] == n and dec.lengths[2] == 0
+        assert int(dec.bufs.L[2]) == 0 and not bool(dec.bufs.active[2])
 
 
 def test_the_audit_recorder_sees_a_ragged_batch_in_one_prefill(pair):
