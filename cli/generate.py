@@ -204,6 +204,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     )
     if args.prompts_file is not None:
         line += f" prompts={len(prompts)} max_batch_size={batch} rows_refilled={s.rows_refilled}"
+        line += f" rows_moved={s.rows_moved}"
     if args.compare and speculative:
         base = rt.generate(prompt, **(kw | {"speculative": False}))
         line += (

@@ -163,7 +163,7 @@ def test_generate_a_prompts_file_continuously_batched(pair_dirs, capsys, tmp_pat
     assert main([*argv, "--prompts-file", str(f), "--max-batch-size", "2"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     recs = [json.loads(line) for line in lines[:-1]]
-    assert [r["index"] for r in recs] == list(range(5)) and "rows_refilled=3" in lines[-1]
+    assert [r["index"] for r in recs] == list(range(5)) and "rows_refilled=3 rows_moved=" in lines[-1]
     rt = ts.SpeculativeRuntime.from_pretrained(t, d, spec=ts.SpecConfig(3, 2, 6), max_batch_size=1)
     for r, p in zip(recs, prompts):
         assert r["token_ids"] == rt.generate(p.replace("\\n", "\n"), max_new_tokens=6).token_ids[0]
