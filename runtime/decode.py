@@ -256,6 +256,14 @@ class Decoder:
             self.bufs.L.index_fill_(0, idx, 0)
             self.bufs.active.index_fill_(0, idx, False)
 
+    @property
+    def rows_in_place(self) -> bool:
+        """Whether something watches the batch by row position and forward: an observer (observed decoding
+        counts one static batch's forwards) or an ops proxy that reads the host (the audit's recorder keeps
+        rows by position and the prefill's head rows as the batch's). Then a batch prefills in one forward
+        and its rows never move (``_prefill_groups``, ``move_row``)."""
+        return self.observer is not None or bool(getattr(self.ops, "reads_host", False))
+
     def move_row(self, src: int, dst: int) -> None:
         """Move the running row ``src`` into the finished row ``dst < src`` and retire ``src``: both models'
         K/V of its committed positions, its buffers (length, root, drafter state, history, random stream)
@@ -368,8 +376,7 @@ class Decoder:
         waste = padded - sum(map(len, batch))
         split = (
             self.device.type == "cpu"
-            and self.observer is None  # observed decoding counts one static batch's forwards
-            and not getattr(self.ops, "reads_host", False)  # an ops proxy recording the batch's forward (audit)
+            and not self.rows_in_place
             and padded >= PREFILL_SPLIT_MIN_TOKENS
             and waste > PREFILL_SPLIT_PAD * padded
         )

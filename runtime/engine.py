@@ -585,10 +585,8 @@ class SpeculativeRuntime:
         """No prompt waits: move the last running rows into finished rows below them (``Decoder.move_row``),
         so the round narrows to the rows still decoding; returns the rows moved. Eager rounds only (a
         graph or compiled round per row count would be captured or compiled anew), not under an ops
-        proxy that keeps rows by position (``reads_host``: the audit's recorder) or an observer."""
-        if (self._graphs is not None and self._graphable()) or dec.observer is not None:
-            return 0
-        if getattr(dec.ops, "reads_host", False):
+        proxy that keeps rows by position or an observer (``Decoder.rows_in_place``)."""
+        if (self._graphs is not None and self._graphable()) or dec.rows_in_place:
             return 0
         moved = 0
         slot_req += [None] * (len(dec.running) - len(slot_req))

@@ -261,25 +261,25 @@ class TorchOps:
         same integers as the references, one call instead of 30-130 small ops."""
         return self._cpu_kernel(torch.float32) or self._cpu_kernel(torch.bfloat16)
 
+    def _index_op(self, c_op, reference, *args):
+        """``reference(*args)``, as ``kernels.cpu_tree``'s C operator ``c_op`` on eager CPU calls where
+        ``cpu_index`` holds (it returns None where it does not run: then the reference)."""
+        out = c_op(*args) if args[0].is_cpu and self.cpu_index else None
+        return reference(*args) if out is None else out
+
     def verify_greedy(self, tokens, parents, target_argmax, max_depth):
-        """``kernels.verify.verify_greedy_reference``; eager CPU calls run ``kernels.cpu_tree``'s
-        C operator where ``cpu_index`` holds (the same integers)."""
-        if tokens.is_cpu and self.cpu_index:
-            out = _cpu_tree.verify_greedy(tokens, parents, target_argmax, max_depth)
-            if out is not None:
-                return out
-        return verify_greedy_reference(tokens, parents, target_argmax, max_depth)
+        """``kernels.verify.verify_greedy_reference`` (``_index_op``: the same integers)."""
+        return self._index_op(
+            _cpu_tree.verify_greedy, verify_greedy_reference, tokens, parents, target_argmax, max_depth
+        )
 
     verify_sampling = staticmethod(verify_sampling_reference)
 
     def verify_chain(self, tokens, probs, draft_probs, uniforms, exp_noise):
-        """``kernels.verify_chain.verify_chain_reference``; eager CPU calls run ``kernels.cpu_tree``'s
-        C operator where ``cpu_index`` holds (the same tokens and counts)."""
-        if tokens.is_cpu and self.cpu_index:
-            out = _cpu_tree.verify_chain(tokens, probs, draft_probs, uniforms, exp_noise)
-            if out is not None:
-                return out
-        return verify_chain_reference(tokens, probs, draft_probs, uniforms, exp_noise)
+        """``kernels.verify_chain.verify_chain_reference`` (``_index_op``: the same tokens and counts)."""
+        return self._index_op(
+            _cpu_tree.verify_chain, verify_chain_reference, tokens, probs, draft_probs, uniforms, exp_noise
+        )
 
     def kv_compact(self, k_cache, v_cache, start, nodes):
         """``kernels.kv_compact.kv_compact_reference``; eager CPU calls run ``kernels.cpu_tree``'s C

@@ -343,8 +343,10 @@ def chain_case(draw):
     if kind == "q_above_p" and N > 1:  # q = 2p: a coin above 1/2 rejects, and the residual is all zero (p's race)
         q = probs[:, :-1] * 2
         u[:, 1:] = 0.5 + u[:, 1:] / 2 + 1e-3
-    if kind == "nan":  # a NaN in p somewhere: the residual's fallback and the race as the reference
-        probs[draw(st.integers(0, B - 1)), draw(st.integers(0, N - 1)), draw(st.integers(0, V - 1))] = float("nan")
+    if kind == "nan":  # a NaN in p (the race takes it) or in q (the residual falls back to p), as the reference
+        into_q = N > 1 and draw(st.booleans())
+        t, n = (q, N - 1) if into_q else (probs, N)
+        t[draw(st.integers(0, B - 1)), draw(st.integers(0, n - 1)), draw(st.integers(0, V - 1))] = float("nan")
     if kind == "exact_coin" and N > 1:  # u * q == p exactly at depth 1: accepted (<=)
         x = tokens[:, 1]
         q[torch.arange(B), 0, x] = 0.5

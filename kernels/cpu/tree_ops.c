@@ -241,18 +241,16 @@ void tritonspec_verify_chain(const int64_t* tokens, const float* probs, const fl
         for (int64_t i = 0; i < N; i++) nd[i] = i <= cnt ? i : -1;
         const float* p_at = pb + cnt * V;
         const float* q_at = cnt < n ? qb + cnt * V : NULL; /* rejected: the residual against q at that depth */
-        float top = -INFINITY;
-        int nan = 0;
-        for (int64_t v = 0; v < V; v++) {
-            float r = p_at[v];
-            if (q_at) {
+        int residual = 0; /* the reference's amax(max(p - q, 0)) > 0: some p - q > 0 and none NaN (a NaN amax is not) */
+        if (q_at) {
+            int nan = 0;
+            for (int64_t v = 0; v < V; v++) {
                 const float d = p_at[v] - q_at[v];
-                r = d < 0.0f ? 0.0f : d; /* clamp(min=0) keeps NaN */
+                if (d != d) nan = 1;
+                else if (d > 0.0f) residual = 1;
             }
-            if (r != r) nan = 1;
-            else if (r > top) top = r;
+            residual &= !nan;
         }
-        const int residual = q_at && !nan && top > 0.0f; /* the reference's amax > 0: a NaN amax is not */
         int64_t best_v = 0;
         float best = -INFINITY;
         for (int64_t v = 0; v < V; v++) {
