@@ -349,14 +349,23 @@ def packable_panels(weight: torch.Tensor) -> bool:
     )
 
 
-def panels_default() -> bool:
-    """Whether ``weight_layout="auto"`` packs float32 and bfloat16 weights into panels here (and a
-    runtime packs its drafter): on AVX2 CPUs, where the panel kernels were measured (float32 0.6-0.75x
-    the ``[N, K]`` kernel's time at 1-3 rows, ~0.5x from 64 rows; bfloat16 0.7-0.75x the bfloat16
-    ``[N, K]`` kernel's time at 1-3 rows, 0.75-0.95x at 4-128, half the float32 panels' time at 1-3
-    rows; perf/CPU_DECODE.md). AVX-512 CPUs keep ``[N, K]`` (and AMX tiles for bfloat16) until
-    measured there; ``weight_layout="panels"`` runs the panel kernels on any CPU the kernels build for."""
-    return isa() == "avx2"
+def panels_default(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether ``weight_layout="auto"`` packs ``dtype`` weights into panels here (and a runtime packs
+    a drafter of that dtype), where the panel kernels were measured faster than the ``[N, K]`` one:
+
+    * AVX2 CPUs, float32 and bfloat16 (AMD EPYC Zen 3: float32 0.6-0.75x the ``[N, K]`` kernel's time
+      at 1-3 rows, ~0.5x from 64 rows; bfloat16 0.7-0.75x the bfloat16 ``[N, K]`` kernel's time at 1-3
+      rows, 0.75-0.95x at 4-128, half the float32 panels' time at 1-3 rows; perf/CPU_DECODE.md);
+    * AVX-512 CPUs other than Intel's (``SIZE_FLOORS``), float32 only (AMD EPYC Zen 4, 2026-12-04,
+      same process: SmolLM2 float32 plain steps 0.74-0.89x the ``[N, K]`` layout's time, EAGLE-3.1
+      rounds 0.79-0.86x, prompts 0.82-0.87x; the demo pair's rounds 0.84x. bfloat16 stays ``[N, K]``
+      there: its panel kernel decodes faster (0.80-0.85x) but runs a prompt's forward at 1.7x the time
+      of the AVX512-BF16 path ``F.linear`` takes for unpacked weights, which ended level end to end).
+
+    Intel AVX-512 CPUs keep ``[N, K]`` (and AMX tiles for bfloat16) until measured there;
+    ``weight_layout="panels"`` runs the panel kernels on any CPU the kernels build for."""
+    here = isa()
+    return here == "avx2" or (here == "avx512" and not SIZE_FLOORS and dtype == torch.float32)
 
 
 def panels_pay(weight: torch.Tensor) -> bool:

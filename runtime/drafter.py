@@ -275,9 +275,15 @@ class Eagle3Drafter(nn.Module):
 
     def packs_on(self, ops: Any) -> bool:
         """Whether ``ops`` runs this drafter's projections packed (``pack_for_cpu``): its backend packs CPU
-        weights (``ops.packs_cpu_weights``) and the weights are CPU tensors of a dtype the kernels run."""
+        weights (``ops.packs_cpu_weights``) and the weights are CPU tensors of a dtype the kernels run and
+        this CPU runs packed by default (``cpu_linear.panels_default(dtype)``, as the target's layout)."""
         w = self.fc.weight
-        return bool(getattr(ops, "packs_cpu_weights", False)) and w.is_cpu and w.dtype in cpu_linear.DTYPES
+        return (
+            bool(getattr(ops, "packs_cpu_weights", False))
+            and w.is_cpu
+            and w.dtype in cpu_linear.DTYPES
+            and cpu_linear.panels_default(w.dtype)
+        )
 
     def _cpu_weights(self, ops: Any) -> dict[str, torch.Tensor] | None:
         """The ``pack_for_cpu`` weights when they apply (``packs_on(ops)``, autograd off), packed on first

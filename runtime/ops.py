@@ -179,7 +179,8 @@ class TorchOps:
     def packs_cpu_weights(self) -> bool:
         """Whether CPU weights run on the kernel here, so a float32 or bfloat16 drafter runs its projections
         packed into panels (``Eagle3Drafter.pack_for_cpu``), as the target's ``weight_layout="panels"`` does:
-        where ``kernels.cpu_linear.panels_default()`` (AVX2 CPUs). The kernels build for both dtypes at once."""
+        where ``kernels.cpu_linear.panels_default()`` (AVX2 CPUs, AMD AVX-512 ones); the drafter's
+        ``packs_on`` also asks ``panels_default`` for its dtype. The kernels build for both dtypes at once."""
         return self._cpu_kernel(torch.float32) and _cpu_linear.panels_default()
 
     def _cpu_kernel(self, dtype: torch.dtype) -> bool:

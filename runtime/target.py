@@ -192,7 +192,7 @@ def resolve_layout(
     """``auto``: for bfloat16 on a CPU with AMX where the CPU kernels run, ``amx`` (weights packed
     into AMX tiles: a verify forward of 4-16 rows costs about one row, where AVX512-BF16 costs 1.3x
     at 4 rows and 2.3x at 8; one row streams as fast); for float32 and bfloat16 where the CPU kernels
-    run on AVX2 (``kernels.cpu_linear.panels_default``; AVX-512 not measured yet), ``panels`` (16-column
+    run where ``kernels.cpu_linear.panels_default(dtype)`` (AVX2; float32 on AMD AVX-512), ``panels`` (16-column
     panels, the outer-product kernel: SmolLM2's float32 projections and head at 0.6-0.75x the ``[N, K]``
     kernel's time at 1-3 rows, ~0.7x at 6-16, ~0.5x from 64 rows, and faster than MKL up to 256;
     bfloat16 0.7-0.75x the bfloat16 ``[N, K]`` kernel's time at 1-3 rows and 0.75-0.95x at 4-128;
@@ -229,8 +229,8 @@ def resolve_layout(
     if device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and _cpu_linear.enabled(dtype, cpu_linear):
         if dtype == torch.bfloat16 and _cpu_linear.amx_available() is None:
             return "amx"  # packed AMX tiles (kernels/cpu/linear.c): verify rows nearly free
-        if _cpu_linear.panels_default():
-            return "panels"  # the outer-product kernel on 16-column panels (kernels/cpu/linear.c; AVX2 CPUs)
+        if _cpu_linear.panels_default(dtype):
+            return "panels"  # the outer-product kernel on 16-column panels (kernels/cpu/linear.c)
         return "nk"  # kernels.cpu_linear streams [N, K] rows (and is row-invariant)
     return "kn" if device.type == "cpu" and dtype == torch.float32 else "nk"
 

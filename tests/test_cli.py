@@ -65,7 +65,7 @@ def test_stats_line_names_the_cpu_kernels(pair_dirs, capsys):
     assert f"cpu_kernels={want}" in capsys.readouterr().out
     # bfloat16: weights packed for AMX where it runs, else into panels on AVX2 (kernels/cpu/linear.c), else as loaded
     assert main(args + ["--dtype", "bfloat16"]) == 0
-    panels = cpu_linear.panels_default() and cpu_linear.available(torch.bfloat16) is None
+    panels = cpu_linear.panels_default(torch.bfloat16) and cpu_linear.available(torch.bfloat16) is None
     layout = "amx" if cpu_linear.amx_available() is None else "panels" if panels else "nk"
     assert f"weight_layout={layout}" in capsys.readouterr().out
 

@@ -14,13 +14,15 @@ from hypothesis import strategies as st
 import tritonspec as ts
 from tritonspec.kernels import cpu_linear as cl
 from tritonspec.runtime.errors import UserError
+from tritonspec.runtime.ops import TorchOps
 from tritonspec.runtime.target import resolve_layout
+from tritonspec.runtime.tiny import tiny_config
 
 WHY = cl.available(torch.float32)
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"CPU linear kernel unavailable for float32: {WHY}")
 packs_by_default = pytest.mark.skipif(
     WHY is not None or not cl.panels_default(),
-    reason="runtimes pack float32 drafters into panels on AVX2 CPUs only (kernels.cpu_linear.panels_default)",
+    reason="runtimes pack float32 drafters into panels on AVX2 and AMD AVX-512 CPUs only (cpu_linear.panels_default)",
 )
 
 
@@ -116,6 +118,35 @@ def test_native_operator_and_compiled_call_run_the_same_kernel():
         assert torch.equal(torch.ops.tritonspec_cpu.linear(x, w, None, -1), ref)
     fn = torch.compile(lambda a: cl.linear(a, w), fullgraph=True)
     assert torch.equal(fn(x), ref)
+
+
+@pytest.mark.parametrize(
+    "isa, intel, f32, bf16",
+    [
+        ("avx2", False, True, True),
+        ("avx2", True, True, True),
+        ("avx512", False, True, False),
+        ("avx512", True, False, False),
+        (None, False, False, False),
+    ],
+)
+def test_panels_default_follows_where_it_was_measured(monkeypatch, isa, intel, f32, bf16):
+    """AVX2: both dtypes; AMD AVX-512 (Zen 4): float32 only; Intel AVX-512 and CPUs without the
+    kernels: never. The runtime's layout and the drafter's packing follow the same answer per dtype."""
+    monkeypatch.setattr(cl, "isa", lambda: isa)
+    monkeypatch.setattr(cl, "SIZE_FLOORS", intel)
+    assert (cl.panels_default(), cl.panels_default(torch.float32), cl.panels_default(torch.bfloat16)) == (
+        f32,
+        f32,
+        bf16,
+    )
+    cpu = torch.device("cpu")
+    for dtype, want in ((torch.float32, f32), (torch.bfloat16, bf16)):
+        if cl.amx_available() is None and dtype == torch.bfloat16:
+            continue  # AMX tiles come first for bfloat16
+        assert (resolve_layout("auto", cpu, dtype) == "panels") == want
+        d = ts.Eagle3Drafter.for_target(tiny_config(), draft_vocab_size=48).to(dtype)
+        assert d.packs_on(TorchOps()) == want
 
 
 def test_layout_is_the_float32_default_and_checked():

@@ -147,7 +147,7 @@ def test_native_operator_and_compiled_call_run_the_same_kernel():
 
 def test_layout_is_the_bfloat16_default_without_amx():
     cpu = torch.device("cpu")
-    want = "amx" if cl.amx_available() is None else "panels" if cl.panels_default() else "nk"
+    want = "amx" if cl.amx_available() is None else "panels" if cl.panels_default(BF) else "nk"
     assert resolve_layout("auto", cpu, BF) == want
     assert resolve_layout("panels", cpu, BF) == "panels"
 
@@ -174,7 +174,7 @@ def test_bfloat16_panels_target_and_drafter_decode_losslessly(monkeypatch):
     assert torch.allclose(a, b, rtol=2**-7, atol=1e-2) and not torch.equal(a, torch.zeros_like(a))
     d = ts.Eagle3Drafter.from_pretrained(drafter).to(BF)
     rt = ts.SpeculativeRuntime(pn, d, tok, spec=ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6))
-    if rt.ops.packs_cpu_weights:
+    if d.packs_on(rt.ops):
         assert d._packed is not None and any(t.dim() == 3 and t.dtype == BF for t in d.cpu_pack_tensors())
     ids = tok("def add(a, b):\n    return a + b\n\ndef sub(a, b):")["input_ids"]
     plain = rt.generate(ids, max_new_tokens=24, speculative=False)
