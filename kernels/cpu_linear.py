@@ -17,7 +17,7 @@ result is bit-identical in a one-row decode step and in a 64-row verify forward,
 greedy output equals plain greedy output by construction.
 
 Weights packed into 16-column panels (``pack_panels``: ``[N/16, K, 16]``, float32 or bfloat16; the
-target's default layout ``weight_layout="panels"`` on AVX2 CPUs and the drafter's ``pack_for_cpu``)
+target's default layout ``weight_layout="panels"`` where ``panels_default`` and the drafter's ``pack_for_cpu``)
 run a second kernel, an outer product: each output one fused multiply-add chain over k in ascending
 order from +0.0 in float32, then the bias (bfloat16: on the widened values, rounded once at the
 end), whatever register tile computes it. Also row-invariant by construction, 0.6-0.75x the

@@ -408,7 +408,8 @@ class TargetModel:
         ``weight_layout``: how projection weights are stored (``prepare_weight``): ``"auto"`` (the
         fast one for the device), ``"kn"``, ``"nk"``, ``"amx"`` (bfloat16 on an AMX CPU: packed
         tiles, and a tied head's one extra copy) or ``"panels"`` (float32 or bfloat16 on a CPU where the
-        kernels run, the default on AVX2: 16-column panels, and a tied head's one extra copy); values and
+        kernels run, the default on AVX2 and for float32 on AMD AVX-512: 16-column panels, and a tied
+        head's one extra copy); values and
         results do not depend on it beyond the last bits of a matmul.
 
         Every tensor's shape is checked against the config (``check_weights``): a missing,
