@@ -483,12 +483,18 @@ class Decoder:
         cache = self.draft_cache
         if row0:  # an admitted row (continuous batching): its own cache rows
             cache = KVCache(cache.k[row0:], cache.v[row0:])
-        hn, carry = d.step(self._drafter_ops(), g, tokens, meta, cache)
-        last = (n_valid - 1).clamp(min=0)[:, None, None].expand(B, 1, hn.shape[-1])
-        self.bufs.hn[row0 : row0 + B].copy_(hn.gather(1, last)[:, 0])
-        self.bufs.carry[row0 : row0 + B].copy_(carry.gather(1, last)[:, 0])
+        last = (n_valid - 1).clamp(min=0)
+        # a prompt's catch-up computes its last position only beyond the K/V (the observer records every
+        # query's attention, so it keeps the whole forward)
+        keep = last if prefill and self.observer is None else None
+        hn, carry = d.step(self._drafter_ops(), g, tokens, meta, cache, keep=keep)
+        if keep is None:
+            at = last[:, None, None].expand(B, 1, hn.shape[-1])
+            hn, carry = hn.gather(1, at), carry.gather(1, at)
+        self.bufs.hn[row0 : row0 + B].copy_(hn[:, 0])
+        self.bufs.carry[row0 : row0 + B].copy_(carry[:, 0])
         if self.observer is not None:  # depth 1 of the next round is this catch-up's last position
-            self.observer.on_catch_up(last[:, 0, 0], start + n_valid)
+            self.observer.on_catch_up(last, start + n_valid)
 
     def _drafter_ops(self) -> Ops:
         return self.ops if self.observer is None else self.observer.wrap(self.ops)

@@ -235,7 +235,8 @@ class Eagle3Drafter(nn.Module):
         weight ``cpu_linear.panels_pay`` declines (N % 16 != 0; small ones on Intel) stays ``[N, K]``.
         On the kernel each output's bits are those of the same weight packed alone (it computes every
         output on its own), so fusing changes none. Only backends whose ``ops.packs_cpu_weights`` is
-        true (the torch backend where the CPU kernels run, on AVX2) use it, so a runtime with
+        true (the torch backend where the CPU kernels run, on AVX2 and AMD AVX-512) use it, and only for a
+        dtype ``cpu_linear.panels_default`` packs (``packs_on``), so a runtime with
         ``cpu_linear="torch"`` sharing this module keeps ``F.linear`` on its weights; the runtime
         packs when it attaches the drafter. ``enable=False`` drops the copy.
 
@@ -344,14 +345,19 @@ class Eagle3Drafter(nn.Module):
         tokens: torch.Tensor,  # [B, Q] int64 target-vocabulary ids
         meta: AttentionMetadata,
         cache: KVCache,  # [B_max, S+1, Hkv, D] each
+        keep: torch.Tensor | None = None,  # [B] int64: with meta.prefill, the one row whose output is wanted
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One drafter step; returns ``(hn [B, Q, H] (for logits), carry [B, Q, H])``.
 
         The tokens' K/V go to ``cache`` at ``meta.slots``; ``meta.prefill`` (empty prefix, causal
         mask over left-aligned rows) runs attention causally over the new K/V, as
-        ``TargetModel.forward`` does. A decode-round step on the torch backend's packed CPU weights
-        runs as one native operator (``kernels.cpu_drafter.drafter_step``: the same calls from C++,
-        the same bits) unless ``native_step`` is False or the operator declines the inputs."""
+        ``TargetModel.forward`` does. ``keep`` (prefill only): every row's K/V are written, but
+        attention, the output projection and the MLP run for row ``keep[b]`` of each batch row only
+        (its query over slots ``[0, keep[b]]``, ``tree_attention``), and ``(hn, carry)`` are
+        ``[B, 1, H]``: a prompt's catch-up needs its last position's state and the others' K/V.
+        A decode-round step on the torch backend's packed CPU weights runs as one native operator
+        (``kernels.cpu_drafter.drafter_step``: the same calls from C++, the same bits) unless
+        ``native_step`` is False or the operator declines the inputs."""
         if self.embed_tokens is None:
             raise RuntimeError("the drafter has no embedding: attach the target's with attach_target_embedding()")
         c, m = self.config, self.midlayer
@@ -389,7 +395,16 @@ class Eagle3Drafter(nn.Module):
         tables = rope.tables(meta.positions)  # gathered once for q and k
         q, k = ops.rope(q, *tables), ops.rope(k, *tables)
         ops.kv_write(cache.k, cache.v, meta.slots, k, val)
-        if meta.prefill:
+        if keep is not None:
+            if not meta.prefill:
+                raise ValueError("keep= selects a prompt's row: it needs meta.prefill")
+            q, hidden, v = (
+                t.gather(1, keep.view(B, 1, *([1] * (t.dim() - 2))).expand(B, 1, *t.shape[2:])) for t in (q, hidden, v)
+            )
+            Q = 1  # the row's query over the prompt's slots [0, keep] (written above): prefix keep, one tree slot
+            mask = torch.ones(B, 1, 1, dtype=torch.bool, device=q.device)
+            o = ops.tree_attention(q, cache.k, cache.v, keep, mask, c.head_dim**-0.5, meta.kv_len)
+        elif meta.prefill:
             o = ops.prefill_attention(q, k, val, c.head_dim**-0.5)
         else:
             o = ops.tree_attention(q, cache.k, cache.v, meta.prefix_lens, meta.tree_mask, c.head_dim**-0.5, meta.kv_len)

@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import tritonspec as ts
 from tritonspec.runtime.metadata import AttentionMetadata, KVCache
@@ -199,3 +201,78 @@ def test_corrupt_drafter_file_is_named(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(b"\x00" * 20)
     with pytest.raises(ValueError, match="corrupt weight file .*model.safetensors"):
         ts.Eagle3Drafter.from_pretrained(tmp_path)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 37), min_size=1, max_size=3),
+    flags=st.sampled_from([(False, False), (True, True)]),
+    nbr=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_prompt_step_keeps_one_row_and_writes_every_kv(lens, flags, nbr, seed):
+    """``step(..., keep=)`` on a prompt (a catch-up's prefill): the kept row's ``(hn, carry)`` are the full
+    forward's row (a different attention kernel: float32 tolerance) and the cache holds every row's K/V,
+    bit for bit; the inverse: keeping another row gives that row, which differs from the last."""
+    import dataclasses
+
+    d = drafter(*flags, seed=seed % 7)
+    d.config = dataclasses.replace(d.config, norm_before_residual=nbr)
+    c, B, P = d.config, len(lens), max(lens)
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(B, P, c.hidden_size, generator=g)
+    tokens = torch.randint(0, c.vocab_size, (B, P), generator=g)
+    n = torch.tensor(lens)
+    ar = torch.arange(P)
+    pos = ar.expand(B, P)
+    meta = AttentionMetadata(
+        pos, torch.where(ar < n[:, None], pos, -1), torch.zeros(B, dtype=torch.int64),
+        torch.ones(P, P, dtype=torch.bool).tril().expand(B, P, P), P, prefill=True,
+    )  # fmt: skip
+
+    def run(keep):
+        cache = KVCache(
+            torch.zeros(B + 1, P + 1, c.num_key_value_heads, c.head_dim),
+            torch.zeros(B + 1, P + 1, c.num_key_value_heads, c.head_dim),
+        )
+        with torch.inference_mode():
+            hn, carry = d.step(OPS, hidden, tokens, meta, cache, keep=keep)
+        return hn, carry, cache
+
+    hn, carry, full = run(None)
+    last = n - 1
+    for keep in (last, (n - 2).clamp(min=0)):
+        khn, kcarry, kc = run(keep)
+        assert khn.shape == kcarry.shape == (B, 1, c.hidden_size)
+        assert torch.equal(kc.k, full.k) and torch.equal(kc.v, full.v)
+        rows = torch.arange(B)
+        torch.testing.assert_close(khn[:, 0], hn[rows, keep], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kcarry[:, 0], carry[rows, keep], rtol=1e-5, atol=1e-5)
+    if max(lens) >= 2:  # the inverse: the row kept matters
+        b = max(range(B), key=lambda i: lens[i])
+        assert not torch.allclose(hn[b, lens[b] - 1], hn[b, lens[b] - 2], atol=1e-3)
+    with pytest.raises(ValueError, match="prefill"):
+        d.step(OPS, hidden, tokens, dataclasses.replace(meta, prefill=False), run(None)[2], keep=last)
+
+
+def test_catch_up_of_a_prompt_runs_one_row_beyond_the_kv(monkeypatch):
+    """The decoder's prompt catch-up asks the drafter for the last row only (counted), and speculative
+    greedy output still equals plain decoding's; an observed run (drift) keeps the whole forward."""
+    target = tiny_target("llama", seed=0)
+    d = drafter(True, True, seed=1)
+    seen = []
+    real = ts.Eagle3Drafter.step
+
+    def spy(self, ops, hidden, tokens, meta, cache, keep=None):
+        seen.append((meta.prefill, None if keep is None else keep.tolist(), hidden.shape[1]))
+        return real(self, ops, hidden, tokens, meta, cache, keep)
+
+    monkeypatch.setattr(ts.Eagle3Drafter, "step", spy)
+    rt = runtime(target, d, spec=ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6))
+    prompts = [[5, 9, 2, 7, 1, 3, 8], [4, 4, 6]]
+    spec = rt.generate(prompts, max_new_tokens=12)
+    plain = rt.generate(prompts, max_new_tokens=12, speculative=False)
+    assert spec.token_ids == plain.token_ids
+    prompt_steps = [s for s in seen if s[0]]
+    assert prompt_steps and all(keep is not None for _, keep, _ in prompt_steps)
+    assert sorted(k for _, keep, _ in prompt_steps for k in keep) == [2, 6]  # each prompt's last position
