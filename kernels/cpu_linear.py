@@ -139,11 +139,13 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset((cpuinfo("flags") or "").split())
 
 
+# An Intel CPU (or one whose vendor cannot be read): what was measured on Intel applies. Decided at
+# import (a constant, so torch.compile does not trace the read).
+INTEL = (cpuinfo("vendor_id") or "GenuineIntel") == "GenuineIntel"
 # Whether ``linear`` sends weights below ``MIN_WEIGHT`` elements or ``MIN_K`` columns to ``F.linear``
-# (MKL) in the default mode: on Intel CPUs (or when the vendor cannot be read), where MKL wins on small
-# cache-resident weights; elsewhere the kernel runs them too. Decided at import (a constant, so
-# torch.compile does not trace the read).
-SIZE_FLOORS = (cpuinfo("vendor_id") or "GenuineIntel") == "GenuineIntel"
+# (MKL) in the default mode: on Intel CPUs, where MKL wins on small cache-resident weights; elsewhere
+# the kernel runs them too.
+SIZE_FLOORS = INTEL
 
 
 def isa() -> str | None:
@@ -356,7 +358,7 @@ def panels_default(dtype: torch.dtype = torch.float32) -> bool:
     * AVX2 CPUs, float32 and bfloat16 (AMD EPYC Zen 3: float32 0.6-0.75x the ``[N, K]`` kernel's time
       at 1-3 rows, ~0.5x from 64 rows; bfloat16 0.7-0.75x the bfloat16 ``[N, K]`` kernel's time at 1-3
       rows, 0.75-0.95x at 4-128, half the float32 panels' time at 1-3 rows; perf/CPU_DECODE.md);
-    * AVX-512 CPUs other than Intel's (``SIZE_FLOORS``), float32 only (AMD EPYC Zen 4, 2026-12-04,
+    * AVX-512 CPUs other than Intel's (``INTEL``), float32 only (AMD EPYC Zen 4, 2026-12-04,
       same process: SmolLM2 float32 plain steps 0.74-0.89x the ``[N, K]`` layout's time, EAGLE-3.1
       rounds 0.79-0.86x, prompts 0.82-0.87x; the demo pair's rounds 0.84x. bfloat16 stays ``[N, K]``
       there: its panel kernel decodes faster (0.80-0.85x) but runs a prompt's forward at 1.7x the time
@@ -365,7 +367,7 @@ def panels_default(dtype: torch.dtype = torch.float32) -> bool:
     Intel AVX-512 CPUs keep ``[N, K]`` (and AMX tiles for bfloat16) until measured there;
     ``weight_layout="panels"`` runs the panel kernels on any CPU the kernels build for."""
     here = isa()
-    return here == "avx2" or (here == "avx512" and not SIZE_FLOORS and dtype == torch.float32)
+    return here == "avx2" or (here == "avx512" and not INTEL and dtype == torch.float32)
 
 
 def panels_pay(weight: torch.Tensor) -> bool:

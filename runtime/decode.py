@@ -485,7 +485,8 @@ class Decoder:
             cache = KVCache(cache.k[row0:], cache.v[row0:])
         last = (n_valid - 1).clamp(min=0)
         # a prompt's catch-up computes its last position only beyond the K/V (the observer records every
-        # query's attention, so it keeps the whole forward)
+        # query's attention, so it keeps the whole forward: its depth-1 state may then differ from an
+        # unobserved run's in the last bits, another attention kernel; the tokens are the target's)
         keep = last if prefill and self.observer is None else None
         hn, carry = d.step(self._drafter_ops(), g, tokens, meta, cache, keep=keep)
         if keep is None:

@@ -363,6 +363,11 @@ class Eagle3Drafter(nn.Module):
         c, m = self.config, self.midlayer
         eps = c.rms_norm_eps
         B, Q, _ = hidden.shape
+        if keep is not None and (not meta.prefill or keep.shape != (B,) or keep.dtype != torch.int64):
+            raise ValueError(
+                f"keep= selects one row of a prompt per batch row: it needs meta.prefill and a [{B}] int64 "
+                f"tensor (got prefill={meta.prefill}, {tuple(keep.shape)} {keep.dtype})"
+            )
         ops.begin_forward()
         packed = self._cpu_weights(ops)
         if packed is not None and self.native_step and not meta.prefill and type(ops) is TorchOps:
@@ -396,10 +401,9 @@ class Eagle3Drafter(nn.Module):
         q, k = ops.rope(q, *tables), ops.rope(k, *tables)
         ops.kv_write(cache.k, cache.v, meta.slots, k, val)
         if keep is not None:
-            if not meta.prefill:
-                raise ValueError("keep= selects a prompt's row: it needs meta.prefill")
             q, hidden, v = (
-                t.gather(1, keep.view(B, 1, *([1] * (t.dim() - 2))).expand(B, 1, *t.shape[2:])) for t in (q, hidden, v)
+                t.gather(1, keep.reshape(B, 1, *([1] * (t.dim() - 2))).expand(B, 1, *t.shape[2:]))
+                for t in (q, hidden, v)
             )
             Q = 1  # the row's query over the prompt's slots [0, keep] (written above): prefix keep, one tree slot
             mask = torch.ones(B, 1, 1, dtype=torch.bool, device=q.device)

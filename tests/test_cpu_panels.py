@@ -134,7 +134,7 @@ def test_panels_default_follows_where_it_was_measured(monkeypatch, isa, intel, f
     """AVX2: both dtypes; AMD AVX-512 (Zen 4): float32 only; Intel AVX-512 and CPUs without the
     kernels: never. The runtime's layout and the drafter's packing follow the same answer per dtype."""
     monkeypatch.setattr(cl, "isa", lambda: isa)
-    monkeypatch.setattr(cl, "SIZE_FLOORS", intel)
+    monkeypatch.setattr(cl, "INTEL", intel)
     assert (cl.panels_default(), cl.panels_default(torch.float32), cl.panels_default(torch.bfloat16)) == (
         f32,
         f32,

@@ -251,8 +251,16 @@ def test_prompt_step_keeps_one_row_and_writes_every_kv(lens, flags, nbr, seed):
     if max(lens) >= 2:  # the inverse: the row kept matters
         b = max(range(B), key=lambda i: lens[i])
         assert not torch.allclose(hn[b, lens[b] - 1], hn[b, lens[b] - 2], atol=1e-3)
-    with pytest.raises(ValueError, match="prefill"):
-        d.step(OPS, hidden, tokens, dataclasses.replace(meta, prefill=False), run(None)[2], keep=last)
+    cache = run(None)[2]
+    before = cache.k.clone()
+    for bad_meta, bad_keep in (
+        (dataclasses.replace(meta, prefill=False), last),
+        (meta, last.int()),
+        (meta, last[:1, None]),
+    ):
+        with pytest.raises(ValueError, match="keep= selects one row"):
+            d.step(OPS, hidden, tokens, bad_meta, cache, keep=bad_keep)
+    assert torch.equal(cache.k, before), "a refused call wrote the cache"
 
 
 def test_catch_up_of_a_prompt_runs_one_row_beyond_the_kv(monkeypatch):
@@ -276,3 +284,10 @@ def test_catch_up_of_a_prompt_runs_one_row_beyond_the_kv(monkeypatch):
     prompt_steps = [s for s in seen if s[0]]
     assert prompt_steps and all(keep is not None for _, keep, _ in prompt_steps)
     assert sorted(k for _, keep, _ in prompt_steps for k in keep) == [2, 6]  # each prompt's last position
+    from tritonspec.runtime.drift import DriftRecorder
+
+    seen.clear()
+    with rt.observe(DriftRecorder(3)):  # the observer records every query's attention: the whole forward
+        observed = rt.generate([prompts[0]], max_new_tokens=12)
+    assert observed.token_ids[0] == plain.token_ids[0]
+    assert [keep for prefill, keep, _ in seen if prefill] == [None]
