@@ -234,9 +234,9 @@ class Eagle3Drafter(nn.Module):
         into one weight each, used by ``step``, ``combine`` and ``logits`` while autograd is off; a
         weight ``cpu_linear.panels_pay`` declines (N % 16 != 0; small ones on Intel) stays ``[N, K]``.
         On the kernel each output's bits are those of the same weight packed alone (it computes every
-        output on its own), so fusing changes none. Only backends whose ``ops.packs_cpu_weights`` is
-        true (the torch backend where the CPU kernels run, on AVX2 and AMD AVX-512) use it, and only for a
-        dtype ``cpu_linear.panels_default`` packs (``packs_on``), so a runtime with
+        output on its own), so fusing changes none. Only backends whose ``ops.packs_cpu_weights(dtype)`` is
+        true (the torch backend where the CPU kernels run, for the dtypes ``cpu_linear.panels_default``
+        packs) use it, so a runtime with
         ``cpu_linear="torch"`` sharing this module keeps ``F.linear`` on its weights; the runtime
         packs when it attaches the drafter. ``enable=False`` drops the copy.
 
@@ -275,16 +275,11 @@ class Eagle3Drafter(nn.Module):
         return [] if self._packed is None else list(self._packed[1].values())
 
     def packs_on(self, ops: Any) -> bool:
-        """Whether ``ops`` runs this drafter's projections packed (``pack_for_cpu``): its backend packs CPU
-        weights (``ops.packs_cpu_weights``) and the weights are CPU tensors of a dtype the kernels run and
-        this CPU runs packed by default (``cpu_linear.panels_default(dtype)``, as the target's layout)."""
+        """Whether ``ops`` runs this drafter's projections packed (``pack_for_cpu``): CPU weights of a dtype
+        its backend packs (``ops.packs_cpu_weights(dtype)``; backends without it never pack)."""
         w = self.fc.weight
-        return (
-            bool(getattr(ops, "packs_cpu_weights", False))
-            and w.is_cpu
-            and w.dtype in cpu_linear.DTYPES
-            and cpu_linear.panels_default(w.dtype)
-        )
+        packs = getattr(ops, "packs_cpu_weights", None)
+        return w.is_cpu and packs is not None and packs(w.dtype)
 
     def _cpu_weights(self, ops: Any) -> dict[str, torch.Tensor] | None:
         """The ``pack_for_cpu`` weights when they apply (``packs_on(ops)``, autograd off), packed on first

@@ -175,13 +175,12 @@ class TorchOps:
             return _cpu_linear.linear(x, weight, bias, self._prompt)
         return F.linear(x, weight, bias)
 
-    @property
-    def packs_cpu_weights(self) -> bool:
-        """Whether CPU weights run on the kernel here, so a float32 or bfloat16 drafter runs its projections
-        packed into panels (``Eagle3Drafter.pack_for_cpu``), as the target's ``weight_layout="panels"`` does:
-        where ``kernels.cpu_linear.panels_default()`` (AVX2 CPUs, AMD AVX-512 ones); the drafter's
-        ``packs_on`` also asks ``panels_default`` for its dtype. The kernels build for both dtypes at once."""
-        return self._cpu_kernel(torch.float32) and _cpu_linear.panels_default()
+    def packs_cpu_weights(self, dtype: torch.dtype) -> bool:
+        """Whether a ``dtype`` drafter runs its CPU projections packed into panels here
+        (``Eagle3Drafter.pack_for_cpu``), as the target's ``weight_layout="auto"`` packs that dtype: the
+        kernel runs the dtype and ``kernels.cpu_linear.panels_default(dtype)`` (AVX2 CPUs; float32 on
+        AMD AVX-512 ones)."""
+        return self._cpu_kernel(dtype) and _cpu_linear.panels_default(dtype)
 
     def _cpu_kernel(self, dtype: torch.dtype) -> bool:
         on = self._kernel_for.get(dtype)
