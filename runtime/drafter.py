@@ -234,8 +234,8 @@ class Eagle3Drafter(nn.Module):
         into one weight each, used by ``step``, ``combine`` and ``logits`` while autograd is off; a
         weight ``cpu_linear.panels_pay`` declines (N % 16 != 0; small ones on Intel) stays ``[N, K]``.
         On the kernel each output's bits are those of the same weight packed alone (it computes every
-        output on its own), so fusing changes none. Only backends whose ``ops.packs_cpu_weights(dtype)`` is
-        true (the torch backend where the CPU kernels run, for the dtypes ``cpu_linear.panels_default``
+        output on its own), so fusing changes none. Only backends whose ``ops.packs_cpu_weights`` holds the
+        dtype (the torch backend where the CPU kernels run, for the dtypes ``cpu_linear.panels_default``
         packs) use it, so a runtime with
         ``cpu_linear="torch"`` sharing this module keeps ``F.linear`` on its weights; the runtime
         packs when it attaches the drafter. ``enable=False`` drops the copy.
@@ -276,10 +276,9 @@ class Eagle3Drafter(nn.Module):
 
     def packs_on(self, ops: Any) -> bool:
         """Whether ``ops`` runs this drafter's projections packed (``pack_for_cpu``): CPU weights of a dtype
-        its backend packs (``ops.packs_cpu_weights(dtype)``; backends without it never pack)."""
+        its backend packs (``ops.packs_cpu_weights``; backends without it never pack)."""
         w = self.fc.weight
-        packs = getattr(ops, "packs_cpu_weights", None)
-        return w.is_cpu and packs is not None and packs(w.dtype)
+        return w.is_cpu and w.dtype in getattr(ops, "packs_cpu_weights", ())
 
     def _cpu_weights(self, ops: Any) -> dict[str, torch.Tensor] | None:
         """The ``pack_for_cpu`` weights when they apply (``packs_on(ops)``, autograd off), packed on first

@@ -175,12 +175,13 @@ class TorchOps:
             return _cpu_linear.linear(x, weight, bias, self._prompt)
         return F.linear(x, weight, bias)
 
-    def packs_cpu_weights(self, dtype: torch.dtype) -> bool:
-        """Whether a ``dtype`` drafter runs its CPU projections packed into panels here
-        (``Eagle3Drafter.pack_for_cpu``), as the target's ``weight_layout="auto"`` packs that dtype: the
-        kernel runs the dtype and ``kernels.cpu_linear.panels_default(dtype)`` (AVX2 CPUs; float32 on
-        AMD AVX-512 ones)."""
-        return self._cpu_kernel(dtype) and _cpu_linear.panels_default(dtype)
+    @property
+    def packs_cpu_weights(self) -> frozenset[torch.dtype]:
+        """The dtypes whose drafters run their CPU projections packed into panels here
+        (``Eagle3Drafter.pack_for_cpu``), as the target's ``weight_layout="auto"`` packs them: the kernel
+        runs the dtype and ``kernels.cpu_linear.panels_default(dtype)`` (AVX2 CPUs; float32 on AMD
+        AVX-512 ones). Empty: no packing."""
+        return frozenset(t for t in _cpu_linear.DTYPES if self._cpu_kernel(t) and _cpu_linear.panels_default(t))
 
     def _cpu_kernel(self, dtype: torch.dtype) -> bool:
         on = self._kernel_for.get(dtype)

@@ -26,7 +26,7 @@ WHY = cl.native_op()
 pytestmark = [
     pytest.mark.skipif(WHY is not None, reason=f"the native CPU operators did not build here: {WHY}"),
     pytest.mark.skipif(
-        WHY is None and not TorchOps().packs_cpu_weights(torch.float32),
+        WHY is None and torch.float32 not in TorchOps().packs_cpu_weights,
         reason="this CPU's torch backend does not pack drafter weights into panels (cpu_linear.panels_default)",
     ),
 ]

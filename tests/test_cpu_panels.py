@@ -201,7 +201,7 @@ def test_drafter_runs_packed_only_where_its_runtime_runs_the_kernel(monkeypatch)
     assert kern.drafter is d and d._packed is not None  # packed at attach
     kn = ts.TargetModel.from_pretrained(target, weight_layout="kn")
     plain_ops = ts.SpeculativeRuntime(kn, d, tok, cpu_linear="torch")
-    assert kern.ops.packs_cpu_weights(torch.float32) and not plain_ops.ops.packs_cpu_weights(torch.float32)
+    assert torch.float32 in kern.ops.packs_cpu_weights and torch.float32 not in plain_ops.ops.packs_cpu_weights
     seen = []
     real = cl.linear
 
