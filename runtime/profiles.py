@@ -18,7 +18,9 @@ tuned for (``target``, ``drafter``, ``device_name``, ``dtype``, ``backend``, ``r
 "sampling": "greedy"|"sampled", "spec": {...} or null for plain decoding}``, plus ``"context": T``
 on rows measured on long prompts, which apply to prompts of at least T tokens) and the tuner's
 evidence, kept for people, not read back: ``predicted``, ``measured_with``, ``costs``,
-``acceptance``, ``checks``.
+``acceptance``, ``checks``; and ``carried_over`` (``{"from_drafter", "note"}``) on a profile copied,
+not re-measured, to a retrained drafter of the same architecture (the shipped SmolLM2 profiles of
+device kinds the retraining session could not measure).
 
 Lookup (``shape_policy``, called by ``SpeculativeRuntime(spec=None)``): the profile named for this
 exact device (``device_key``: the GPU name, or ``cpu-<model>``) in the user folders

@@ -435,3 +435,22 @@ def test_amx_targets_are_a_kind_of_their_own_that_other_targets_never_fall_back_
         json.dumps(dict(base, device_name=kind, spec=plain))
     )
     assert prof.shape_policy(amx, dr, "torch").source == f"shipped profile ({kind})"
+
+
+def test_every_shipped_profile_names_a_shipped_drafter():
+    """A drafter retrained and shipped without its profiles re-keyed leaves them stale: they would
+    silently never apply (the lookup is by the drafter's content fingerprint). Every shipped profile
+    must name a shipped drafter (the demo's or a ``drafters/`` one), in its file name and its data, and
+    read back; every shipped drafter must have at least one profile."""
+    dirs = [ts.demo.demo_pair(v)[1] for v in ("eagle3", "eagle3.1")]
+    dirs += [d for v in ts.drafters.VARIANTS if (d := ts.shipped_drafter("smollm2", v)) is not None]
+    shipped = {prof.drafter_fingerprint(ts.Eagle3Drafter.from_pretrained(d)): d for d in dirs}
+    files = sorted(prof.SHIPPED_DIR.glob("tree_shape,*.json"))
+    assert files
+    named = set()
+    for f in files:
+        data = prof.read_profile(f)
+        assert f"drafter={data['drafter']}," in f.name, f.name
+        assert data["drafter"] in shipped, f"{f.name}: no shipped drafter has fingerprint {data['drafter']}"
+        named.add(data["drafter"])
+    assert named == set(shipped), {shipped[d].name for d in set(shipped) - named}
