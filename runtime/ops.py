@@ -9,6 +9,7 @@ runtime.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Protocol
 
@@ -175,12 +176,13 @@ class TorchOps:
             return _cpu_linear.linear(x, weight, bias, self._prompt)
         return F.linear(x, weight, bias)
 
-    @property
+    @functools.cached_property
     def packs_cpu_weights(self) -> frozenset[torch.dtype]:
         """The dtypes whose drafters run their CPU projections packed into panels here
         (``Eagle3Drafter.pack_for_cpu``), as the target's ``weight_layout="auto"`` packs them: the kernel
         runs the dtype and ``kernels.cpu_linear.panels_default(dtype)`` (AVX2 CPUs; float32 on AMD
-        AVX-512 ones). Empty: no packing."""
+        AVX-512 ones). Empty: no packing. Decided once per backend, as ``_cpu_kernel`` is (the drafter
+        asks on every call outside a round)."""
         return frozenset(t for t in _cpu_linear.DTYPES if self._cpu_kernel(t) and _cpu_linear.panels_default(t))
 
     def _cpu_kernel(self, dtype: torch.dtype) -> bool:
