@@ -222,6 +222,8 @@ def _library() -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.tritonspec_amx_enabled.argtypes = []
     lib.tritonspec_amx_enabled.restype = ctypes.c_int
+    lib.tritonspec_panels_wide_rows.argtypes = [ctypes.c_int]
+    lib.tritonspec_panels_wide_rows.restype = ctypes.c_int
     for name in ("tritonspec_tree_attention_f32", "tritonspec_tree_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, *[i64] * 7, p, p, *[i64] * 5, ctypes.c_float, p]
@@ -262,12 +264,38 @@ def native_op() -> str | None:
             cxx_cmd += [f"-L{lib_dir}", "-lc10", "-ltorch_cpu"]
             _build(out, [*c_cmds, cxx_cmd], OP_SOURCE.name, temps=tuple(objs))
         torch.ops.load_library(str(out))
+        _native_libs.append(ctypes.CDLL(str(out)))  # the same handle: its C functions (set_wide_panel_rows)
         torch.library.register_fake("tritonspec_cpu::linear")(_fake)
         torch.library.register_fake("tritonspec_cpu::tree_attention")(_fake_attention)
         torch.library.register_fake("tritonspec_cpu::rms_norm")(_fake_norm)
     except (CpuLinearUnavailable, OSError, RuntimeError) as e:
         return str(e)
     return None
+
+
+_native_libs: list[ctypes.CDLL] = []  # the native operator's library once loaded: it holds its own copy of the kernels
+
+
+def set_wide_panel_rows(rows: int) -> int:
+    """Run float32 panel calls of at least ``rows`` rows on the AVX-512 tiles (``kernels/cpu/linear.c``
+    ``panels512``: 16-lane accumulators, 6 rows x up to 4 panels), 0 never (the 8-lane tiles for every
+    row count); returns the previous value (default 6). The two tile sets compute the same bits, so
+    this only changes speed: it is here for side-by-side measurements (``perf/CPU_DECODE.md``).
+    CPUs without AVX-512 have the 8-lane tiles only (returns 0, sets nothing).
+
+    Example
+    -------
+    >>> old = set_wide_panel_rows(0)  # doctest: +SKIP
+    >>> _ = set_wide_panel_rows(old)  # doctest: +SKIP
+    """
+    if rows < 0:
+        raise ValueError(f"rows={rows} must be >= 0 (0: never run the AVX-512 panel tiles)")
+    native_op()
+    old = _library().tritonspec_panels_wide_rows(rows)
+    for lib in _native_libs:
+        lib.tritonspec_panels_wide_rows.argtypes = [ctypes.c_int]
+        lib.tritonspec_panels_wide_rows(rows)
+    return old
 
 
 @torch.compiler.assume_constant_result

@@ -68,6 +68,30 @@ def test_rows_are_invariant(panels, k, rows, seed, threads):
     assert torch.equal(cl.cpu_linear(other, w, b, threads=threads)[0], full[0])
 
 
+@pytest.mark.parametrize("m", [6, 7, 13, 64])
+@pytest.mark.parametrize("n", [16, 48, 112, 576])
+def test_wide_tiles_give_the_eight_lane_tiles_bits(m, n):
+    """From 6 rows AVX-512 CPUs run 16-lane tiles (6 rows x 1, 2 or 4 panels); each lane is the same
+    chain as the 8-lane tiles', so the bits are equal, eager and through the native operator, with a
+    bias and a strided ``x``, on 1 and 2 threads."""
+    g = torch.Generator().manual_seed(m * 7 + n)
+    w, b = cl.pack_f32(torch.randn(n, 99, generator=g)), torch.randn(n, generator=g)
+    x = torch.randn(m, 130, generator=g)[:, 3:102]  # rows at stride 130
+    old = cl.set_wide_panel_rows(0)
+    try:
+        assert cl.set_wide_panel_rows(0) == 0  # the setting took (CPUs without AVX-512 return 0 anyway)
+        narrow = [cl.cpu_linear(x, w, b, threads=t) for t in (1, 2)] + [cl.linear(x, w, b)]
+        cl.set_wide_panel_rows(6)
+        wide = [cl.cpu_linear(x, w, b, threads=t) for t in (1, 2)] + [cl.linear(x, w, b)]
+    finally:
+        cl.set_wide_panel_rows(old)
+    for a, c in zip(narrow, wide):
+        assert torch.equal(a, c)
+    assert torch.equal(narrow[0], narrow[2])
+    with pytest.raises(ValueError, match="must be >= 0"):
+        cl.set_wide_panel_rows(-1)
+
+
 def test_invariance_check_sees_a_changed_row():
     """The inverse: the comparison above is not vacuous. MKL's one-row and eight-row calls round some
     row differently on these shapes, and the panel kernel's bits differ from the ``[N, K]`` kernel's

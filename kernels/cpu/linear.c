@@ -243,10 +243,108 @@ PANEL_GROUP(2, 3)
 PANEL_GROUP(3, 2)
 PANEL_GROUP(4, 1)
 
+#ifdef __AVX512F__
+/* AVX-512 tiles for many rows: MR rows x NP panels, one 16-lane accumulator per row and panel (at most
+ * 6 x 4 = 24 of the 32 registers, 4 weight registers, a broadcast): per k, NP loads and MR broadcasts
+ * feed MR x NP fused multiply-adds (the 8-lane 6 x 1 tile above: 2 loads and 6 broadcasts feed 12 half
+ * as wide). Each lane is the same chain over k as above (vector width never changes a lane's
+ * arithmetic), so these tiles give the same bits. */
+ALWAYS_INLINE void panel_tile512(const float* x, int64_t ldx, const float* wp, int64_t K, const float* b, float* y,
+                                 int64_t ldy, int MR, int NP, int prefetch) {
+    const int64_t ps = K * PANEL;
+    __m512 acc[6][4];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NP; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k++) {
+        __m512 w[4];
+        for (int p = 0; p < NP; p++) {
+            const float* line = wp + p * ps + k * PANEL;
+            w[p] = _mm512_loadu_ps(line);
+            if (prefetch) _mm_prefetch((const char*)(line + PANEL_AHEAD * PANEL), _MM_HINT_T0);
+        }
+        for (int i = 0; i < MR; i++) {
+            const __m512 xv = _mm512_set1_ps(x[i * ldx + k]);
+            for (int j = 0; j < NP; j++) acc[i][j] = _mm512_fmadd_ps(xv, w[j], acc[i][j]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < NP; j++) {
+            __m512 s = acc[i][j];
+            if (b) s = _mm512_add_ps(s, _mm512_loadu_ps(b + j * PANEL));
+            _mm512_storeu_ps(y + i * ldy + j * PANEL, s);
+        }
+}
+
+#define PANEL_TILE512(MR, NP)                                                                              \
+    panel_tile512(x + m0 * ldx, ldx, wp + pn * K * PANEL, K, b ? b + pn * PANEL : 0, y + m0 * ldy + pn * PANEL, \
+                  ldy, MR, NP, m0 == 0)
+
+#define PANEL_GROUP512(NP)                                                                              \
+    ALWAYS_INLINE void panel_group512_##NP(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t K, \
+                                           const float* b, float* y, int64_t ldy, int64_t pn) {        \
+        int64_t m0 = 0;                                                                                \
+        for (; m0 + 6 <= M; m0 += 6) PANEL_TILE512(6, NP);                                             \
+        switch (M - m0) {                                                                              \
+            case 5: PANEL_TILE512(5, NP); break;                                                       \
+            case 4: PANEL_TILE512(4, NP); break;                                                       \
+            case 3: PANEL_TILE512(3, NP); break;                                                       \
+            case 2: PANEL_TILE512(2, NP); break;                                                       \
+            case 1: PANEL_TILE512(1, NP); break;                                                       \
+        }                                                                                              \
+    }
+PANEL_GROUP512(1)
+PANEL_GROUP512(2)
+PANEL_GROUP512(4)
+
+/* Calls with at least this many rows run the AVX-512 tiles (0: never; kernels/cpu_linear.py
+ * set_wide_panel_rows, for side-by-side measurements). Measured (AMD EPYC Zen 4, 2026-12-05, 1 and 2
+ * threads, the demo and SmolLM2 projections): 0.7-0.85x the 8-lane tiles' time from 8 rows on,
+ * 0.85-1.05x at 6-7, up to 1.27x at 4 (small K): so from 6 rows. Returns the previous value. */
+static int wide_rows = 6;
+int tritonspec_panels_wide_rows(int rows) {
+    const int old = wide_rows;
+    if (rows >= 0) wide_rows = rows;
+    return old;
+}
+
+/* every row of x against every panel, in tasks of 4 panels (the 6 x 4 tile), or 2 or 1 where fewer
+ * panels than 2 tasks a thread would leave a thread idle; then the panels left over one at a time */
+static void panels512(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t panels, int64_t K,
+                      const float* b, float* y, int64_t ldy, int threads) {
+    const int NP = panels >= 4 * 2 * threads ? 4 : panels >= 2 * 2 * threads ? 2 : 1;
+    const int64_t groups = panels / NP, tasks = groups + (panels - groups * NP);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tasks; t++) {
+        if (t >= groups) {
+            panel_group512_1(x, M, ldx, wp, K, b, y, ldy, groups * NP + (t - groups));
+            continue;
+        }
+        switch (NP) {
+            case 4: panel_group512_4(x, M, ldx, wp, K, b, y, ldy, t * 4); break;
+            case 2: panel_group512_2(x, M, ldx, wp, K, b, y, ldy, t * 2); break;
+            default: panel_group512_1(x, M, ldx, wp, K, b, y, ldy, t);
+        }
+    }
+}
+#else
+int tritonspec_panels_wide_rows(int rows) { /* no AVX-512: the 8-lane tiles only */
+    (void)rows;
+    return 0;
+}
+#endif
+
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w^T (+ b), w packed into N / 16 panels. */
 void tritonspec_linear_f32_panels(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t N, int64_t K,
                                   const float* b, float* y, int64_t ldy, int threads) {
     const int64_t panels = N / PANEL;
+#ifdef __AVX512F__
+    if (wide_rows > 0 && M >= wide_rows && panels > 0) {
+        panels512(x, M, ldx, wp, panels, K, b, y, ldy, threads < 1 ? 1 : threads);
+        return;
+    }
+#endif
     const int NP = M == 1 ? 4 : (M == 2 || M == 4) ? 3 : (M == 3 || M == 5) ? 2 : 1;
     const int64_t groups = panels / NP, tasks = groups + (panels - groups * NP);
     if (M <= 0 || panels <= 0) return;
