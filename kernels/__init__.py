@@ -17,6 +17,8 @@ the tests and the benchmarks share.
 * ``cpu_linear``: the torch backend's CPU linear layer, a C kernel (``cpu/linear.c``, AVX-512 and
   AVX512-BF16, or AVX2 + FMA through ``cpu/avx2.h``, built with the system compiler on first use):
   weights streamed at memory speed, every row bit-identical whatever the row count (Triton has no CPU target here)
+* ``cpu_prefill``: the torch backend's causal prefill attention on AVX-512 CPUs, a C kernel
+  (``cpu/prefill.c``, the same build) that skips the masked half (prompts only; not row-invariant)
 
 Beside them: ``utils`` (the guarded Triton import, argument checks, and the helpers more than one
 kernel uses) and ``store`` (the per-device tuned-config files: the launchers read them, ``tritonspec

@@ -60,12 +60,13 @@ from .store import cache_base
 SOURCE = Path(__file__).parent / "cpu" / "linear.c"
 # the C sources built into one library: the linear kernel, the decode attention, RMSNorm, rope and KV
 # writes, the round's index bookkeeping (kernels/cpu_attention.py, kernels/cpu_norm.py, kernels/cpu_rope.py,
-# kernels/cpu_tree.py)
+# kernels/cpu_tree.py), causal prefill attention (kernels/cpu_prefill.py)
 SOURCES = tuple(
-    Path(__file__).parent / "cpu" / f for f in ("linear.c", "attention.c", "norm.c", "rope_kv.c", "tree_ops.c")
+    Path(__file__).parent / "cpu" / f
+    for f in ("linear.c", "attention.c", "norm.c", "rope_kv.c", "tree_ops.c", "prefill.c")
 )
 # included by the sources: part of the build key
-HEADERS = tuple(Path(__file__).parent / "cpu" / f for f in ("avx2.h", "bf16.h", "hsum.h"))
+HEADERS = tuple(Path(__file__).parent / "cpu" / f for f in ("avx2.h", "bf16.h", "exp.h", "hsum.h"))
 OP_SOURCE = Path(__file__).parent / "cpu" / "linear_op.cpp"
 MODES = ("auto", "kernel", "torch")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -229,6 +230,9 @@ def _library() -> ctypes.CDLL:
         fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, *[i64] * 7, p, p, *[i64] * 5, ctypes.c_float, p]
         fn.argtypes += [ctypes.c_int]
         fn.restype = ctypes.c_int
+    lib.tritonspec_prefill_attention_f32.argtypes = [p, *[i64] * 8, p, *[i64] * 3, p, *[i64] * 3, p, ctypes.c_float]
+    lib.tritonspec_prefill_attention_f32.argtypes += [ctypes.c_int]
+    lib.tritonspec_prefill_attention_f32.restype = ctypes.c_int
     for name in ("tritonspec_rms_norm_f32", "tritonspec_rms_norm_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, p, i64, p, i64, i64, ctypes.c_float, p, p, ctypes.c_int]

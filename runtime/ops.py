@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..kernels import cpu_attention as _cpu_attention
 from ..kernels import cpu_linear as _cpu_linear
 from ..kernels import cpu_norm as _cpu_norm
+from ..kernels import cpu_prefill as _cpu_prefill
 from ..kernels import cpu_rope as _cpu_rope
 from ..kernels import cpu_tree as _cpu_tree
 from ..kernels.aux_gather import aux_gather_reference
@@ -254,7 +255,13 @@ class TorchOps:
         )
         return out.transpose(1, 2)
 
-    prefill_attention = staticmethod(prefill_attention)
+    def prefill_attention(self, q, k, v, scale):
+        """``kernels.prefill_attention.prefill_attention`` (PyTorch's causal SDPA); on AVX-512 CPUs where the
+        CPU kernels run (the ``cpu_linear`` switch), float32 eager calls take ``kernels.cpu_prefill``
+        (the masked half skipped: 0.5-0.85x SDPA's time at 58-1,600 tokens, ``perf/CPU_DECODE.md``)."""
+        if q.is_cpu and self._cpu_kernel(q.dtype) and _cpu_prefill.runs(q, k, v):
+            return _cpu_prefill.cpu_prefill_attention(q, k, v, scale)
+        return prefill_attention(q, k, v, scale)
 
     @property
     def cpu_index(self) -> bool:
