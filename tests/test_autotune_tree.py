@@ -500,11 +500,11 @@ def test_a_row_plain_decoding_won_tries_the_lookup_on_the_cheapest_chain(tuned_d
     assert sampled["spec"] is None and "lookup_decode_tokens_per_s" not in sampled
 
 
-@pytest.mark.parametrize("batch, gap, kept", [(1, 0.02, True), (1, 0.05, False), (2, 0.02, False)])
+@pytest.mark.parametrize("batch, gap, kept", [(1, 0.02, True), (1, 0.05, True), (1, 0.08, False), (2, 0.02, False)])
 def test_a_lookup_branch_within_the_tie_margin_is_kept_at_batch_one(tuned_dir, monkeypatch, batch, gap, kept):
-    """``LOOKUP_TIE``: at batch 1 the lookup variant stays when it measures within 3% of the fastest
+    """``LOOKUP_TIE``: at batch 1 the lookup variant stays when it measures within 6% of the fastest
     shape (its cost is bounded where outputs do not quote the prompt, its gain large where they do);
-    the inverse: 5% slower, or a tie at batch 2 (where every row's branch adds verified rows), drops it."""
+    the inverse: 8% slower, or a tie at batch 2 (where every row's branch adds verified rows), drops it."""
     from tritonspec.autotune.tree_measure import Measured
 
     def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
