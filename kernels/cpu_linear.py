@@ -268,7 +268,10 @@ def native_op() -> str | None:
             cxx_cmd += [f"-L{lib_dir}", "-lc10", "-ltorch_cpu"]
             _build(out, [*c_cmds, cxx_cmd], OP_SOURCE.name, temps=tuple(objs))
         torch.ops.load_library(str(out))
-        _native_libs.append(ctypes.CDLL(str(out)))  # the same handle: its C functions (set_wide_panel_rows)
+        native = ctypes.CDLL(str(out))  # the same handle: its C functions (set_wide_panel_rows)
+        native.tritonspec_panels_wide_rows.argtypes = [ctypes.c_int]
+        native.tritonspec_panels_wide_rows.restype = ctypes.c_int
+        _native_libs.append(native)
         torch.library.register_fake("tritonspec_cpu::linear")(_fake)
         torch.library.register_fake("tritonspec_cpu::tree_attention")(_fake_attention)
         torch.library.register_fake("tritonspec_cpu::rms_norm")(_fake_norm)
@@ -297,7 +300,6 @@ def set_wide_panel_rows(rows: int) -> int:
     native_op()
     old = _library().tritonspec_panels_wide_rows(rows)
     for lib in _native_libs:
-        lib.tritonspec_panels_wide_rows.argtypes = [ctypes.c_int]
         lib.tritonspec_panels_wide_rows(rows)
     return old
 

@@ -14,11 +14,11 @@ prompts only. Shares the build, cache and ``cpu_linear`` switch of ``kernels.cpu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from . import cpu_linear as _lib
+from .tree_attention import tree_attention_reference
 
 MAX_HEAD_DIM = 256  # prefill.c's PF_MAX_D
 
@@ -29,14 +29,12 @@ def cpu_prefill_attention_reference(
     v: torch.Tensor,  # [B, P, Hkv, D]
     scale: float,
 ) -> torch.Tensor:  # [B, P, Hq, D], dtype of q
-    """Causal softmax attention in float64 (explicit GQA), rounded once to ``q``'s dtype."""
-    G = q.shape[2] // k.shape[2]
-    qd, kd, vd = (t.double().transpose(1, 2) for t in (q, k, v))  # [B, H, P, D]
-    kd, vd = kd.repeat_interleave(G, dim=1), vd.repeat_interleave(G, dim=1)
-    P = q.shape[1]
-    s = (qd @ kd.transpose(-1, -2)) * scale
-    s = s.masked_fill(~torch.ones(P, P, dtype=torch.bool).tril(), float("-inf"))
-    return (F.softmax(s, dim=-1) @ vd).transpose(1, 2).to(q.dtype)
+    """``tree_attention_reference`` in float64 over an empty prefix with a causal tree mask (the prompt's
+    own K/V as the cache), rounded once to ``q``'s dtype."""
+    B, P = q.shape[:2]
+    causal = torch.ones(P, P, dtype=torch.bool).tril().expand(B, P, P)
+    zero = torch.zeros(B, dtype=torch.int64)
+    return tree_attention_reference(q.double(), k.double(), v.double(), zero, causal, scale).to(q.dtype)
 
 
 def supported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -76,6 +74,10 @@ def cpu_prefill_attention(
             f"at most {MAX_HEAD_DIM}; Hq a multiple of Hkv; unit stride along D; no autograd); got q "
             f"{tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}"
         )
+    return _launch(q, k, v, scale, threads)
+
+
+def _launch(q, k, v, scale, threads=None) -> torch.Tensor:  # arguments checked (``supported``)
     B, P, Hq, D = q.shape
     out = torch.empty((B, P, Hq, D), dtype=q.dtype)
     if out.numel() == 0:

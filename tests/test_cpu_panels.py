@@ -78,6 +78,7 @@ def test_wide_tiles_give_the_eight_lane_tiles_bits(m, n):
     w, b = cl.pack_f32(torch.randn(n, 99, generator=g)), torch.randn(n, generator=g)
     x = torch.randn(m, 130, generator=g)[:, 3:102]  # rows at stride 130
     old = cl.set_wide_panel_rows(0)
+    assert old == (6 if cl.isa() == "avx512" else 0)  # the default: the wide tiles are on where they build
     try:
         assert cl.set_wide_panel_rows(0) == 0  # the setting took (CPUs without AVX-512 return 0 anyway)
         narrow = [cl.cpu_linear(x, w, b, threads=t) for t in (1, 2)] + [cl.linear(x, w, b)]
