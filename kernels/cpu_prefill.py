@@ -74,10 +74,10 @@ def cpu_prefill_attention(
             f"at most {MAX_HEAD_DIM}; Hq a multiple of Hkv; unit stride along D; no autograd); got q "
             f"{tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype}, v {tuple(v.shape)} {v.dtype}"
         )
-    return _launch(q, k, v, scale, threads)
+    return cpu_prefill_attention_unchecked(q, k, v, scale, threads)
 
 
-def _launch(q, k, v, scale, threads=None) -> torch.Tensor:  # arguments checked (``supported``)
+def cpu_prefill_attention_unchecked(q, k, v, scale, threads=None) -> torch.Tensor:  # checked: ``supported``
     B, P, Hq, D = q.shape
     out = torch.empty((B, P, Hq, D), dtype=q.dtype)
     if out.numel() == 0:

@@ -260,7 +260,7 @@ class TorchOps:
         CPU kernels run (the ``cpu_linear`` switch), float32 eager calls take ``kernels.cpu_prefill``
         (the masked half skipped: 0.5-0.85x SDPA's time at 58-1,600 tokens, ``perf/CPU_DECODE.md``)."""
         if q.is_cpu and self._cpu_kernel(q.dtype) and _cpu_prefill.runs(q, k, v):
-            return _cpu_prefill._launch(q, k, v, scale)  # runs() has checked the arguments
+            return _cpu_prefill.cpu_prefill_attention_unchecked(q, k, v, scale)  # runs() checked them
         return prefill_attention(q, k, v, scale)
 
     @property

@@ -91,8 +91,8 @@ def test_torch_backend_takes_it_on_avx512_float32(monkeypatch):
     """TorchOps.prefill_attention runs the kernel where ``runs`` says so (AVX-512, float32, eager),
     else SDPA; both agree to float32 rounding."""
     calls = []
-    real = cp._launch
-    monkeypatch.setattr(cp, "_launch", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = cp.cpu_prefill_attention_unchecked
+    monkeypatch.setattr(cp, "cpu_prefill_attention_unchecked", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     g = torch.Generator().manual_seed(1)
     q, k, v = _case(g, 1, 40, 4, 2, 32)
     ops = TorchOps()
