@@ -126,6 +126,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="CPU linear layers: auto (the row-invariant AVX-512 / AVX2 kernel, kernels/cpu_linear.py, where it "
         "builds; else F.linear; $TRITONSPEC_CPU_LINEAR), kernel (required), torch (F.linear)",
     )
+    g.add_argument(
+        "--drafter-weight-dtype",
+        default=None,
+        choices=["bfloat16"],
+        help="bfloat16: a float32 pair's drafter reads its decode-round weights as bfloat16 panels on the CPU "
+        "kernels (half the bytes; lossless, tau may move slightly)",
+    )
     g.add_argument("--quiet-stats", action="store_true", help="print the stats line on stderr")
     g.set_defaults(fn=cmd_generate)
     return g
@@ -168,6 +175,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         compile=True if args.compile else "auto",
         deterministic=args.deterministic,
         cpu_linear=args.cpu_linear,
+        drafter_weight_dtype=args.drafter_weight_dtype,
     )
     speculative = not args.no_speculative and rt.drafter is not None
     kw = flag_values(args, "max_new_tokens temperature top_p top_k seed")
@@ -200,7 +208,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"cuda_graphs={'on' if rt.graphs_enabled else 'off'} compiled={'on' if rt.compiled else 'off'} "
         f"cpu_kernels={'on' if rt.cpu_kernels else 'off'} weight_layout={rt.target.weight_layout} "
         f"spec={shape_label(s.spec)} "
-        f"spec_source={s.spec_source.replace(' ', '-')}" + (" deterministic=on" if rt.deterministic else "")
+        f"spec_source={s.spec_source.replace(' ', '-')}"
+        + (" deterministic=on" if rt.deterministic else "")
+        + (" drafter_weights=bfloat16" if rt.drafter_weight_dtype is not None else "")
     )
     if args.prompts_file is not None:
         line += f" prompts={len(prompts)} max_batch_size={batch} rows_refilled={s.rows_refilled}"

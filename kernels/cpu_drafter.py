@@ -52,8 +52,8 @@ def supported(
     dt = hidden.dtype
     if dt not in _lib.DTYPES or hidden.dim() != 3 or k_cache.dtype != dt or v_cache.dtype != dt:
         return False
-    if any(packed[n].dim() != 3 or packed[n].dtype != dt for n in _PROJECTIONS):
-        return False
+    if any(packed[n].dim() != 3 or not _lib.dtypes_match(hidden, packed[n]) for n in _PROJECTIONS):
+        return False  # panels of the drafter's dtype, or weight-only bfloat16 ones
     if any(w.dtype != dt or w.dim() != 1 or not w.is_contiguous() for w in norms):
         return False
     d = head_dim

@@ -217,7 +217,8 @@ def _library() -> ctypes.CDLL:
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
         fn.restype = None
-    for name in ("tritonspec_linear_bf16_packed", "tritonspec_linear_bf16_panels"):  # 0, or why it did not run
+    names = ("tritonspec_linear_bf16_packed", "tritonspec_linear_bf16_panels", "tritonspec_linear_f32_bf16_panels")
+    for name in names:  # 0, or why it did not run
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
         fn.restype = ctypes.c_int
@@ -461,6 +462,30 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K, 16]
     return weight.contiguous().view(N // 16, 16, K).transpose(1, 2).contiguous()
 
 
+def weight_only_bf16(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K, 16] bfloat16
+    """``weight [N, K]`` (float32) rounded to bfloat16 and packed into bfloat16 panels, for float32 inputs:
+    ``linear(x, weight_only_bf16(w))`` is bit for bit ``linear(x, pack_f32(w.bfloat16().float()))`` (the float32
+    panel kernel's chain on the exactly widened weights, float32 out; ``tritonspec_linear_f32_bf16_panels``)
+    on half the bytes. What a float32 drafter's projections use with ``cpu_weight_dtype=torch.bfloat16``:
+    lossless speculation only needs the drafter to propose, and one-row calls stream weights at memory speed.
+
+    Example
+    -------
+    >>> w, x = torch.randn(32, 64), torch.randn(3, 64)
+    >>> torch.equal(linear(x, weight_only_bf16(w)), linear(x, pack_f32(w.bfloat16().float())))  # doctest: +SKIP
+    True
+    """
+    if weight.dtype != torch.float32:
+        raise ValueError(f"weight_only_bf16 packs a float32 weight for float32 inputs, got {weight.dtype}")
+    return pack_panels(weight.bfloat16())
+
+
+def dtypes_match(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """x and weight of one dtype, or float32 x on bfloat16 panels (``weight_only_bf16``)."""
+    mixed = weight.dim() == 3 and x.dtype == torch.float32 and weight.dtype == torch.bfloat16
+    return weight.dtype == x.dtype or mixed
+
+
 def packable(weight: torch.Tensor) -> bool:
     """Whether ``pack_bf16`` takes ``weight``: a bfloat16 CPU ``[N, K]`` tensor with N % 16 == 0 and
     K % 32 == 0, on a machine where ``amx_available()`` is None."""
@@ -557,10 +582,10 @@ def cpu_linear(
     """
     K = x.shape[-1]
     N = out_features(weight)
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype or (bias is not None and bias.dtype != x.dtype):
+    if x.dtype not in _DTYPES or not dtypes_match(x, weight) or (bias is not None and bias.dtype != x.dtype):
         raise ValueError(
-            f"cpu_linear takes float32 or bfloat16 x, weight and bias of one dtype, got "
-            f"{x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
+            f"cpu_linear takes float32 or bfloat16 x, weight and bias of one dtype (or float32 x and bias with "
+            f"bfloat16 panels, weight_only_bf16), got {x.dtype}, {weight.dtype}, {None if bias is None else bias.dtype}"
         )
     if weight.dim() == 3:
         if tuple(weight.shape[1:]) != (K, 16) or not weight.is_contiguous():
@@ -621,7 +646,9 @@ def _launch_ctypes(
         return y.copy_(bias.expand_as(y)) if bias is not None else y.zero_()
     lib = _library()
     fn = lib.tritonspec_linear_f32 if x.dtype == torch.float32 else lib.tritonspec_linear_bf16
-    if weight.dim() == 3:
+    if weight.dim() == 3 and x.dtype != weight.dtype:  # weight-only bfloat16 (weight_only_bf16)
+        fn = lib.tritonspec_linear_f32_bf16_panels
+    elif weight.dim() == 3:
         fn = lib.tritonspec_linear_f32_panels if x.dtype == torch.float32 else lib.tritonspec_linear_bf16_panels
     elif is_packed(weight):
         fn = lib.tritonspec_linear_bf16_packed
@@ -668,7 +695,7 @@ def linear(
     autograd)."""
     if is_packed(weight):
         bad_bias = bias is not None and bias.dtype != x.dtype
-        if weight.dtype != x.dtype or in_features(weight) != x.shape[-1] or bad_bias:
+        if not dtypes_match(x, weight) or in_features(weight) != x.shape[-1] or bad_bias:
             raise ValueError(
                 f"a packed {weight.dtype} weight {tuple(weight.shape)} (K={in_features(weight)}) does not match "
                 f"{x.dtype} x with K={x.shape[-1]}" + ("" if bias is None else f" and a {bias.dtype} bias")

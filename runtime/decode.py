@@ -472,7 +472,7 @@ class Decoder:
         d = self.drafter
         B, Qc = index.shape
         ar = torch.arange(Qc, device=self.device)
-        g = d.combine(self.ops, aux_flat, index.reshape(-1)).view(B, Qc, -1)
+        g = d.combine(self.ops, aux_flat, index.reshape(-1), prompt=prefill).view(B, Qc, -1)
         positions = start[:, None] + ar
         slots = torch.where(ar[None, :] < n_valid[:, None], positions, -1)
         if prefill:  # Qc = the prompt length: not a shape worth keeping

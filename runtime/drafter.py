@@ -116,6 +116,10 @@ class Eagle3Drafter(nn.Module):
         self._rope: Rope | None = None
         self._packed: tuple | None = None  # pack_for_cpu: (sources' versions, {name: packed weight})
         self._round_pack: tuple | None = None  # packed_for_round: (ops, what _cpu_weights gave for them)
+        # pack_for_cpu's weight dtype: None = the drafter's; torch.bfloat16 for a float32 drafter = weight-only
+        # bfloat16 panels (kernels.cpu_linear.weight_only_bf16), set by SpeculativeRuntime(drafter_weight_dtype=)
+        self.cpu_weight_dtype: torch.dtype | None = None
+        self._prompt_pack: dict | None = None  # weight-only bfloat16: the float32 panels a prompt's forward runs
         # decode-round steps on the torch backend's packed CPU weights run as one native operator
         # (kernels/cpu_drafter.py: the same bits); False runs them op by op (its reference)
         self.native_step = True
@@ -191,7 +195,8 @@ class Eagle3Drafter(nn.Module):
         """A copy of this drafter on ``device`` in ``dtype``, leaving this one as it is (what a
         runtime runs when the caller's drafter sits elsewhere: modules shared between runtimes are
         never moved under another runtime). A borrowed target embedding is not copied: attach one."""
-        memo: dict[int, Any] = {id(self._rope): None, id(self._packed): None}  # deepcopy returns memo[id(x)]
+        # deepcopy returns memo[id(x)]: the caches are not copied
+        memo: dict[int, Any] = {id(x): None for x in (self._rope, self._packed, self._prompt_pack)}
         if self.embed_tokens is not None and not self.has_own_embedding:
             memo[id(self.embed_tokens)] = None
         return copy.deepcopy(self, memo).to(device=device, dtype=dtype)
@@ -248,21 +253,25 @@ class Eagle3Drafter(nn.Module):
         loaded as inference tensors and changed under ``torch.inference_mode``) are not seen: call
         ``pack_for_cpu()`` after them."""
         if not enable:
-            self._packed = None
+            self._packed = self._prompt_pack = None
             return
         old = self._packed[1] if self._packed is not None else {}
-        packed = {}
+        packed, prompt = {}, {}
         # normal tensors even when the runtime's inference_mode is on (deterministic mode reads their versions)
         with torch.inference_mode(False), torch.no_grad():
             for name, ws in self._pack_sources().items():
                 w = (torch.cat(ws) if len(ws) > 1 else ws[0]).detach()
                 new = cpu_linear.pack_panels(w) if cpu_linear.panels_pay(w) else w.contiguous().clone()
+                if self.weight_only_bf16:
+                    prompt[name] = new
+                    new = cpu_linear.weight_only_bf16(w) if cpu_linear.panels_pay(w) else new
                 was = old.get(name)
                 if was is not None and was.shape == new.shape and was.dtype == new.dtype and not was.is_inference():
                     was.copy_(new)  # in place: a captured round keeps reading this tensor
                     new = was
                 packed[name] = new
         self._packed = (self._versions(), packed)
+        self._prompt_pack = prompt or None
 
     def refresh_cpu_pack(self) -> None:
         """Repack the ``pack_for_cpu`` copy if a weight changed since (eager; the runtime calls it
@@ -280,11 +289,20 @@ class Eagle3Drafter(nn.Module):
         w = self.fc.weight
         return w.is_cpu and w.dtype in getattr(ops, "packs_cpu_weights", ())
 
-    def _cpu_weights(self, ops: Any) -> dict[str, torch.Tensor] | None:
+    @property
+    def weight_only_bf16(self) -> bool:
+        """Whether ``pack_for_cpu`` rounds this float32 drafter's packed weights to bfloat16
+        (``cpu_weight_dtype``; ``kernels.cpu_linear.weight_only_bf16``): float32 activations on half the
+        weight bytes in decode rounds; a prompt's forward keeps the float32 weights (``_cpu_weights``)."""
+        return self.cpu_weight_dtype == torch.bfloat16 and self.fc.weight.dtype == torch.float32
+
+    def _cpu_weights(self, ops: Any, prompt: bool = False) -> dict[str, torch.Tensor] | None:
         """The ``pack_for_cpu`` weights when they apply (``packs_on(ops)``, autograd off), packed on first
-        use and again when stale."""
+        use and again when stale. ``prompt``: a prompt's forward (hundreds of rows), where weight-only
+        bfloat16 panels run slower than float32 ones (``kernels/cpu/linear.c``): with ``weight_only_bf16``
+        it gets float32 panels, so prompts run as without it."""
         rp = self._round_pack
-        if rp is not None and rp[0] is ops and not torch.is_grad_enabled():
+        if rp is not None and rp[0] is ops and not torch.is_grad_enabled() and not prompt:
             return rp[1]  # inside packed_for_round: decided once for the round
         if not self.packs_on(ops) or torch.is_grad_enabled():
             return None
@@ -292,7 +310,7 @@ class Eagle3Drafter(nn.Module):
             self.pack_for_cpu()
         elif not torch.compiler.is_compiling():
             self.refresh_cpu_pack()
-        return self._packed[1]
+        return self._prompt_pack if prompt and self._prompt_pack is not None else self._packed[1]
 
     @contextlib.contextmanager
     def packed_for_round(self, ops: Any) -> Iterator[None]:
@@ -314,12 +332,13 @@ class Eagle3Drafter(nn.Module):
         """``[n_aux, H_t]`` stacked fc_norm weights, or None when fc_norm is off."""
         return torch.stack([n.weight for n in self.fc_norm]) if self.config.fc_norm else None
 
-    def combine(self, ops: Any, aux: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-        """``fc(norms(aux[index]))``: aux ``[n_src, n_aux*H_t]``, index ``[n]`` (-1 = zero row) -> ``[n, H]``."""
+    def combine(self, ops: Any, aux: torch.Tensor, index: torch.Tensor, prompt: bool = False) -> torch.Tensor:
+        """``fc(norms(aux[index]))``: aux ``[n_src, n_aux*H_t]``, index ``[n]`` (-1 = zero row) -> ``[n, H]``;
+        ``prompt``: a prompt's rows (``_cpu_weights``)."""
         x = ops.aux_gather(aux, index, self.fc_norm_weight(), self.config.rms_norm_eps)
         if self.config.norm_before_fc:
             x = ops.rms_norm(x, self.input_norm.weight, self.config.rms_norm_eps)
-        packed = self._cpu_weights(ops)
+        packed = self._cpu_weights(ops, prompt)
         return ops.linear(x, self.fc.weight if packed is None else packed["fc"])
 
     def rope(self, min_positions: int = 0) -> Rope:
@@ -363,7 +382,7 @@ class Eagle3Drafter(nn.Module):
                 f"tensor (got prefill={meta.prefill}, {tuple(keep.shape)} {keep.dtype})"
             )
         ops.begin_forward()
-        packed = self._cpu_weights(ops)
+        packed = self._cpu_weights(ops, meta.prefill)
         if packed is not None and self.native_step and not meta.prefill and type(ops) is TorchOps:
             rope = self.rope()
             norms = (

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from ..kernels.cpu_linear import MODES as CPU_LINEAR_MODES
+from ..kernels.cpu_linear import available as cpu_kernel_unavailable
 from .config import GenerationOutput, SpecConfig, SpecStats, StreamPiece
 from .decode import Decoder, DraftObserver
 from .deterministic import DeterministicOps
@@ -83,6 +84,7 @@ class SpeculativeRuntime:
         deterministic: bool = False,
         compile: str | bool = "auto",
         cpu_linear: str = "auto",
+        drafter_weight_dtype: str | torch.dtype | None = None,
     ):
         self.target = target
         self.tokenizer = resolve_tokenizer(tokenizer)
@@ -136,6 +138,7 @@ class SpeculativeRuntime:
                 f"pass max_seq_len <= {window}"
             )
         largest = self._policy.largest(max_batch_size)  # sizes the caches for every shape the policy may pick
+        self.drafter_weight_dtype = self._check_drafter_weight_dtype(drafter_weight_dtype, drafter)
         if drafter is not None:
             drafter = self._attach_drafter(drafter, largest)
         self.drafter = drafter  # the caller's module, or this runtime's converted copy of it
@@ -233,6 +236,30 @@ class SpeculativeRuntime:
         captured = {k[0] for k in self._graphs.graphs}
         return sorted({self._graphs.bucket(b) for b in sizes} & captured)
 
+    def _check_drafter_weight_dtype(self, value: str | torch.dtype | None, drafter: Any) -> torch.dtype | None:
+        """``drafter_weight_dtype`` as None (the drafter's own) or ``torch.bfloat16`` (weight-only bfloat16 for a
+        float32 pair on the CPU kernels), or a ``UserError`` that says what to change."""
+        if value in (None, "auto"):
+            return None
+        if value not in ("bfloat16", torch.bfloat16):
+            raise UserError(f"drafter_weight_dtype={value!r}: pass None (the drafter's dtype) or 'bfloat16'")
+        why = None
+        if drafter is None:
+            why = "there is no drafter"
+        elif self.target.dtype != torch.float32:
+            why = f"the pair runs in {str(self.target.dtype).removeprefix('torch.')}, not float32"
+        elif torch.float32 not in getattr(self.ops, "packs_cpu_weights", ()):
+            why = "this runtime does not pack float32 drafter weights for the CPU panel kernels (a GPU, cpu_linear="
+            why += "'torch', or a CPU where float32 panels are not the default: kernels.cpu_linear.panels_default)"
+        elif cpu_kernel_unavailable(torch.bfloat16) is not None:
+            why = f"the bfloat16 kernels do not run here ({cpu_kernel_unavailable(torch.bfloat16)})"
+        if why is not None:
+            raise UserError(
+                f"drafter_weight_dtype='bfloat16' (weight-only bfloat16 drafter projections) needs a float32 pair on "
+                f"the CPU kernels, but {why}; drop the option"
+            )
+        return torch.bfloat16
+
     def _attach_drafter(self, d: Eagle3Drafter, spec: SpecConfig) -> Eagle3Drafter:
         """Check the drafter against the target and return the module this runtime runs: the
         caller's when it is already on this device and dtype (and borrows no other target's
@@ -241,9 +268,11 @@ class SpeculativeRuntime:
         t, c = self.target, d.config
         w, emb = d.fc.weight, d.embed_tokens
         borrowed = emb is not None and not d.has_own_embedding and emb.weight.data_ptr() != t.embed.data_ptr()
-        if w.dtype != t.dtype or not _same_device(w.device, self.device) or borrowed:
+        mine = d.cpu_weight_dtype != self.drafter_weight_dtype  # the caller's module keeps its own packing
+        if w.dtype != t.dtype or not _same_device(w.device, self.device) or borrowed or mine:
             d = d.converted(self.device, t.dtype)
             c = d.config
+        d.cpu_weight_dtype = self.drafter_weight_dtype
         if c.vocab_size != t.vocab_size:
             raise UserError(f"drafter vocab_size={c.vocab_size} does not match the target's vocab_size={t.vocab_size}")
         if c.target_hidden_size != t.hidden_size:
@@ -287,6 +316,7 @@ class SpeculativeRuntime:
         deterministic: bool = False,
         compile: str | bool = "auto",
         cpu_linear: str = "auto",
+        drafter_weight_dtype: str | torch.dtype | None = None,
     ) -> SpeculativeRuntime:
         """Build a runtime from a target (HF directory or ``PreTrainedModel``) and an optional drafter.
 
@@ -321,6 +351,11 @@ class SpeculativeRuntime:
             default: ``kernels/cpu_linear.py``, a row-invariant AVX-512 / AVX512-BF16 (or AVX2) kernel that
             reads weights at memory speed, where it builds; else ``F.linear``), ``"kernel"`` (an
             error when it cannot run) or ``"torch"`` (``F.linear``, weights stored ``[K, N]`` in float32).
+        drafter_weight_dtype : ``None`` (default: the drafter runs in the target's dtype) or ``"bfloat16"``: a
+            float32 pair on the CPU kernels keeps the drafter's decode-round projections and head as bfloat16
+            panels with float32 activations (``kernels.cpu_linear.weight_only_bf16``), half the bytes a draft
+            step reads. Lossless as ever (the target verifies); greedy output is unchanged, the proposals
+            (and so τ, and seeded sampled output) may move slightly. Prompts keep float32 weights.
 
         A drafter object already on ``device`` in the target's dtype is used as is; otherwise the
         runtime runs a converted copy and the caller's module is left untouched. Bad arguments,
@@ -350,6 +385,7 @@ class SpeculativeRuntime:
             deterministic=deterministic,
             compile=compile,
             cpu_linear=cpu_linear,
+            drafter_weight_dtype=drafter_weight_dtype,
         )
 
     # ================================================================== public API

@@ -1,8 +1,9 @@
 """A drafter step as one native operator (``kernels/cpu_drafter.py``, ``tritonspec_cpu::drafter_step``): on
 drawn shapes (batches, query rows, GQA groups, head dims, ragged prefixes, tree masks, trash slots, both
-EAGLE-3.1 switches and ``norm_before_residual``, float32 and bfloat16) it returns the Python step's state
-and writes its K/V bit for bit; it declines what the Python step would run differently (weights not in
-panels, mixed dtypes, a traced call); and a decode runs it (counted) with the drafts of the Python step."""
+EAGLE-3.1 switches and ``norm_before_residual``, float32, bfloat16, and float32 on weight-only bfloat16
+panels) it returns the Python step's state and writes its K/V bit for bit; it declines what the Python step
+would run differently (weights not in panels, mixed dtypes, a traced call); and a decode runs it (counted)
+with the drafts of the Python step."""
 
 from __future__ import annotations
 
@@ -75,6 +76,7 @@ def step_case(draw):
         trash=draw(st.booleans()),
         whole=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
+        bf16_weights=draw(st.booleans()),  # float32: weight-only bfloat16 panels (cpu_weight_dtype)
     )  # fmt: skip
 
 
@@ -112,6 +114,8 @@ def _run(d, ops, hidden, tokens, meta, cache, native):
 def test_native_step_is_the_python_step_bit_for_bit(c):
     d = _drafter(c["heads"] * c["D"], c["heads"], c["kv_heads"], c["inter"], c["dtype"], *c["flags"], c["nbr"])
     ops = TorchOps()
+    if c["bf16_weights"] and c["dtype"] == torch.float32 and cl.available(torch.bfloat16) is None:
+        d.cpu_weight_dtype = torch.bfloat16
     _packed(d)
     ran = []
     real, real_default = cpu_drafter.drafter_step, cl.panels_default

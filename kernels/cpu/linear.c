@@ -398,8 +398,10 @@ ALWAYS_INLINE void store_bf16x8(uint16_t* y, __m256 v) {
     _mm_storeu_si128((__m128i*)y, _mm256_castsi256_si128(packed));
 }
 
+/* y: bfloat16 output and bias (b, y), or, weight-only bfloat16, float32 ones (bf, yf; then b = y = 0): the callers
+ * pass constants, so the choice folds away */
 ALWAYS_INLINE void panel_tile_bf16(const float* x, int64_t ldx, const uint16_t* wp, int64_t K, const uint16_t* b,
-                                   uint16_t* y, int64_t ldy, int MR, int NP, int prefetch) {
+                                   uint16_t* y, const float* bf, float* yf, int64_t ldy, int MR, int NP, int prefetch) {
     const int64_t ps = K * PANEL;
     __m256 acc[5][8]; /* MR <= 5 (PANEL_GROUP_BF16), 2 NP <= 8 */
     for (int i = 0; i < MR; i++)
@@ -426,14 +428,20 @@ ALWAYS_INLINE void panel_tile_bf16(const float* x, int64_t ldx, const uint16_t* 
 #pragma GCC unroll 8
         for (int j = 0; j < 2 * NP; j++) {
             __m256 s = acc[i][j];
+            if (yf) {
+                if (bf) s = _mm256_add_ps(s, _mm256_loadu_ps(bf + j * 8));
+                _mm256_storeu_ps(yf + i * ldy + j * 8, s);
+                continue;
+            }
             if (b) s = _mm256_add_ps(s, widen_bf16x8(b + j * 8));
             store_bf16x8(y + i * ldy + j * 8, s);
         }
 }
 
 #define PANEL_TILE_BF16(MR, NP)                                                                         \
-    panel_tile_bf16(x + m0 * ldx, ldx, wp + pn * K * PANEL, K, b ? b + pn * PANEL : 0, y + m0 * ldy + pn * PANEL, \
-                    ldy, MR, NP, m0 == 0)
+    panel_tile_bf16(x + m0 * ldx, ldx, wp + pn * K * PANEL, K, b ? b + pn * PANEL : 0,                  \
+                    y ? y + m0 * ldy + pn * PANEL : 0, bf ? bf + pn * PANEL : 0,                         \
+                    yf ? yf + m0 * ldy + pn * PANEL : 0, ldy, MR, NP, m0 == 0)
 /* every row of x against panels [pn, pn + NP), in balanced row tiles of at most MRX rows (7 rows: 4 + 3, not
  * 6 + 1: a one-row tile of one panel has two FMA chains and runs latency-bound). One panel: at most 5 rows
  * (ten accumulators): a 6-row tile left no register for the mask and ran at half speed (SmolLM2's 121
@@ -441,8 +449,8 @@ ALWAYS_INLINE void panel_tile_bf16(const float* x, int64_t ldx, const uint16_t* 
  * float32 buffer for the row tiles to share, tried, measured 149). */
 #define PANEL_GROUP_BF16(NP, MRX)                                                                       \
     ALWAYS_INLINE void panel_group_bf16_##NP(const float* x, int64_t M, int64_t ldx, const uint16_t* wp,  \
-                                             int64_t K, const uint16_t* b, uint16_t* y, int64_t ldy,      \
-                                             int64_t pn) {                                                \
+                                             int64_t K, const uint16_t* b, uint16_t* y, const float* bf,  \
+                                             float* yf, int64_t ldy, int64_t pn) {                        \
         const int64_t tiles = (M + MRX - 1) / MRX, base = M / tiles, extra = M % tiles;                \
         int64_t m0 = 0;                                                                                \
         for (int64_t t = 0; t < tiles; t++) {                                                          \
@@ -496,16 +504,49 @@ int tritonspec_linear_bf16_panels(const uint16_t* xh, int64_t M, int64_t ldx, co
 #pragma omp parallel for schedule(static) num_threads(threads)
     for (int64_t t = 0; t < tasks; t++) {
         if (t >= groups) {
-            panel_group_bf16_1(x, M, K, wp, K, b, y, ldy, groups * NP + (t - groups));
+            panel_group_bf16_1(x, M, K, wp, K, b, y, 0, 0, ldy, groups * NP + (t - groups));
             continue;
         }
         switch (NP) {
-            case 4: panel_group_bf16_4(x, M, K, wp, K, b, y, ldy, t * 4); break;
-            case 2: panel_group_bf16_2(x, M, K, wp, K, b, y, ldy, t * 2); break;
-            default: panel_group_bf16_1(x, M, K, wp, K, b, y, ldy, t);
+            case 4: panel_group_bf16_4(x, M, K, wp, K, b, y, 0, 0, ldy, t * 4); break;
+            case 2: panel_group_bf16_2(x, M, K, wp, K, b, y, 0, 0, ldy, t * 2); break;
+            default: panel_group_bf16_1(x, M, K, wp, K, b, y, 0, 0, ldy, t);
         }
     }
     if (x != xbuf) free(x);
+    return 0;
+}
+
+/* Weight-only bfloat16: y [M, N] float32 (row stride ldy) = x [M, K] float32 (row stride ldx) @ w^T (+ b float32),
+ * w packed into N / 16 interleaved bfloat16 panels (pack_panels of a bfloat16 [N, K]). The tiles above, on x as
+ * it is (no copy) and without the rounding to bfloat16:
+ *
+ *     y[m][n] = fma(x[m][K-1], w[n][K-1], ... fma(x[m][0], w[n][0], +0.0) ...) (+ b[n]),
+ *
+ * bit for bit tritonspec_linear_f32_panels(x, pack_f32(w.float()), b) (the same chain on the exactly widened
+ * weights), so row-invariant the same way, on half the weight bytes: a float32 drafter's decode-round
+ * projections (Eagle3Drafter.cpu_weight_dtype) at 1-4 rows take 0.45-0.85x the float32 panels' time (AMD Zen 4,
+ * one thread, SmolLM2's drafter shapes), ~1x at 8 and ~1.35x at 150 (8-lane tiles of up to 5 rows of one panel;
+ * widening 4 panels into float32 for the 16-lane tiles, tried, cost a pass over the weights: 1.7x at 8 rows).
+ * Returns 0 (an int, as the other bfloat16 entry points). */
+int tritonspec_linear_f32_bf16_panels(const float* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t N,
+                                      int64_t K, const float* b, float* y, int64_t ldy, int threads) {
+    const int64_t panels = N / PANEL;
+    if (M <= 0 || panels <= 0) return 0;
+    const int NP = M == 1 ? 4 : M == 2 ? 2 : 1;
+    const int64_t groups = panels / NP, tasks = groups + (panels - groups * NP);
+#pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t t = 0; t < tasks; t++) {
+        if (t >= groups) {
+            panel_group_bf16_1(x, M, ldx, wp, K, 0, 0, b, y, ldy, groups * NP + (t - groups));
+            continue;
+        }
+        switch (NP) {
+            case 4: panel_group_bf16_4(x, M, ldx, wp, K, 0, 0, b, y, ldy, t * 4); break;
+            case 2: panel_group_bf16_2(x, M, ldx, wp, K, 0, 0, b, y, ldy, t * 2); break;
+            default: panel_group_bf16_1(x, M, ldx, wp, K, 0, 0, b, y, ldy, t);
+        }
+    }
     return 0;
 }
 

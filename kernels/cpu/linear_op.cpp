@@ -23,6 +23,8 @@ void tritonspec_linear_bf16(const uint16_t*, int64_t, int64_t, const uint16_t*, 
                             uint16_t*, int64_t, int);
 void tritonspec_linear_f32_panels(const float*, int64_t, int64_t, const float*, int64_t, int64_t, const float*,
                                   float*, int64_t, int);
+int tritonspec_linear_f32_bf16_panels(const float*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
+                                      const float*, float*, int64_t, int);
 int tritonspec_linear_bf16_panels(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
                                   const uint16_t*, uint16_t*, int64_t, int);
 int tritonspec_linear_bf16_packed(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, int64_t,
@@ -68,8 +70,11 @@ constexpr int64_t kSmall = int64_t(1) << 17;  // cpu_linear.SMALL: fewer multipl
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b, int64_t threads) {
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
               "tritonspec_cpu::linear takes float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(w.scalar_type() == x.scalar_type() && (!b || b->scalar_type() == x.scalar_type()),
-              "tritonspec_cpu::linear: x, weight and bias must share one dtype");
+  // weight-only bfloat16 (cpu_linear.weight_only_bf16): float32 x and bias, bfloat16 panels
+  const bool bf16w = w.dim() == 3 && x.scalar_type() == at::kFloat && w.scalar_type() == at::kBFloat16;
+  TORCH_CHECK((bf16w || w.scalar_type() == x.scalar_type()) && (!b || b->scalar_type() == x.scalar_type()),
+              "tritonspec_cpu::linear: x, weight and bias must share one dtype (or float32 x and bias with "
+              "bfloat16 panels)");
   // a 4-D weight is packed for AMX (cpu_linear.pack_bf16): [N/16, K/32, 16, 32] bfloat16; a 3-D one into
   // panels of x's dtype (cpu_linear.pack_panels): [N/16, K, 16]
   const bool packed = w.dim() == 4, panels = w.dim() == 3;
@@ -91,7 +96,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const std::optional<
   at::Tensor xc = x.reshape({M, K});
   if (xc.stride(1) != 1) xc = xc.contiguous();
   const int nt = threads > 0 ? int(threads) : (M * N * K >= kSmall ? at::get_num_threads() : 1);
-  if (panels && x.scalar_type() == at::kBFloat16) {
+  if (bf16w) {
+    int rc = tritonspec_linear_f32_bf16_panels(
+        xc.const_data_ptr<float>(), M, xc.stride(0), reinterpret_cast<const uint16_t*>(w.const_data_ptr<c10::BFloat16>()),
+        N, K, b ? b->const_data_ptr<float>() : nullptr, y.mutable_data_ptr<float>(), N, nt);
+    TORCH_CHECK(rc == 0, "tritonspec_cpu::linear: the weight-only bfloat16 kernel failed");
+  } else if (panels && x.scalar_type() == at::kBFloat16) {
     int rc = tritonspec_linear_bf16_panels(
         reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>()), M, xc.stride(0),
         reinterpret_cast<const uint16_t*>(w.const_data_ptr<c10::BFloat16>()), N, K,
