@@ -246,6 +246,8 @@ class SpeculativeRuntime:
         says what to change for a value that cannot apply."""
         if value in (None, "float32", torch.float32):
             return None
+        if value == "auto" and not getattr(drafter, "loaded_by_runtime", False):
+            return None  # a drafter module the caller passed keeps its dtype (shared, not copied)
         if value not in ("auto", "bfloat16", torch.bfloat16):
             raise UserError(
                 f"drafter_weight_dtype={value!r}: pass 'auto', None or 'float32' (the drafter's dtype) or 'bfloat16'"
@@ -277,7 +279,8 @@ class SpeculativeRuntime:
         t, c = self.target, d.config
         w, emb = d.fc.weight, d.embed_tokens
         borrowed = emb is not None and not d.has_own_embedding and emb.weight.data_ptr() != t.embed.data_ptr()
-        mine = d.cpu_weight_dtype != self.drafter_weight_dtype  # the caller's module keeps its own packing
+        # the caller's module keeps its own packing (one loaded here for runtimes is repacked in place)
+        mine = d.cpu_weight_dtype != self.drafter_weight_dtype and not getattr(d, "loaded_by_runtime", False)
         if w.dtype != t.dtype or not _same_device(w.device, self.device) or borrowed or mine:
             d = d.converted(self.device, t.dtype)
             c = d.config
@@ -363,8 +366,9 @@ class SpeculativeRuntime:
         drafter_weight_dtype : ``"bfloat16"``: a float32 pair on the CPU kernels keeps the drafter's decode-round
             projections and head as bfloat16 panels with float32 activations
             (``kernels.cpu_linear.weight_only_bf16``), half the bytes a draft step reads (~4 % faster end to end
-            on SmolLM2); an error where it cannot apply. ``"auto"`` (default): that where it applies, else the
-            drafter's dtype. ``None`` / ``"float32"``: the drafter runs in the target's dtype. Lossless as ever
+            on SmolLM2); an error where it cannot apply. ``"auto"`` (default): that where it applies to a drafter
+            loaded here from a directory (a drafter module you pass keeps its dtype: shared, never copied), else
+            the drafter's dtype. ``None`` / ``"float32"``: the drafter runs in the target's dtype. Lossless as ever
             (the target verifies): greedy output is unchanged; the proposals (so τ, and seeded sampled output)
             may move slightly. Prompts keep float32 weights.
 
@@ -379,6 +383,7 @@ class SpeculativeRuntime:
         d = drafter
         if isinstance(drafter, (str, Path)):
             d = Eagle3Drafter.from_pretrained(drafter)
+            d.loaded_by_runtime = True  # drafter_weight_dtype="auto" may repack it: nobody else holds it
         elif drafter is not None and not isinstance(drafter, Eagle3Drafter):
             raise UserError(f"drafter must be a directory or an Eagle3Drafter, got {type(drafter).__name__}")
         if tokenizer is None and isinstance(target, (str, Path)):

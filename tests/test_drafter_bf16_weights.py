@@ -149,3 +149,15 @@ def test_cli_flag():
     bad = subprocess.run([*cmd, "--drafter-weight-dtype", "bfloat16", "--cpu-linear", "torch"], capture_output=True,
                          text=True, timeout=300)  # fmt: skip
     assert bad.returncode != 0 and "drafter_weight_dtype='bfloat16'" in bad.stderr
+
+
+@pytest.mark.skipif(not _native_ready(), reason="no native operator, or this CPU does not pack float32 drafters")
+def test_auto_applies_to_a_drafter_loaded_from_a_directory_only():
+    """The default ``drafter_weight_dtype="auto"``: bfloat16 for a drafter the runtime loads from a directory; a
+    module the caller passes keeps its dtype and is shared, not copied (inverse: explicit "bfloat16" copies it)."""
+    target, drafter = ts.demo_pair("eagle3.1")
+    assert runtime(target, drafter).drafter_weight_dtype == torch.bfloat16
+    d = ts.Eagle3Drafter.from_pretrained(drafter)
+    shared = runtime(target, d)
+    assert shared.drafter is d and shared.drafter_weight_dtype is None and d.cpu_weight_dtype is None
+    assert runtime(target, d, drafter_weight_dtype="bfloat16").drafter is not d
