@@ -263,7 +263,8 @@ class Eagle3Drafter(nn.Module):
                 w = (torch.cat(ws) if len(ws) > 1 else ws[0]).detach()
                 new = cpu_linear.pack_panels(w) if cpu_linear.panels_pay(w) else w.contiguous().clone()
                 if self.weight_only_bf16:
-                    prompt[name] = new
+                    if name != "head":  # a prompt's head runs on its last row only: the decode weights serve
+                        prompt[name] = new
                     new = cpu_linear.weight_only_bf16(w) if cpu_linear.panels_pay(w) else new
                 was = old.get(name)
                 if was is not None and was.shape == new.shape and was.dtype == new.dtype and not was.is_inference():

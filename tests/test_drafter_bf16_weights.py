@@ -121,7 +121,7 @@ def test_runtime_output_packing_and_the_callers_module(spec):
     decode, prompt = rt.drafter._packed[1], rt.drafter._prompt_pack
     panels = {n: w.dtype for n, w in decode.items() if w.dim() == 3}  # (Intel keeps small weights [N, K])
     assert "head" in panels and set(panels.values()) == {torch.bfloat16}
-    assert all(w.dtype == torch.float32 for w in prompt.values())
+    assert all(w.dtype == torch.float32 for w in prompt.values()) and "head" not in prompt  # logits: last row
     assert all(w.dtype == torch.float32 for w in (plain.drafter._packed[1] or {}).values())
     hn = torch.randn(3, d.config.hidden_size)
     with torch.inference_mode():
