@@ -16,9 +16,10 @@
    beats it by ``PLAIN_MARGIN``, 3%). Without it,
    a chosen shape that measured slower than plain decoding gets a plain batch-1 row
 7. optionally (``prompt_lookup``), each row's winning shape generated again side by side with a
-   prompt-lookup branch of each given length grafted on (``runtime/ngram.py``; its gain depends on
-   how much the outputs repeat the prompts, which no acceptance profile of the drafter predicts,
-   so it is measured, never modelled); the fastest stays in the row (at batch 1, the shortest branch
+   prompt-lookup branch of each given length (with each ``prompt_lookup_min``) grafted on
+   (``runtime/ngram.py``; its gain depends on how much the outputs repeat the prompts, which no
+   acceptance profile of the drafter predicts, so it is measured, never modelled); the fastest
+   stays in the row (at batch 1, the shortest branch
    within 6% of the fastest is kept: ``LOOKUP_TIE``), unless plain decoding, measured again beside them, is
    faster still (then the row goes to plain decoding). A greedy row that plain
    decoding won tries the one-token chain with each lookup branch instead (kept only if faster)
@@ -50,7 +51,7 @@ import torch
 
 from ..kernels import store
 from ..runtime import profiles as prof
-from ..runtime.config import SpecConfig
+from ..runtime.config import DEFAULT_LOOKUP_MIN, SpecConfig
 from ..runtime.spec_policy import rule_shape
 from .tree_measure import Check, Measured, measure_acceptance, measure_costs, measure_generation
 from .tree_model import TOP_KS, AcceptanceProfile, CostModel, Prediction, neighbours, predict, search
@@ -139,6 +140,7 @@ def tune_tree(
     device_kind: bool = False,
     compile: bool = False,
     prompt_lookup: Sequence[int] = (),
+    prompt_lookup_min: Sequence[int] = (),
     long_prompts: Sequence[str] | Sequence[Sequence[int]] = (),
     log=None,
 ) -> TreeTuneResult:
@@ -153,7 +155,9 @@ def tune_tree(
     (``profiles.device_kind``: any CPU of the same architecture and vector ISA) instead of this
     exact one, as the profiles shipped with the package are. ``compile``: measure with compiled CPU
     rounds and write a ``rounds=compiled`` profile (module docstring). ``prompt_lookup``: lengths of
-    a prompt-lookup branch to try on each row's winning shape (step 7; e.g. ``(4, 8)``).
+    a prompt-lookup branch to try on each row's winning shape (step 7; e.g. ``(4, 8)``);
+    ``prompt_lookup_min``: the shortest suffixes to try each branch with (e.g. ``(1, 2)``; default
+    ``SpecConfig``'s 2 alone).
     ``long_prompts``: prompts (strings or token ids) much longer than ``prompts``, for the
     long-context rows of step 8 (batch 1 or, as in step 6, every batch size; greedy and, with
     ``sampled``, sampled).
@@ -175,6 +179,12 @@ def tune_tree(
     lookups = sorted({int(m) for m in prompt_lookup} - {0})
     if any(m < 0 for m in lookups):
         raise ValueError(f"prompt_lookup={list(prompt_lookup)}: lengths must be >= 0")
+    lookup_mins = sorted({int(j) for j in prompt_lookup_min}) or [DEFAULT_LOOKUP_MIN]
+    if not all(1 <= j <= SpecConfig().prompt_lookup_max for j in lookup_mins):
+        raise ValueError(
+            f"prompt_lookup_min={list(prompt_lookup_min)}: each must be 1..{SpecConfig().prompt_lookup_max} "
+            "(prompt_lookup_max)"
+        )
     if any(isinstance(p, str) for p in [*prompts, *long_prompts]) and tok is None:
         raise ValueError("string prompts need the target's tokenizer; pass token id lists")
     ids = [list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p) for p in prompts]
@@ -280,7 +290,7 @@ def tune_tree(
         elif lookups:  # the batch-1 greedy row, to carry the lookup's verdict
             shapes.append({"batch_size": 1, "sampling": "greedy", "spec": best.spec, "temperature": 0.0})
     for row in shapes if lookups else []:
-        _lookup_at(rt, ids, max_new_tokens, row, lookups, say)
+        _lookup_at(rt, ids, max_new_tokens, row, lookups, say, lookup_mins)
     if long_ids:  # step 8: the rows again on long prompts, for prompts of at least `threshold` tokens
         n = _median_len(long_ids)
         say(f"[autotune tree] long prompts ({len(long_ids)}, median {n} tokens): rows for prompts >= {threshold}")
@@ -293,7 +303,7 @@ def tune_tree(
                 row = _best_at(rt, long_ids, max_new_tokens, b, mode, temp, seed, big, say, compile, extra)
                 row.update(context=threshold, prompt_tokens=n)
                 if lookups:
-                    _lookup_at(rt, long_ids, max_new_tokens, row, lookups, say)
+                    _lookup_at(rt, long_ids, max_new_tokens, row, lookups, say, lookup_mins)
                 if b == 1 and row["spec"] is not None:
                     seed = replace(row["spec"], prompt_lookup_num_tokens=0)
                 shapes.append(row)
@@ -395,21 +405,25 @@ def _beats_plain(rate: float, plain: Measured, margin: float = PLAIN_MARGIN) -> 
 LOOKUP_TIE = 0.06
 
 
-def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) -> None:
+def _lookup_at(
+    rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say, mins: Sequence[int] = (DEFAULT_LOOKUP_MIN,)
+) -> None:
     """Step 7 for one ``shapes`` row: plain decoding, its shape and the shape with each prompt-lookup
-    length, side by side at the row's batch size and temperature (two passes, A B C then C B A);
-    the fastest shape goes into the row (in place; at batch 1 the shortest lookup branch within
-    ``LOOKUP_TIE`` of it; plain decoding when it measures faster than every shape here), the
+    length (each with every shortest suffix of ``mins``), side by side at the row's batch size and
+    temperature (two passes, A B C then C B A); the fastest shape goes into the row (in place; at
+    batch 1 the shortest lookup branch within ``LOOKUP_TIE`` of it, the faster of its ``mins``;
+    plain decoding when it measures faster than every shape here), the
     rates into its ``lookup_decode_tokens_per_s``."""
     spec, b, temp = row["spec"], row["batch_size"], row.get("temperature", 0.0)
     sampled_chain = spec is not None and spec.top_k == 1 and spec.sample_chain_drafts and row["sampling"] == "sampled"
     if sampled_chain or (spec is None and row["sampling"] == "sampled"):  # verified against q: no lookup
         return
     if spec is None:  # plain decoding won: a lookup branch on the cheapest chain may still pay (quoting prompts)
-        cands = [replace(SpecConfig.chain(1), prompt_lookup_num_tokens=m) for m in lookups]
+        bare, cands = SpecConfig.chain(1), []
     else:  # the shape without a branch and with each (a winner that already has one is measured bare too)
-        bare = replace(spec, prompt_lookup_num_tokens=0)
-        cands = [bare] + [replace(bare, prompt_lookup_num_tokens=m) for m in lookups]
+        bare = replace(spec, prompt_lookup_num_tokens=0, prompt_lookup_min=DEFAULT_LOOKUP_MIN)
+        cands = [bare]
+    cands += [replace(bare, prompt_lookup_num_tokens=m, prompt_lookup_min=j) for m in lookups for j in mins]
     # twice, the order reversed on the second pass: a lookup branch's gain is often a few percent, the
     # size of a load swing during one pass
     plain, *ms = measure_generation(rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp, repeats=2)
@@ -425,8 +439,15 @@ def _lookup_at(rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say) 
     # 2026-12-04: lookup 8 picked at 68.9 tok/s against lookup 4's 67.2, then on 6 HumanEval prompts 1.19x
     # against lookup 4's 1.32x over plain decoding)
     tied = [k for k in with_lookup if rates[k] >= (1 - LOOKUP_TIE) * rates[i] and _beats_plain(rates[k], plain, margin)]
-    if b == 1 and tied:
-        i = min(tied, key=lambda k: cands[k].prompt_lookup_num_tokens)
+    if b == 1 and tied:  # (of one length's suffix minimums the faster; on a tie, the default)
+        i = min(
+            tied,
+            key=lambda k: (
+                cands[k].prompt_lookup_num_tokens,
+                -rates[k],
+                cands[k].prompt_lookup_min != DEFAULT_LOOKUP_MIN,
+            ),
+        )
     win = cands[i] if _beats_plain(rates[i], plain, margin) else None
     row["spec"] = win
     row["lookup_decode_tokens_per_s"] = {"plain": round(plain.decode_tokens_per_s, 2)} | {

@@ -45,6 +45,7 @@ divergence, 2 bad input.""",
     a.add_argument("--draft-top-k", type=int, default=None)
     a.add_argument("--num-draft-tokens", type=int, default=None)
     a.add_argument("--prompt-lookup-num-tokens", type=int, default=None, help="a prompt-lookup branch (0 = none)")
+    a.add_argument("--prompt-lookup-min", type=int, default=None, help="the shortest suffix it matches (default 2)")
     a.add_argument("--device", default="cpu")
     a.add_argument("--dtype", default=None)
     a.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
@@ -71,7 +72,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
         spec=spec_from_flags(
-            args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens, args.prompt_lookup_num_tokens
+            args.num_speculative_tokens,
+            args.draft_top_k,
+            args.num_draft_tokens,
+            args.prompt_lookup_num_tokens,
+            args.prompt_lookup_min,
         ),
         temperature=args.temperature,
         top_p=args.top_p,

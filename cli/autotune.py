@@ -134,6 +134,12 @@ checks it, two neighbours and the default shape by generating (measured vs predi
         help="also try a prompt-lookup branch of these lengths on each winning shape, e.g. 4,8 (measured side "
         "by side; the fastest is kept; helps where outputs repeat the prompt, such as code)",
     )
+    t.add_argument(
+        "--prompt-lookup-min",
+        default="",
+        help="with --prompt-lookup: try each branch with these shortest matched suffixes, e.g. 1,2 "
+        "(default 2 alone; 1 proposes more often)",
+    )
     _common(t)
     t.set_defaults(fn=cmd_tree)
     return a
@@ -240,6 +246,14 @@ def cmd_tree(args: argparse.Namespace) -> int:
         lookups = [int(x) for x in args.prompt_lookup.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"--prompt-lookup {args.prompt_lookup!r}: give comma-separated lengths, e.g. 4,8") from None
+    try:
+        lookup_mins = [int(x) for x in args.prompt_lookup_min.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(
+            f"--prompt-lookup-min {args.prompt_lookup_min!r}: give comma-separated sizes, e.g. 1,2"
+        ) from None
+    if lookup_mins and not lookups:
+        raise ValueError(f"--prompt-lookup-min {args.prompt_lookup_min}: needs --prompt-lookup (e.g. 4,8)")
     if batch_sizes[0] < 1:
         raise ValueError(f"--batch-sizes {args.batch_sizes}: batch sizes must be >= 1")
     if args.threads:
@@ -266,6 +280,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
         device_kind=args.device_kind,
         compile=args.compile,
         prompt_lookup=lookups,
+        prompt_lookup_min=lookup_mins,
         long_prompts=long_prompts,
         log=lambda m: print(m, file=sys.stderr),
     )

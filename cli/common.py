@@ -28,13 +28,18 @@ def flag_values(args: argparse.Namespace, names: str) -> dict:
     return {name: getattr(args, name) for name in names.split()}
 
 
-def spec_from_flags(depth: int | None, top_k: int | None, n: int | None, lookup: int | None = None):
+def spec_from_flags(
+    depth: int | None, top_k: int | None, n: int | None, lookup: int | None = None, lookup_min: int | None = None
+):
     """None when no shape flag is given (a tuned profile, else the defaults); else the defaults with
     the given flags, a default ``num_draft_tokens`` capped at what the shape can draft (so
     ``--draft-top-k 1`` alone is a chain). A given 0 is passed on (and refused), never a default.
-    ``lookup``: ``--prompt-lookup-num-tokens`` (a shape flag like the others)."""
+    ``lookup``: ``--prompt-lookup-num-tokens`` (a shape flag like the others); ``lookup_min``:
+    ``--prompt-lookup-min``, the shortest suffix a branch matches (needs ``lookup``)."""
     from ..runtime.config import SpecConfig
 
+    if lookup_min is not None and not lookup:
+        raise UserError(f"--prompt-lookup-min {lookup_min} needs a lookup branch: add --prompt-lookup-num-tokens 4")
     if (depth, top_k, n, lookup) == (None, None, None, None):
         return None
     d = SpecConfig()
@@ -44,7 +49,8 @@ def spec_from_flags(depth: int | None, top_k: int | None, n: int | None, lookup:
         SpecConfig(depth, top_k, 2)  # raises the UserError naming the flag's value
     if n is None:
         n = min(d.num_draft_tokens, top_k + (depth - 1) * top_k * top_k + 1)
-    return SpecConfig(depth, top_k, n, prompt_lookup_num_tokens=lookup or 0)
+    extra = {} if lookup_min is None else {"prompt_lookup_min": lookup_min}
+    return SpecConfig(depth, top_k, n, prompt_lookup_num_tokens=lookup or 0, **extra)
 
 
 def cache_dir() -> Path:

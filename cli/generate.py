@@ -84,6 +84,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="graft a prompt-lookup branch of this many tokens onto the draft tree (a shape flag like the "
         "three above; 0 = none; `autotune tree --prompt-lookup` tunes it)",
     )
+    g.add_argument(
+        "--prompt-lookup-min",
+        type=int,
+        default=None,
+        help="the shortest prompt suffix the lookup branch matches (default 2; 1 proposes more often; "
+        "`autotune tree --prompt-lookup-min 1,2` tunes it)",
+    )
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples losslessly")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0, help="sampling top-k (0 = off); the tree uses --draft-top-k")
@@ -160,7 +167,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = prompts if args.prompts_file is not None else prompts[0]
     target, drafter = resolve_pair(args.target, args.drafter)
     spec = spec_from_flags(
-        args.num_speculative_tokens, args.draft_top_k, args.num_draft_tokens, args.prompt_lookup_num_tokens
+        args.num_speculative_tokens,
+        args.draft_top_k,
+        args.num_draft_tokens,
+        args.prompt_lookup_num_tokens,
+        args.prompt_lookup_min,
     )
     rt = ts.SpeculativeRuntime.from_pretrained(
         target,

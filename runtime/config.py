@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from .errors import UserError
 
+DEFAULT_LOOKUP_MIN = 2  # SpecConfig.prompt_lookup_min's default (its label names any other value)
+
 
 @dataclass(frozen=True)
 class SpecConfig:
@@ -32,7 +34,9 @@ class SpecConfig:
         (``sample_chain_drafts`` at temperature > 0), whose verification needs the drafter's q.
     prompt_lookup_max, prompt_lookup_min : the longest and shortest suffix matched (vLLM names);
         default 3 and 2: a one-token match proposes too often what does not follow (SmolLM2, 6 chat
-        prompts: min 1 cost 3% against no lookup, min 2 gained 3%; on HumanEval both gained 20-26%).
+        prompts: min 1 cost 3% against no lookup, min 2 gained 3%; on HumanEval both gained 20-26%;
+        with the run-7 drafters, min 1 gained ~2% τ on both: ``autotune tree --prompt-lookup-min 1,2``
+        measures both and writes the faster into the profile).
 
     The sizes are integers (numpy and torch integers are converted to ``int``); a float, a bool or
     a string raises ``UserError`` naming it, as does a value out of range.
@@ -49,7 +53,7 @@ class SpecConfig:
     sample_chain_drafts: bool = True
     prompt_lookup_num_tokens: int = 0
     prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 2
+    prompt_lookup_min: int = DEFAULT_LOOKUP_MIN
 
     def __post_init__(self) -> None:
         for name in (
@@ -101,10 +105,12 @@ class SpecConfig:
 
     @property
     def label(self) -> str:
-        """``(D,K,N)``, then ``+lookupM`` when the shape has a prompt-lookup branch (tables, logs,
-        the CLI stats line, whose fields are split on spaces)."""
-        m = self.prompt_lookup_num_tokens
-        return f"({self.num_speculative_tokens},{self.top_k},{self.num_draft_tokens})" + (f"+lookup{m}" if m else "")
+        """``(D,K,N)``, then ``+lookupM`` when the shape has a prompt-lookup branch, ``+lookupMminJ``
+        when its ``prompt_lookup_min`` is not the default (tables, logs, the CLI stats line, whose
+        fields are split on spaces)."""
+        m, j = self.prompt_lookup_num_tokens, self.prompt_lookup_min
+        lookup = (f"+lookup{m}" + (f"min{j}" if j != DEFAULT_LOOKUP_MIN else "")) if m else ""
+        return f"({self.num_speculative_tokens},{self.top_k},{self.num_draft_tokens})" + lookup
 
     @property
     def max_candidates(self) -> int:

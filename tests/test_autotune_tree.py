@@ -609,3 +609,32 @@ def test_the_lookup_pass_gives_a_row_to_plain_decoding_when_plain_measures_faste
     expect = {"bare": ts.SpecConfig(1, 1, 2), "lookup": ts.SpecConfig(1, 1, 2, prompt_lookup_num_tokens=4), None: None}
     assert row["spec"] == expect[want]
     assert row["lookup_decode_tokens_per_s"]["plain"] == plain_rate
+
+
+@pytest.mark.parametrize("min1_rate, want", [(21.0, 1), (20.0, 2), (19.5, 2)])
+def test_each_lookup_length_is_measured_with_each_suffix_minimum(monkeypatch, min1_rate, want):
+    """``prompt_lookup_min=(1, 2)``: every branch length is measured with both minimums (labels
+    ``+lookupM`` and ``+lookupMmin1``); of one length's minimums within ``LOOKUP_TIE``, the faster
+    is kept. The inverse: a tie or a slower min 1 keeps the default 2."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    def rate(s):
+        if s is None or not s.prompt_lookup_num_tokens:
+            return 10.0 if s is None else 18.0  # plain decoding, the bare shape
+        return min1_rate if s.prompt_lookup_min == 1 else 20.0
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        return [Measured(100, 100 / rate(s), 0.0, 4, 4, 0) for s in specs]
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    row = {"batch_size": 1, "sampling": "greedy", "spec": ts.SpecConfig(2, 1, 3), "temperature": 0.0}
+    tree_tuner._lookup_at(None, [[1, 2]], 8, row, (4,), lambda *_: None, (1, 2))
+    assert set(row["lookup_decode_tokens_per_s"]) == {"plain", "(2,1,3)", "(2,1,3)+lookup4min1", "(2,1,3)+lookup4"}
+    assert row["spec"] == ts.SpecConfig(2, 1, 3, prompt_lookup_num_tokens=4, prompt_lookup_min=want)
+
+
+def test_tune_tree_refuses_a_lookup_min_out_of_range():
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    for bad in ((0,), (4,)):
+        with pytest.raises(ValueError, match="prompt_lookup_min=.*1..3"):
+            tune_tree(model, drafter, [[1, 2]], prompt_lookup=(4,), prompt_lookup_min=bad, dry_run=True)

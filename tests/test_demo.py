@@ -134,3 +134,25 @@ def test_autotune_long_prompts_demo_needs_the_demo_target(tmp_path, capsys):
     argv = ["autotune", "tree", "--target", str(tmp_path), "--drafter", str(tmp_path), "--long-prompts", "demo"]
     assert main(argv) == 2
     assert "--long-prompts demo names the demo pair's long tuning prompts" in capsys.readouterr().err
+
+
+def test_autotune_prompt_lookup_min_reaches_the_tuner_and_needs_a_branch(monkeypatch, capsys):
+    """``--prompt-lookup 4 --prompt-lookup-min 1,2`` passes both lists to ``tune_tree``; a minimum
+    without ``--prompt-lookup`` is an error that says what to add (exit status 2)."""
+    from tritonspec.autotune import tree_tuner
+    from tritonspec.cli import main
+
+    if not demo.available():
+        pytest.skip("the demo pair is not built")
+    seen = {}
+
+    def tune(target, drafter, prompts, **kw):
+        seen.update(lookup=kw["prompt_lookup"], mins=kw["prompt_lookup_min"])
+        raise _Tuned
+
+    monkeypatch.setattr(tree_tuner, "tune_tree", tune)
+    with pytest.raises(_Tuned):
+        main(["autotune", "tree", "--target", "demo", "--prompt-lookup", "4", "--prompt-lookup-min", "1,2"])
+    assert seen == {"lookup": [4], "mins": [1, 2]}
+    assert main(["autotune", "tree", "--target", "demo", "--prompt-lookup-min", "1"]) == 2
+    assert "needs --prompt-lookup" in capsys.readouterr().err

@@ -283,6 +283,26 @@ def test_cli_flag_builds_the_shape():
     assert spec_from_flags(3, 2, 6, 4) == ts.SpecConfig(3, 2, 6, prompt_lookup_num_tokens=4)
     assert spec_from_flags(None, None, None, None) is None
     assert spec_from_flags(3, 2, 6, None).prompt_lookup_num_tokens == 0
+    one = spec_from_flags(3, 2, 6, 4, 1)  # --prompt-lookup-min 1
+    assert one == ts.SpecConfig(3, 2, 6, prompt_lookup_num_tokens=4, prompt_lookup_min=1)
+    assert one.label == "(3,2,6)+lookup4min1" and spec_from_flags(3, 2, 6, 4, 2).label == "(3,2,6)+lookup4"
+    with pytest.raises(ts.UserError, match="needs a lookup branch"):
+        spec_from_flags(3, 2, 6, None, 1)  # a minimum without a branch would be silently unused
+    with pytest.raises(ts.UserError, match="prompt_lookup_min=4"):
+        spec_from_flags(3, 2, 6, 4, 4)  # above prompt_lookup_max (3)
+
+
+def test_generate_cli_runs_a_lookup_min_and_says_so(capsys):
+    """``tritonspec generate --prompt-lookup-min 1`` runs the shape (its label in the stats line),
+    with the same tokens as plain decoding (``--compare``)."""
+    from tritonspec.cli import main
+
+    flags = "--max-new-tokens 12 --num-speculative-tokens 2 --draft-top-k 1 --prompt-lookup-num-tokens 4"
+    assert main(["generate", "--target", "demo", *flags.split(), "--prompt-lookup-min", "1", "--compare", "x = 1"]) == 0
+    stats = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "spec=(2,1,3)+lookup4min1 " in stats and "identical=True" in stats
+    assert main(["generate", "--target", "demo", "--prompt-lookup-min", "1", "x = 1"]) == 2  # no branch to apply it to
+    assert "needs a lookup branch" in capsys.readouterr().err
 
 
 def test_eager_cpu_rounds_verify_only_the_grafted_nodes():
