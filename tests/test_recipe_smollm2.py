@@ -167,3 +167,74 @@ def test_the_smollm2_tuning_completions_are_not_humaneval_functions():
     names = {re.match(r"def (\w+)", r["prompt"]).group(1) for r in _jsonl("smollm2_tune.jsonl") if "prompt" in r}
     assert len(names) == 8 and not names & humaneval
     assert (names | {"has_close_elements"}) & humaneval  # the inverse: HumanEval/0's function is caught
+
+
+class _ChatTok:
+    """A character-level stand-in for a ChatML tokenizer (ids are code points; <|im_end|> is 1)."""
+
+    unk_token_id = 0
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=False):
+        text = "<s>system\nbe kind<e>\n" + "".join(f"<s>{m['role']}\n{m['content']}<e>\n" for m in messages)
+        return text + ("<s>assistant\n" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def convert_tokens_to_ids(self, token):
+        return 1 if token == "<|im_end|>" else 0
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class _Asker:
+    """A runtime whose sampled user questions depend only on the seed: seeds ending in 0 ramble
+    past the token cap (no end of turn), in 1 are too short, 2 and 3 ask the same question."""
+
+    tokenizer = _ChatTok()
+
+    def __init__(self):
+        self.prompts, self.seeds = [], []
+
+    def generate(self, prompts, max_new_tokens, speculative, temperature, seed, stop_token_ids):
+        assert temperature == 1.0 and not speculative and stop_token_ids == [1]
+        self.prompts += prompts
+        self.seeds += seed
+        outs = []
+        for s in seed:
+            text = {0: "x " * max_new_tokens, 1: "hi"}.get(s % 10, f"How do I fix thing {s // 2}?")
+            ids = [ord(c) for c in text][:max_new_tokens]
+            outs.append(ids if s % 10 == 0 else ids + [1])
+        return type("G", (), {"token_ids": outs})()
+
+
+def test_self_chat_questions_are_sampled_after_the_user_turn_filtered_and_resumed(tmp_path):
+    """``self_chat_queries`` samples from the template up to the user's text (system message
+    included), drops truncated, too short and repeated questions, and resumes with the next seeds
+    (the inverse: a rerun that reached ``n`` samples nothing)."""
+    from tritonspec.recipes.smollm2.distill import self_chat_queries, self_chat_records, user_turn_prefix
+
+    tok = _ChatTok()
+    assert tok.decode(user_turn_prefix(tok)) == "<s>system\nbe kind<e>\n<s>user\n"
+    rt, out = _Asker(), tmp_path / "q.jsonl"
+    recs = self_chat_queries(rt, 3, out, batch_size=4, seed=7, log=lambda m: None)
+    assert all(p == user_turn_prefix(tok) for p in rt.prompts)
+    assert rt.seeds[:4] == [7_000_000, 7_000_001, 7_000_002, 7_000_003]
+    qs = [r["prompt"][0]["content"] for r in recs]
+    assert len(qs) == 3 and len(set(qs)) == 3 and all(q.startswith("How do I fix thing") for q in qs)
+    assert all(r["kind"] == "chat" and r["prompt"][0]["role"] == "user" for r in recs)
+    assert [r["id"] for r in recs] == [f"selfchat.7.{a}" for a in (2, 4, 6)]  # 3, 5 repeat 2, 4; 0/1 dropped
+    n_lines = len(out.read_text().splitlines())
+    assert n_lines == len(rt.seeds)  # every attempt recorded, kept or not
+    again = _Asker()
+    assert self_chat_queries(again, 3, out, batch_size=4, seed=7, log=lambda m: None) == recs
+    assert again.seeds == []  # nothing left to sample
+    more = self_chat_queries(again, 5, out, batch_size=4, seed=7, log=lambda m: None)
+    assert more[:3] == recs and len(more) == 5 and again.seeds[0] == 7_000_000 + n_lines  # resumed
+    assert self_chat_records(out, 5, 7)[0] == more
+
+
+def test_recipe_config_refuses_negative_self_chat():
+    with pytest.raises(ValueError, match="n_self_chat=-1"):
+        RecipeConfig(n_self_chat=-1)

@@ -6,11 +6,14 @@ Stages (each writes into ``--work`` and is skipped or resumed when its output ex
                 dequantized once into the user cache (``runtime/gguf.py``).
 2. ``prompts``  instructions derived from the CPython standard library and general questions
                 (``prompts.py``; never HumanEval or the benchmark sets).
-3. ``distill``  SmolLM2 answers them itself, greedy and sampled (``distill.py``), until its share of
-                the time budget is spent; 5 % of the records (by id hash) are held out.
+3. ``distill``  with ``--n-self-chat N``, first N chat questions SmolLM2 writes itself (``distill.py``
+                ``self_chat_queries``, at most a third of the stage's time); then SmolLM2 answers
+                every instruction itself, greedy and sampled, until its share of the time budget is
+                spent; 5 % of the records (by id hash) are held out.
 4. ``train``    both drafters side by side on the same batches (one target forward per step,
                 ``training.train_drafters``) for the rest of the budget.
-5. ``evaluate`` acceptance length of each drafter on held-out prompts, greedy.
+5. ``evaluate`` acceptance length of each drafter on held-out prompts, greedy (and on held-out
+                self-chat questions, reported apart, when there are some).
 6. ``bundle``   float16 drafters into ``--out`` (the package's ``drafters/``), with the training
                 history, and ``report.json`` (data, steps, wall time, τ).
 
@@ -36,7 +39,7 @@ import torch
 from ...drafters import ROOT as DRAFTERS_ROOT
 from ...runtime.gguf import resolve_target
 from ...runtime.weights import load_tokenizer
-from .distill import distill, encode
+from .distill import distill, encode, self_chat_queries, self_chat_records
 from .prompts import build_prompts, stdlib_files
 
 MODEL = "smollm2"
@@ -53,6 +56,7 @@ class RecipeConfig:
     stdlib_code_tokens: int = 100_000  # raw stdlib source added to the training data (teacher-forced)
     n_code: int = 1200
     n_general: int = 300
+    n_self_chat: int = 0  # chat questions SmolLM2 writes itself (distill.self_chat_queries)
     distill_batch: int = 32
     distill_dtype: str = "bfloat16"  # the answers' precision ("float32" or "bfloat16": ~2x the tokens/s)
     heldout_percent: int = 5
@@ -75,8 +79,10 @@ class RecipeConfig:
             raise ValueError(f"distill_share={self.distill_share} must lie in [0, 1)")
         if self.distill_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"distill_dtype={self.distill_dtype!r}: use 'float32' or 'bfloat16'")
-        if self.n_code < 0 or self.n_general < 0:
-            raise ValueError(f"n_code={self.n_code}, n_general={self.n_general} must be >= 0")
+        if min(self.n_code, self.n_general, self.n_self_chat) < 0:
+            raise ValueError(
+                f"n_code={self.n_code}, n_general={self.n_general}, n_self_chat={self.n_self_chat} must be >= 0"
+            )
         if not 8192 <= self.draft_vocab_size <= 16384 and self.budget_minutes >= 30:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: the recipe uses 8K-16K")
 
@@ -115,9 +121,19 @@ def stage_distill(cfg: RecipeConfig, work: Path, target: Path, records: list[dic
         max_seq_len=1024,
         dtype=getattr(torch, cfg.distill_dtype),
     )
+    if cfg.n_self_chat:  # at most a third of the stage's time: the answers are what trains
+        until = time.time() + (deadline - time.time()) / 3
+        records = records + self_chat_queries(
+            rt, cfg.n_self_chat, self_chat_path(cfg, work), batch_size=cfg.distill_batch, seed=cfg.seed,
+            deadline=until, log=log,
+        )  # fmt: skip
     train = [r for r in records if not heldout(r["id"], cfg.heldout_percent)]
     distill(rt, train, out, batch_size=cfg.distill_batch, deadline=deadline, log=log)
     return out
+
+
+def self_chat_path(cfg: RecipeConfig, work: Path) -> Path:
+    return work / f"selfchat-s{cfg.seed}.jsonl"  # every attempt, kept or dropped (resumable)
 
 
 def stage_train(cfg: RecipeConfig, work: Path, target: Path, data: Path, budget_s: float) -> dict:
@@ -173,20 +189,30 @@ def stdlib_code(tokens: int, tokenizer, seed: int, doc_tokens: int = 1024) -> li
 
 
 def stage_evaluate(cfg: RecipeConfig, work: Path, target: Path, records: list[dict]) -> dict:
-    """Mean acceptance length of each drafter on held-out prompts (greedy, the default shape)."""
+    """Mean acceptance length of each drafter on held-out prompts (greedy, the default shape); with
+    self-chat questions, also on up to half as many held-out ones (``chat_tau``, apart: the
+    instructions' τ stays comparable across runs)."""
     from ...runtime.engine import SpeculativeRuntime
 
     held = [r for r in records if heldout(r["id"], cfg.heldout_percent)][: cfg.eval_prompts]
+    chats = self_chat_records(self_chat_path(cfg, work), cfg.n_self_chat, cfg.seed)[0] if cfg.n_self_chat else []
+    held_chat = [r for r in chats if heldout(r["id"], cfg.heldout_percent)][: cfg.eval_prompts // 2]
     out = {}
     for name in VARIANTS:
         rt = SpeculativeRuntime.from_pretrained(target, work / name, max_batch_size=1, max_seq_len=1024)
-        taus = []
-        for r in held:
-            ids = encode(rt.tokenizer, r["prompt"])
-            g = rt.generate([ids], max_new_tokens=cfg.eval_new_tokens)
-            taus.append(g.stats.mean_acceptance_length)
-        out[name] = {"tau": sum(taus) / max(1, len(taus)), "prompts": len(taus)}
-        log(f"evaluate: {name} tau {out[name]['tau']:.2f} on {len(taus)} held-out prompts")
+
+        def tau(recs: list[dict], rt=rt) -> float:
+            taus = []
+            for r in recs:
+                g = rt.generate([encode(rt.tokenizer, r["prompt"])], max_new_tokens=cfg.eval_new_tokens)
+                taus.append(g.stats.mean_acceptance_length)
+            return sum(taus) / max(1, len(taus))
+
+        out[name] = {"tau": tau(held), "prompts": len(held)}
+        log(f"evaluate: {name} tau {out[name]['tau']:.2f} on {len(held)} held-out prompts")
+        if held_chat:
+            out[name] |= {"chat_tau": tau(held_chat), "chat_prompts": len(held_chat)}
+            log(f"evaluate: {name} tau {out[name]['chat_tau']:.2f} on {len(held_chat)} held-out self-chat questions")
     return out
 
 
@@ -233,6 +259,7 @@ def run(cfg: RecipeConfig, work: Path, out: Path, until: str = "bundle") -> dict
             "tokens": sum(len(r["input_ids"]) for r in recs),
             "generated_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in recs),
             "sampled_records": sum(r["sampled"] for r in recs),
+            "self_chat_records": sum(r["kind"] == "chat" for r in recs),
         }
     if stop >= 3:
         eval_s = 0.08 * budget
@@ -271,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stdlib-code-tokens", type=int, default=RecipeConfig.stdlib_code_tokens)
     p.add_argument("--n-code", type=int, default=RecipeConfig.n_code, help="stdlib-function instructions")
     p.add_argument("--n-general", type=int, default=RecipeConfig.n_general, help="general questions")
+    p.add_argument(
+        "--n-self-chat",
+        type=int,
+        default=RecipeConfig.n_self_chat,
+        help="chat questions SmolLM2 writes itself before the distillation answers them (0: none)",
+    )
     p.add_argument("--distill-dtype", default=RecipeConfig.distill_dtype, choices=["float32", "bfloat16"])
     p.add_argument("--lr", type=float, default=RecipeConfig.lr)
     p.add_argument("--ttt-depth", type=int, default=RecipeConfig.ttt_depth)
@@ -287,6 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         stdlib_code_tokens=args.stdlib_code_tokens,
         n_code=args.n_code,
         n_general=args.n_general,
+        n_self_chat=args.n_self_chat,
         distill_dtype=args.distill_dtype,
         lr=args.lr,
         ttt_depth=args.ttt_depth,

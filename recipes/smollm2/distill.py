@@ -3,6 +3,11 @@
 Writes JSONL records ``{"id", "kind", "sampled", "input_ids", "prompt_len"}`` (the prompt in the
 chat template with the generation prompt, then the answer up to and including ``<|im_end|>``),
 appending as batches finish, so a stopped run resumes where it left off.
+
+``self_chat_queries`` also lets SmolLM2 write the questions: given only the chat template up to a
+user turn (its default system message, then ``<|im_start|>user``), an instruction-tuned model
+samples what a user would ask (the "Magpie" method, Xu et al. 2024, arXiv:2406.08464): everyday
+chat requests of every kind, where the stdlib-derived instructions are mostly code.
 """
 
 from __future__ import annotations
@@ -13,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MAX_NEW_TOKENS = {"complete": 160, "write": 256, "explain": 256, "fix": 256, "general": 256}
+MAX_NEW_TOKENS = {"complete": 160, "write": 256, "explain": 256, "fix": 256, "general": 256, "chat": 256}
+QUERY_MAX_TOKENS = 48  # a sampled user question longer than this is dropped (truncated ones ramble)
 
 
 def encode(tokenizer: Any, prompt: str | list[dict]) -> list[int]:
@@ -84,3 +90,94 @@ def distill(
                 f"{n_tok} tokens in {time.time() - t0:.0f} s"
             )
     return out
+
+
+def user_turn_prefix(tokenizer: Any) -> list[int]:
+    """Token ids of the chat template up to where a user message's text starts (with the
+    template's default system message, as every chat prompt gets)."""
+    mark = "\x00USER\x00"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": mark}], add_generation_prompt=False, tokenize=False
+    )
+    if mark not in text:
+        raise ValueError("the tokenizer's chat template does not place the user message's text verbatim")
+    return list(tokenizer(text[: text.index(mark)], add_special_tokens=False)["input_ids"])
+
+
+def keep_query(text: str, seen: set[str]) -> str | None:
+    """A sampled question, cleaned, or None to drop it: too short (< 3 words) or long (> 400
+    characters), template markup, or a repeat (case- and space-insensitive) of one in ``seen``."""
+    q = text.strip()
+    key = " ".join(q.lower().split())
+    if len(q.split()) < 3 or len(q) > 400 or "<|" in q or key in seen:
+        return None
+    seen.add(key)
+    return q
+
+
+def self_chat_records(out: Path, n: int, seed: int) -> tuple[list[dict], int, set[str]]:
+    """The first ``n`` kept questions of ``self_chat_queries``' file ``out`` as recipe records
+    ``{"id": "selfchat.<seed>.<attempt>", "kind": "chat", "prompt": [user message]}``, the next
+    attempt number and the questions seen (for the filter)."""
+    done: list[dict] = []
+    out = Path(out)
+    if out.exists():
+        lines = out.read_text().splitlines(keepends=True)
+        if lines and not lines[-1].endswith("\n"):  # a torn last record
+            lines = lines[:-1]
+            out.write_text("".join(lines))
+        done = [json.loads(line) for line in lines if line.strip()]
+    seen: set[str] = set()
+    kept = [(d["attempt"], q) for d in done if d["query"] and (q := keep_query(d["query"], seen))]
+    recs = [
+        {"id": f"selfchat.{seed}.{a}", "kind": "chat", "prompt": [{"role": "user", "content": q}]} for a, q in kept[:n]
+    ]
+    return recs, 1 + max((d["attempt"] for d in done), default=-1), seen
+
+
+def self_chat_queries(
+    runtime: Any,
+    n: int,
+    out: Path,
+    *,
+    batch_size: int = 32,
+    seed: int = 0,
+    deadline: float | None = None,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
+    """``n`` user questions SmolLM2 writes itself (module docstring), as ``self_chat_records``.
+
+    Each attempt samples at temperature 1 (seed ``seed * 10**6 + attempt``) from the user-turn
+    prefix until end of turn, at most ``QUERY_MAX_TOKENS`` tokens; ``keep_query`` filters. Every
+    attempt is appended to ``out`` (``{"attempt", "query"}``, ``query`` None when dropped), so a
+    stopped run resumes with the next seeds and the same questions; stops at ``deadline``."""
+    tok = runtime.tokenizer
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    if end is None or end == tok.unk_token_id:
+        raise ValueError("self-chat questions need an <|im_end|> end-of-turn token (a ChatML template)")
+    prefix = user_turn_prefix(tok)
+    recs, attempt, seen = self_chat_records(out, n, seed)
+    kept = len(recs)
+    t0 = time.time()
+    with Path(out).open("a") as fh:
+        while kept < n:
+            if deadline is not None and time.time() > deadline:
+                log(f"self-chat: time budget reached with {kept} questions; rerun to continue")
+                break
+            gen = runtime.generate(
+                [prefix] * batch_size,
+                max_new_tokens=QUERY_MAX_TOKENS,
+                speculative=False,
+                temperature=1.0,
+                seed=[seed * 10**6 + attempt + j for j in range(batch_size)],
+                stop_token_ids=[end],
+            )
+            for j, new in enumerate(gen.token_ids):
+                new = list(new)
+                q = keep_query(tok.decode(new[:-1]), seen) if new and new[-1] == end else None
+                fh.write(json.dumps({"attempt": attempt + j, "query": q}) + "\n")
+                kept += q is not None
+            fh.flush()
+            attempt += batch_size
+            log(f"self-chat: {kept}/{n} questions from {attempt} samples in {time.time() - t0:.0f} s")
+    return self_chat_records(out, n, seed)[0]
