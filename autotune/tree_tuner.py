@@ -169,9 +169,8 @@ def tune_tree(
 
     say = log or (lambda *_: None)
     tm = TargetModel.from_pretrained(target, device=device, dtype=dtype)
-    d = Eagle3Drafter.from_pretrained(drafter) if isinstance(drafter, (str, Path)) else drafter
-    if isinstance(drafter, (str, Path)):
-        d.loaded_by_runtime = True  # the runtimes' default drafter_weight_dtype="auto" applies, as in serving
+    # a directory: the runtimes' default drafter_weight_dtype="auto" applies, as in serving
+    d = Eagle3Drafter.from_pretrained(drafter, loaded_by_runtime=True) if isinstance(drafter, (str, Path)) else drafter
     key = {"target": prof.target_fingerprint(tm), "drafter": prof.drafter_fingerprint(d)}
     tok = load_tokenizer(Path(target)) if isinstance(target, (str, Path)) else None
     top_ks = sorted(k for k in set(top_ks) if k <= d.config.draft_vocab_size)

@@ -146,11 +146,9 @@ class Bench:
             )
         }
         for name, d in drafters.items():
-            module = Eagle3Drafter.from_pretrained(d)
-            module.loaded_by_runtime = True  # as from_pretrained's: drafter_weight_dtype="auto" applies
             self.runtimes[f"ours-{name}"] = SpeculativeRuntime(
                 tm,
-                module,
+                Eagle3Drafter.from_pretrained(d, loaded_by_runtime=True),  # "auto" applies, as in serving
                 self.tokenizer,
                 spec=spec,
                 max_batch_size=4,

@@ -95,6 +95,9 @@ class Eagle3Drafter(nn.Module):
     def __init__(self, config: DrafterConfig):
         super().__init__()
         c = self.config = config
+        # True when loaded for runtimes only (``from_pretrained(..., loaded_by_runtime=True)``): nobody else
+        # holds it, so ``drafter_weight_dtype="auto"`` may repack it in place
+        self.loaded_by_runtime = False
         self.fc = nn.Linear(c.num_aux_hidden_states * c.target_hidden_size, c.hidden_size, bias=False)
         if c.fc_norm:
             self.fc_norm = nn.ModuleList(_Norm(c.target_hidden_size) for _ in range(c.num_aux_hidden_states))
@@ -453,15 +456,20 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ checkpoints
     @classmethod
-    def from_pretrained(cls, path: str | Path, *, aux_layer_convention: str = "auto") -> Eagle3Drafter:
+    def from_pretrained(
+        cls, path: str | Path, *, aux_layer_convention: str = "auto", loaded_by_runtime: bool = False
+    ) -> Eagle3Drafter:
         """Load an EAGLE-3/3.1 drafter: the official flat format (``midlayer.*``),
         ``LlamaForCausalLMEagle3`` (SpecForge/SGLang) or the speculators format (``runtime/checkpoint.py``).
 
         ``aux_layer_convention``: ``"boundary"`` (vLLM), ``"post_layer"`` (SpecForge/TorchSpec,
         +1 on read) or ``"auto"`` (SGLang's rule: post-layer when the first id is 1).
+        ``loaded_by_runtime``: the module is for runtimes only (the runtime's ``drafter_weight_dtype="auto"``
+        then applies to it; a module a caller loads and passes keeps its dtype).
         """
         ck = read_checkpoint(path, aux_layer_convention)
         d = cls(ck.config)
+        d.loaded_by_runtime = loaded_by_runtime
         state = ck.state
         missing = [k for k in d.state_dict() if k not in state]
         if missing:

@@ -280,7 +280,7 @@ class SpeculativeRuntime:
         w, emb = d.fc.weight, d.embed_tokens
         borrowed = emb is not None and not d.has_own_embedding and emb.weight.data_ptr() != t.embed.data_ptr()
         # the caller's module keeps its own packing (one loaded here for runtimes is repacked in place)
-        mine = d.cpu_weight_dtype != self.drafter_weight_dtype and not getattr(d, "loaded_by_runtime", False)
+        mine = d.cpu_weight_dtype != self.drafter_weight_dtype and not d.loaded_by_runtime
         if w.dtype != t.dtype or not _same_device(w.device, self.device) or borrowed or mine:
             d = d.converted(self.device, t.dtype)
             c = d.config
@@ -382,8 +382,7 @@ class SpeculativeRuntime:
         tm = TargetModel.from_pretrained(target, device=device, dtype=dtype, weight_layout=layout)
         d = drafter
         if isinstance(drafter, (str, Path)):
-            d = Eagle3Drafter.from_pretrained(drafter)
-            d.loaded_by_runtime = True  # drafter_weight_dtype="auto" may repack it: nobody else holds it
+            d = Eagle3Drafter.from_pretrained(drafter, loaded_by_runtime=True)  # nobody else holds it
         elif drafter is not None and not isinstance(drafter, Eagle3Drafter):
             raise UserError(f"drafter must be a directory or an Eagle3Drafter, got {type(drafter).__name__}")
         if tokenizer is None and isinstance(target, (str, Path)):
