@@ -238,3 +238,47 @@ def test_self_chat_questions_are_sampled_after_the_user_turn_filtered_and_resume
 def test_recipe_config_refuses_negative_self_chat():
     with pytest.raises(ValueError, match="n_self_chat=-1"):
         RecipeConfig(n_self_chat=-1)
+
+
+def test_variants_are_validated():
+    with pytest.raises(ValueError, match="--variants eagle3.1"):
+        RecipeConfig(variants=("eagle4",))
+    with pytest.raises(ValueError, match="each once"):
+        RecipeConfig(variants=("eagle3.1", "eagle3.1"))
+    with pytest.raises(ValueError, match="variants=\\[\\]"):
+        RecipeConfig(variants=())
+    assert RecipeConfig().variants == ("eagle3", "eagle3.1")
+
+
+def test_one_variant_trains_and_bundles_alone(tmp_path, monkeypatch):
+    """``--variants eagle3.1``: only that drafter is trained (warm-started from its own folder),
+    and bundling replaces only it, leaving the other shipped drafter as it was."""
+    from tritonspec import training
+    from tritonspec.recipes.smollm2 import build
+
+    seen = {}
+
+    def fake_train(target, data, runs, **kw):
+        seen["runs"] = [(r[0].name, r[1].fc_norm, r[1].init_from) for r in runs]
+        return []
+
+    monkeypatch.setattr(training, "train_drafters", fake_train)
+    data = tmp_path / "distill.jsonl"
+    data.write_text(json.dumps({"id": "a.write", "input_ids": [1, 2, 3]}) + "\n")
+    monkeypatch.setattr(build, "load_tokenizer", lambda t: None)
+    monkeypatch.setattr(build, "stdlib_code", lambda n, tok, seed: [])
+    cfg = RecipeConfig(variants=("eagle3.1",), warm_start=str(tmp_path / "ship"), budget_minutes=1)
+    build.stage_train(cfg, tmp_path, tmp_path, data, 60.0)
+    assert seen["runs"] == [("eagle3.1", True, str(tmp_path / "ship" / "smollm2-eagle3.1"))]
+
+    target, drafter = tiny_random_pair(tmp_path / "pair")
+    out = tmp_path / "out"
+    (out / "smollm2-eagle3").mkdir(parents=True)
+    (out / "smollm2-eagle3" / "keep.txt").write_text("the shipped EAGLE-3 drafter")
+    work = tmp_path / "work"
+    ts.Eagle3Drafter.from_pretrained(drafter).save_pretrained(work / "eagle3.1")
+    (work / "eagle3.1" / "training_args.json").write_text("{}")
+    build.stage_bundle(cfg, work, out, {"run": 9})
+    assert (out / "smollm2-eagle3" / "keep.txt").read_text() == "the shipped EAGLE-3 drafter"
+    assert (out / "smollm2-eagle3.1" / "config.json").exists()
+    assert json.loads((out / "smollm2-report.json").read_text()) == {"run": 9}

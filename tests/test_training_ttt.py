@@ -12,8 +12,8 @@ from tritonspec.runtime.metadata import AttentionMetadata
 from tritonspec.runtime.ops import TorchOps
 from tritonspec.runtime.target import TargetModel
 from tritonspec.runtime.tiny import tiny_target
-from tritonspec.training.trainer import TrainConfig, build_drafter, capture
-from tritonspec.training.ttt import ttt_forward, ttt_mask
+from tritonspec.training.trainer import TrainConfig, build_drafter, capture, shared_teachers
+from tritonspec.training.ttt import LOSS_DECAY, shift_left, teacher_from_logits, ttt_forward, ttt_mask
 
 DEPTH = 4
 T = 14
@@ -121,3 +121,64 @@ def test_carry_differs_between_variants():
         a = ttt_forward(d3, TorchOps(), aux, window, 2)
         b = ttt_forward(d31, TorchOps(), aux, window, 2)
     assert not torch.allclose(a.hn[1], b.hn[1])
+
+
+def _per_depth_loss_reference(d, aux, window, depth, logits):
+    """The loss as first written: each depth shifts the full-vocabulary logits, then takes their
+    argmax and their softmax over the draft vocabulary (what ``Teacher`` now does once a batch)."""
+    out = ttt_forward(d, TorchOps(), aux, window, depth)  # hn only
+    used, T_ = d.target_ids(), window.shape[1]
+    total, losses, accs = 0.0, [], []
+    for j, hn in enumerate(out.hn):
+        teacher = shift_left(logits, 1 + j)
+        top = teacher.argmax(-1)
+        valid = (torch.arange(T_) < T_ - 1 - j)[None, :] & d.t2d[top]
+        p = torch.softmax(teacher.index_select(-1, used).float(), dim=-1)
+        per_pos = -(p * torch.log_softmax(d.logits(hn).float(), dim=-1)).sum(-1)
+        n = valid.sum()
+        losses.append((per_pos * valid).sum() / n.clamp(min=1))
+        accs.append((((used[d.logits(hn).argmax(-1)] == top) & valid).sum() / n.clamp(min=1)).item())
+        total = total + LOSS_DECAY**j * losses[-1]
+    return total, losses, accs
+
+
+@pytest.mark.parametrize("flags", [False, True], ids=["eagle3", "eagle3.1"])
+def test_teacher_once_a_batch_equals_the_per_depth_loss(flags):
+    """A Teacher (argmax + draft-vocabulary softmax built once) gives the loss and accuracies of
+    shifting the full logits at every depth bit for bit, and their gradient, given as logits or as a Teacher."""
+    _, tm, d = _setup(flags)
+    window = torch.randint(0, 97, (2, T), generator=torch.Generator().manual_seed(4))
+    tm.set_aux_layer_ids(d.config.aux_layer_ids)
+    tm.allocate_cache(2, T)
+    aux, logits = capture(tm, TorchOps(), window)
+    ref_total, ref_losses, ref_accs = _per_depth_loss_reference(d, aux, window, DEPTH, logits)
+    ref_total.backward()
+    ref_grad = d.fc.weight.grad.clone()
+    for given in (logits, teacher_from_logits(logits, d.target_ids())):
+        d.zero_grad()
+        out = ttt_forward(d, TorchOps(), aux, window, DEPTH, given)
+        out.loss.backward()
+        assert torch.equal(out.loss, ref_total)
+        assert all(torch.equal(a, b) for a, b in zip(out.losses, ref_losses))
+        assert out.accuracies == ref_accs
+        # the same gradient; autograd may sum a carry's two contributions in another order than in
+        # the reference's graph (losses built after the unroll), hence a float32 tolerance here
+        torch.testing.assert_close(d.fc.weight.grad, ref_grad, rtol=1e-5, atol=1e-7)
+    # inverse: a teacher one position off changes the loss, so the comparison above can fail
+    off = teacher_from_logits(shift_left(logits, 1), d.target_ids())
+    assert not torch.equal(ttt_forward(d, TorchOps(), aux, window, DEPTH, off).loss, ref_total)
+
+
+def test_shared_teachers_build_one_per_vocabulary_and_check_it():
+    _, tm, d = _setup(True)
+    window = torch.randint(0, 97, (1, T), generator=torch.Generator().manual_seed(6))
+    tm.set_aux_layer_ids(d.config.aux_layer_ids)
+    tm.allocate_cache(1, T)
+    aux, logits = capture(tm, TorchOps(), window)
+    used = d.target_ids()
+    other = torch.arange(used.numel())
+    a, b, c = shared_teachers(logits, [used, used.clone(), other])
+    assert a is b and c is not a  # one build per distinct vocabulary
+    assert torch.equal(c.used, other) and c.probs.shape == (1, T, used.numel())
+    with pytest.raises(ValueError, match="another draft vocabulary"):
+        ttt_forward(d, TorchOps(), aux, window, 2, c)

@@ -35,7 +35,7 @@ from .data import (
     regenerate_continuations,
     token_windows,
 )
-from .ttt import ttt_forward
+from .ttt import Teacher, teacher_from_logits, ttt_forward
 
 CHECKPOINT = "checkpoint.pt"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -141,6 +141,23 @@ def capture(target: TargetModel, ops: Any, tokens: torch.Tensor) -> tuple[torch.
     zero = torch.zeros(B, dtype=torch.int64, device=tokens.device)
     hidden, aux = target.forward(ops, tokens, AttentionMetadata(positions, positions, zero, causal, T))
     return aux, target.logits(hidden)
+
+
+def shared_teachers(
+    logits: torch.Tensor,  # [B, T, V] target logits of a batch
+    vocabularies: list[torch.Tensor],  # each [V_d] int64: a drafter's target_ids()
+) -> list[Teacher]:
+    """One ``Teacher`` per drafter, built once per distinct draft vocabulary (drafters trained side by
+    side usually share theirs: the most frequent ids of the same data)."""
+    built: list[Teacher] = []
+    out = []
+    for used in vocabularies:
+        t = next((t for t in built if torch.equal(t.used, used)), None)
+        if t is None:
+            t = teacher_from_logits(logits, used)
+            built.append(t)
+        out.append(t)
+    return out
 
 
 def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) -> Eagle3Drafter:
@@ -393,9 +410,11 @@ def train_drafters(
         batch = _batch(windows, step, cfg).to(tm.device)
         with _autocast(cfg, tm.device):
             aux, logits = capture(tm, ops, batch)
-        for r in state:
+        teachers = shared_teachers(logits, [r.drafter.target_ids() for r in state])
+        del logits  # [B, T, V]: each drafter reads its teacher (argmax + draft-vocabulary softmax) instead
+        for r, teacher in zip(state, teachers):
             with _autocast(cfg, tm.device):
-                res = ttt_forward(r.drafter, ops, aux, batch, r.cfg.ttt_depth, logits)
+                res = ttt_forward(r.drafter, ops, aux, batch, r.cfg.ttt_depth, teacher)
             for g in r.opt.param_groups:
                 g["lr"] = warmup_cosine(step, total, r.cfg.lr, r.cfg.warmup_steps)
             r.opt.zero_grad(set_to_none=True)

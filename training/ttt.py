@@ -36,6 +36,32 @@ class TTTOutput:
     loss: torch.Tensor  # sum_j 0.8^j * loss_j
 
 
+@dataclass
+class Teacher:
+    """The target's view of every position of a batch, cut to what the loss reads: its argmax over
+    the full vocabulary and its distribution renormalised over the draft vocabulary. Built once a
+    batch (``teacher_from_logits``) instead of once a depth, and shared by drafters of one draft
+    vocabulary: the full-vocabulary logits are then read once, not ``2 * depth`` times a drafter."""
+
+    probs: torch.Tensor  # [B, T, V_d] float32: softmax of the target logits over the draft vocabulary
+    top: torch.Tensor  # [B, T] int64: argmax of the target logits over the full vocabulary
+    used: torch.Tensor  # [V_d] int64: the draft vocabulary (target ids) ``probs`` is over
+
+    def shifted(self, n: int) -> Teacher:
+        """The teacher of position ``t + n`` at position ``t`` (zeros / id 0 past the end)."""
+        return Teacher(shift_left(self.probs, n), shift_left(self.top, n), self.used)
+
+
+@torch.no_grad()
+def teacher_from_logits(
+    target_logits: torch.Tensor,  # [B, T, V] float: target logits at each position
+    used: torch.Tensor,  # [V_d] int64: target ids of the draft vocabulary
+) -> Teacher:
+    """``Teacher`` of ``target_logits`` for the draft vocabulary ``used``: per position,
+    ``top = argmax_v logits[v]`` and ``probs = softmax(logits[used])`` (float32)."""
+    return Teacher(F.softmax(target_logits.index_select(-1, used).float(), dim=-1), target_logits.argmax(-1), used)
+
+
 def ttt_mask(T: int, j: int, device: torch.device) -> torch.Tensor:
     """``[T, (j+1)*T]`` bool: causal over step-0 slots, plus the diagonal slot of each step 1..j.
 
@@ -70,10 +96,13 @@ def ttt_forward(
     aux: torch.Tensor,  # [B, T, n_aux*H_t] target residual streams at the aux boundaries
     tokens: torch.Tensor,  # [B, T] int64 target-vocabulary ids x_0..x_{T-1}
     depth: int,
-    target_logits: torch.Tensor | None = None,  # [B, T, V] float: target logits at each position
+    target_logits: torch.Tensor | Teacher | None = None,  # [B, T, V] float target logits, or their Teacher
     loss_mask: torch.Tensor | None = None,  # [B, T] bool: positions whose prediction may be trained
 ) -> TTTOutput:
     """Unroll ``depth`` drafter steps over every position in parallel (one simulated chain each).
+
+    ``target_logits`` may be given as a ``Teacher`` of this drafter's vocabulary (built once a batch
+    and shared between drafters); full logits are turned into one here. The loss is the same either way.
 
     Examples
     --------
@@ -92,6 +121,14 @@ def ttt_forward(
     if loss_mask is None:
         loss_mask = torch.ones(B, T, dtype=torch.bool, device=dev)
     used = drafter.target_ids()  # draft id -> target id
+    teacher = target_logits
+    if isinstance(teacher, torch.Tensor):
+        teacher = teacher_from_logits(teacher, used)
+    elif teacher is not None and not torch.equal(teacher.used, used):
+        raise ValueError(
+            "the Teacher was built for another draft vocabulary than this drafter's: "
+            "build it with teacher_from_logits(logits, drafter.target_ids())"
+        )
     k_cache = v_cache = None
     hns, losses, accs = [], [], []
     total = u.new_zeros(())
@@ -106,13 +143,13 @@ def ttt_forward(
             ops, u, ids, AttentionMetadata(positions, slots, zero, mask, (j + 1) * T), KVCache(k_cache, v_cache)
         )
         hns.append(hn)
-        if target_logits is None:
+        if teacher is None:
             losses.append(u.new_zeros(()))
             accs.append(float("nan"))
             continue
-        teacher = shift_left(target_logits, 1 + j)  # [B, T, V]: the target's view of x_{t+2+j}
         in_range = (ar < T - 1 - j)[None, :] & shift_left(loss_mask, 1 + j, False)
-        loss_j, acc_j = distill_loss(drafter.logits(hn), teacher, used, drafter.t2d, in_range)
+        # the target's view of x_{t+2+j}
+        loss_j, acc_j = distill_loss(drafter.logits(hn), teacher.shifted(1 + j), drafter.t2d, in_range)
         losses.append(loss_j)
         accs.append(acc_j)
         total = total + LOSS_DECAY**j * loss_j
@@ -121,19 +158,18 @@ def ttt_forward(
 
 def distill_loss(
     draft_logits: torch.Tensor,  # [B, T, V_d]
-    teacher_logits: torch.Tensor,  # [B, T, V] target vocabulary
-    used: torch.Tensor,  # [V_d] target ids of the draft vocabulary
+    teacher: Teacher,  # probs [B, T, V_d], top [B, T]
     t2d: torch.Tensor,  # [V] bool
     valid: torch.Tensor,  # [B, T] bool
 ) -> tuple[torch.Tensor, float]:
-    """Soft cross-entropy to the target restricted to the draft vocabulary (renormalised).
+    """Soft cross-entropy to the target restricted to the draft vocabulary (renormalised):
+    ``-sum_v p_v log q_v`` with ``p = teacher.probs``, ``q = softmax(draft_logits)``.
 
     Positions whose target argmax lies outside the draft vocabulary are dropped (§2.5).
     Returns ``(mean loss over valid positions, top-1 accuracy)``.
     """
-    top = teacher_logits.argmax(-1)  # [B, T]
+    top, p, used = teacher.top, teacher.probs, teacher.used  # [B, T], [B, T, V_d], [V_d]
     valid = valid & t2d[top]
-    p = F.softmax(teacher_logits.index_select(-1, used).float(), dim=-1)  # [B, T, V_d]
     logq = F.log_softmax(draft_logits.float(), dim=-1)
     per_pos = -(p * logq).sum(-1)  # [B, T]
     n = valid.sum()
