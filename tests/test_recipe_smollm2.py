@@ -282,3 +282,10 @@ def test_one_variant_trains_and_bundles_alone(tmp_path, monkeypatch):
     assert (out / "smollm2-eagle3" / "keep.txt").read_text() == "the shipped EAGLE-3 drafter"
     assert (out / "smollm2-eagle3.1" / "config.json").exists()
     assert json.loads((out / "smollm2-report.json").read_text()) == {"run": 9}
+
+
+def test_curves_running_mean():
+    from tritonspec.recipes.smollm2.plot import running_mean
+
+    assert running_mean([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [1.0, 1.5, 2.5, 3.5, 4.5]
+    assert running_mean([2.0, 4.0], 50) == [2.0, 3.0]  # fewer values than the window: their mean

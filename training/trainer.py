@@ -1,7 +1,8 @@
 """Train an EAGLE-3 / EAGLE-3.1 drafter against a frozen target with the training-time test.
 
 Online capture: every batch runs through tritonspec's own ``TargetModel`` (the forward that
-serves), which yields the aux residual streams and the teacher logits; the drafter is unrolled
+serves), which yields the aux residual streams and the teacher logits, cut once a batch to what
+the loss reads (``ttt.Teacher``: the argmax and the draft-vocabulary softmax); the drafter is unrolled
 ``ttt_depth`` steps with ``ttt.ttt_forward`` (the serving ``Eagle3Drafter.step``), and the
 result is written by ``Eagle3Drafter.save_pretrained`` (the validated exporter).
 """

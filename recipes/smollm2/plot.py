@@ -13,6 +13,16 @@ from pathlib import Path
 from ...drafters import ROOT
 
 VARIANTS = ("eagle3", "eagle3.1")
+WINDOW = 50  # steps in the running means (one batch's loss swings +-30 %)
+
+
+def running_mean(xs: list[float], window: int = WINDOW) -> list[float]:
+    """Mean of the last ``window`` values at each index (fewer at the start)."""
+    out, total = [], 0.0
+    for i, x in enumerate(xs):
+        total += x - (xs[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,11 +50,14 @@ def main(argv: list[str] | None = None) -> int:
             for ax in (ax_loss, ax_acc):
                 ax.axvline(len(old), color="grey", lw=0.6, ls="--")
         steps = [h["step"] for h in hist]
-        ax_loss.plot(steps, [h["loss"] for h in hist], label=v, lw=1)
+        loss = ax_loss.plot(steps, [h["loss"] for h in hist], lw=0.5, alpha=0.25)[0]
+        ax_loss.plot(steps, running_mean([h["loss"] for h in hist]), color=loss.get_color(), label=v, lw=1.2)
         for j, style in ((0, "-"), (len(hist[0]["acc"]) - 1, ":")):
-            ax_acc.plot(steps, [h["acc"][j] for h in hist], style, label=f"{v} depth {j + 1}", lw=1)
-    ax_loss.set(xlabel="step", ylabel="TTT loss", title="training loss")
-    ax_acc.set(xlabel="step", ylabel="top-1 accuracy", title="training accuracy (first and last depth)")
+            acc = running_mean([h["acc"][j] for h in hist])
+            ax_acc.plot(steps, acc, style, label=f"{v} depth {j + 1}", lw=1.2)
+    ax_loss.set(xlabel="step", ylabel="TTT loss", title=f"training loss (faint: each batch; line: {WINDOW}-step mean)")
+    acc_title = f"training accuracy, {WINDOW}-step mean (first and last depth)"
+    ax_acc.set(xlabel="step", ylabel="top-1 accuracy", title=acc_title)
     ax_loss.legend()
     ax_acc.legend(fontsize=7)
     fig.tight_layout()
