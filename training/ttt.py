@@ -41,7 +41,7 @@ class Teacher:
     """The target's view of every position of a batch, cut to what the loss reads: its argmax over
     the full vocabulary and its distribution renormalised over the draft vocabulary. Built once a
     batch (``teacher_from_logits``) instead of once a depth, and shared by drafters of one draft
-    vocabulary: the full-vocabulary logits are then read once, not ``2 * depth`` times a drafter."""
+    vocabulary: the full-vocabulary logits are then read once a batch, not at every depth of every drafter."""
 
     probs: torch.Tensor  # [B, T, V_d] float32: softmax of the target logits over the draft vocabulary
     top: torch.Tensor  # [B, T] int64: argmax of the target logits over the full vocabulary

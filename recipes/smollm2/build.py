@@ -78,7 +78,7 @@ class RecipeConfig:
         if bad or not self.variants or len(set(self.variants)) != len(self.variants):
             raise ValueError(
                 f"variants={list(self.variants)}: give one or both of {list(VARIANTS)}, each once "
-                "(e.g. --variants eagle3.1 trains the EAGLE-3.1 drafter alone, ~1.8x the steps in a budget)"
+                "(e.g. --variants eagle3.1 trains the EAGLE-3.1 drafter alone: ~1.6x the steps in a budget)"
             )
         if self.budget_minutes <= 0:
             raise ValueError(f"budget_minutes={self.budget_minutes} must be > 0")
