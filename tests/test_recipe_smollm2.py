@@ -259,7 +259,7 @@ def test_one_variant_trains_and_bundles_alone(tmp_path, monkeypatch):
     seen = {}
 
     def fake_train(target, data, runs, **kw):
-        seen["runs"] = [(r[0].name, r[1].fc_norm, r[1].init_from) for r in runs]
+        seen["runs"] = [(r[0].name, r[1].fc_norm, r[1].init_from, r[1].seed) for r in runs]
         return []
 
     monkeypatch.setattr(training, "train_drafters", fake_train)
@@ -267,9 +267,14 @@ def test_one_variant_trains_and_bundles_alone(tmp_path, monkeypatch):
     data.write_text(json.dumps({"id": "a.write", "input_ids": [1, 2, 3]}) + "\n")
     monkeypatch.setattr(build, "load_tokenizer", lambda t: None)
     monkeypatch.setattr(build, "stdlib_code", lambda n, tok, seed: [])
-    cfg = RecipeConfig(variants=("eagle3.1",), warm_start=str(tmp_path / "ship"), budget_minutes=1)
+    cfg = RecipeConfig(variants=("eagle3.1",), warm_start=str(tmp_path / "ship"), budget_minutes=1, seed=3)
     build.stage_train(cfg, tmp_path, tmp_path, data, 60.0)
-    assert seen["runs"] == [("eagle3.1", True, str(tmp_path / "ship" / "smollm2-eagle3.1"))]
+    assert seen["runs"] == [("eagle3.1", True, str(tmp_path / "ship" / "smollm2-eagle3.1"), 3)]
+    # --train-seed reorders the batches of the same data (the stdlib documents stay seed 3's)
+    picked = []
+    monkeypatch.setattr(build, "stdlib_code", lambda n, tok, seed: picked.append(seed) or [])
+    build.stage_train(RecipeConfig(variants=("eagle3.1",), seed=3, train_seed=4), tmp_path, tmp_path, data, 60.0)
+    assert seen["runs"][0][3] == 4 and picked == [3]
 
     target, drafter = tiny_random_pair(tmp_path / "pair")
     out = tmp_path / "out"
@@ -289,3 +294,21 @@ def test_curves_running_mean():
 
     assert running_mean([1.0, 2.0, 3.0, 4.0, 5.0], 2) == [1.0, 1.5, 2.5, 3.5, 4.5]
     assert running_mean([2.0, 4.0], 50) == [2.0, 3.0]  # fewer values than the window: their mean
+
+
+def test_curves_history_prepends_the_warm_start_source_only_where_it_exists(tmp_path):
+    from tritonspec.recipes.smollm2.plot import history
+
+    def write(root, v, n):
+        (root / f"smollm2-{v}").mkdir(parents=True)
+        hist = [{"step": i + 1, "loss": float(i), "acc": [0.5]} for i in range(n)]
+        (root / f"smollm2-{v}" / "training_args.json").write_text(json.dumps({"history": hist}))
+
+    write(tmp_path / "new", "eagle3.1", 2)
+    write(tmp_path / "new", "eagle3", 3)
+    write(tmp_path / "old", "eagle3.1", 4)
+    hist, at = history(tmp_path / "new", "eagle3.1", tmp_path / "old")
+    assert at == 4 and [h["step"] for h in hist] == [1, 2, 3, 4, 5, 6] and hist[4]["loss"] == 0.0
+    hist, at = history(tmp_path / "new", "eagle3", tmp_path / "old")  # not warm-started there: alone
+    assert at == 0 and [h["step"] for h in hist] == [1, 2, 3]
+    assert history(tmp_path / "new", "eagle3")[1] == 0

@@ -69,6 +69,7 @@ class RecipeConfig:
     eval_prompts: int = 24
     eval_new_tokens: int = 96
     seed: int = 0
+    train_seed: int | None = None  # the training batches' order (None: seed); the data stays seed's
     warm_start: str | None = None  # a folder holding smollm2-eagle3{,.1}: continue from those drafters
     autocast: str | None = None  # "bfloat16": TrainConfig.autocast (AMX CPUs: ~1.45x faster steps)
     variants: tuple[str, ...] = tuple(VARIANTS)  # the drafters to train, evaluate and bundle
@@ -158,7 +159,7 @@ def stage_train(cfg: RecipeConfig, work: Path, target: Path, data: Path, budget_
             fc_norm=flag,
             norm_output=flag,
             draft_vocab_size=cfg.draft_vocab_size,
-            seed=cfg.seed,
+            seed=cfg.seed if cfg.train_seed is None else cfg.train_seed,
             checkpoint_every=50,
             init_from=None if cfg.warm_start is None else str(Path(cfg.warm_start) / f"{MODEL}-{name}"),
             autocast=cfg.autocast,
@@ -294,6 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--until", default="bundle", choices=STAGES)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
+        "--train-seed",
+        type=int,
+        default=None,
+        help="seed of the training batches' order (default: --seed); a continued run on the same data "
+        "takes another to see its batches in a new order",
+    )
+    p.add_argument(
         "--distill-share",
         type=float,
         default=RecipeConfig.distill_share,
@@ -330,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = RecipeConfig(
         budget_minutes=args.budget_minutes,
         seed=args.seed,
+        train_seed=args.train_seed,
         distill_share=args.distill_share,
         warm_start=args.warm_start,
         stdlib_code_tokens=args.stdlib_code_tokens,

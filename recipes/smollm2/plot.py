@@ -25,6 +25,17 @@ def running_mean(xs: list[float], window: int = WINDOW) -> list[float]:
     return out
 
 
+def history(drafters: Path, variant: str, before: Path | None = None) -> tuple[list[dict], int]:
+    """The per-step history of ``drafters/smollm2-<variant>``, after that of the drafter it was
+    warm-started from when ``before`` holds one (steps renumbered), and the step it resumed at (0: none;
+    a variant absent from ``before`` was not warm-started there and plots its own run alone)."""
+    hist = json.loads((drafters / f"smollm2-{variant}" / "training_args.json").read_text())["history"]
+    if before is None or not (before / f"smollm2-{variant}").exists():
+        return hist, 0
+    old = json.loads((before / f"smollm2-{variant}" / "training_args.json").read_text())["history"]
+    return old + [dict(h, step=h["step"] + len(old)) for h in hist], len(old)
+
+
 def main(argv: list[str] | None = None) -> int:
     import matplotlib
 
@@ -38,17 +49,15 @@ def main(argv: list[str] | None = None) -> int:
         "--before",
         default=None,
         help="folder holding the drafters the shipped ones were warm-started from (--warm-start): their "
-        "curves come first, and a line marks the warm start",
+        "curves come first, and a line marks the warm start (a variant absent there plots its own run alone)",
     )
     args = p.parse_args(argv)
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
     for v in VARIANTS:
-        hist = json.loads((Path(args.drafters) / f"smollm2-{v}" / "training_args.json").read_text())["history"]
-        if args.before:
-            old = json.loads((Path(args.before) / f"smollm2-{v}" / "training_args.json").read_text())["history"]
-            hist = old + [dict(h, step=h["step"] + len(old)) for h in hist]
+        hist, warm_at = history(Path(args.drafters), v, Path(args.before) if args.before else None)
+        if warm_at:
             for ax in (ax_loss, ax_acc):
-                ax.axvline(len(old), color="grey", lw=0.6, ls="--")
+                ax.axvline(warm_at, color="grey", lw=0.6, ls="--")
         steps = [h["step"] for h in hist]
         loss = ax_loss.plot(steps, [h["loss"] for h in hist], lw=0.5, alpha=0.25)[0]
         ax_loss.plot(steps, running_mean([h["loss"] for h in hist]), color=loss.get_color(), label=v, lw=1.2)
