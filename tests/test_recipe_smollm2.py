@@ -297,7 +297,7 @@ def test_curves_running_mean():
 
 
 def test_curves_history_prepends_the_warm_start_source_only_where_it_exists(tmp_path):
-    from tritonspec.recipes.smollm2.plot import history
+    from tritonspec.recipes.smollm2.plot import history, main
 
     def write(root, v, n):
         (root / f"smollm2-{v}").mkdir(parents=True)
@@ -312,3 +312,5 @@ def test_curves_history_prepends_the_warm_start_source_only_where_it_exists(tmp_
     hist, at = history(tmp_path / "new", "eagle3", tmp_path / "old")  # not warm-started there: alone
     assert at == 0 and [h["step"] for h in hist] == [1, 2, 3]
     assert history(tmp_path / "new", "eagle3")[1] == 0
+    with pytest.raises(SystemExit):  # a --before folder with neither drafter is a mistake, not "no warm start"
+        main(["--drafters", str(tmp_path / "new"), "--before", str(tmp_path / "typo"), "--out", str(tmp_path / "c")])
