@@ -296,7 +296,7 @@ def test_curves_running_mean():
     assert running_mean([2.0, 4.0], 50) == [2.0, 3.0]  # fewer values than the window: their mean
 
 
-def test_curves_history_prepends_the_warm_start_source_only_where_it_exists(tmp_path):
+def test_curves_history_prepends_the_warm_start_source_only_where_it_exists(tmp_path, capsys):
     from tritonspec.recipes.smollm2.plot import history, main
 
     def write(root, v, n):
@@ -312,5 +312,6 @@ def test_curves_history_prepends_the_warm_start_source_only_where_it_exists(tmp_
     hist, at = history(tmp_path / "new", "eagle3", tmp_path / "old")  # not warm-started there: alone
     assert at == 0 and [h["step"] for h in hist] == [1, 2, 3]
     assert history(tmp_path / "new", "eagle3")[1] == 0
-    with pytest.raises(SystemExit):  # a --before folder with neither drafter is a mistake, not "no warm start"
+    with pytest.raises(SystemExit) as exit_:  # a --before folder with neither drafter is a mistake, not "no warm start"
         main(["--drafters", str(tmp_path / "new"), "--before", str(tmp_path / "typo"), "--out", str(tmp_path / "c")])
+    assert exit_.value.code == 2 and "holds neither smollm2-eagle3 nor smollm2-eagle3.1" in capsys.readouterr().err

@@ -52,13 +52,14 @@ def main(argv: list[str] | None = None) -> int:
         "curves come first, and a line marks the warm start (a variant absent there plots its own run alone)",
     )
     args = p.parse_args(argv)
-    if args.before and not any((Path(args.before) / f"smollm2-{v}").exists() for v in VARIANTS):
+    before = Path(args.before) if args.before else None
+    if before is not None and not any((before / f"smollm2-{v}").exists() for v in VARIANTS):
         p.error(
             f"--before {args.before}: holds neither smollm2-eagle3 nor smollm2-eagle3.1 (give the --warm-start DIR)"
         )
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 3.6))
     for v in VARIANTS:
-        hist, warm_at = history(Path(args.drafters), v, Path(args.before) if args.before else None)
+        hist, warm_at = history(Path(args.drafters), v, before)
         if warm_at:
             for ax in (ax_loss, ax_acc):
                 ax.axvline(warm_at, color="grey", lw=0.6, ls="--")
