@@ -10,7 +10,7 @@ import pytest
 import tritonspec as ts
 from tritonspec.recipes.smollm2.build import RecipeConfig, heldout
 from tritonspec.recipes.smollm2.distill import distill
-from tritonspec.recipes.smollm2.prompts import KINDS, build_prompts
+from tritonspec.recipes.smollm2.prompts import KINDS, LONG_EXCLUDED, LONG_MAX_CHARS, build_long_prompts, build_prompts
 from tritonspec.runtime.tiny import tiny_random_pair
 
 SOURCE = '''
@@ -77,6 +77,50 @@ def test_general_questions_take_a_second_pass_over_the_modules(fake_stdlib):
     assert build_prompts(n_code=0, n_general=60, root=fake_stdlib) == recs  # seeded
 
 
+def _long_module(name: str, lines: int) -> str:
+    body = "".join(f"    x{i} = {i} + 1  # padding line {i:04d}\n" for i in range(lines))
+    return f'"""Module {name}."""\n\n\ndef public_{name}(a):\n{body}    return a\n\n\nclass Thing_{name}:\n    pass\n'
+
+
+def test_long_prompts_paste_whole_modules_cut_at_a_line_and_skip_the_benchmark_modules(tmp_path):
+    """``--n-long``: each request pastes a module's source (cut at a line end to ``LONG_MAX_CHARS``)
+    and asks about a public function or class of it; short modules and the long benchmark's
+    modules (``LONG_EXCLUDED``) are never used."""
+    root = tmp_path / "lib"
+    root.mkdir()
+    for i in range(3):
+        (root / f"big{i}.py").write_text(_long_module(f"big{i}", 300))  # ~12K characters: cut
+    (root / "small.py").write_text(_long_module("small", 10))  # under LONG_MIN_CHARS
+    (root / f"{LONG_EXCLUDED[0]}.py").write_text(_long_module("bench", 300))
+    recs = build_long_prompts(10, seed=1, root=root)
+    assert len(recs) == 10 and {r["kind"] for r in recs} == {"long"}
+    assert len({r["id"] for r in recs}) == 10
+    mods = {r["id"].split(".")[1] for r in recs}
+    assert mods == {"big0", "big1", "big2"}  # neither the short module nor the benchmark's
+    for r in recs:
+        text = r["prompt"][0]["content"]
+        mod = r["id"].split(".")[1]
+        assert text.startswith(f"Here is the source of the Python module `{mod}.py`:")
+        code = text.split("```python\n")[1].split("```")[0]
+        assert len(code) <= LONG_MAX_CHARS and code.endswith("\n")
+        assert (root / f"{mod}.py").read_text().startswith(code)  # a prefix of the file, whole lines
+        question = text.split("```\n\n")[1]
+        assert "{" not in question and (f"public_{mod}" in question or "module" in question)
+    assert build_long_prompts(10, seed=1, root=root) == recs  # seeded
+    every = build_long_prompts(10**4, seed=1, root=root)
+    # every (module, question) pair once; the class lies past the cut, so its question is never asked
+    assert len(every) == 3 * 6 and not any("Thing_" in r["prompt"][0]["content"] for r in every)
+
+
+def test_long_prompts_exclude_exactly_the_long_benchmark_and_tuning_modules():
+    """``LONG_EXCLUDED`` names the modules of ``perf/prompts/smollm2_long{,_tune}.jsonl``: a module added
+    to either set without being excluded from training fails here."""
+    bench = {r["id"].removeprefix("stdlib-") for r in _jsonl("smollm2_long.jsonl") if r["id"].startswith("stdlib-")}
+    tune = {r["id"].removeprefix("stdlib-") for r in _jsonl("smollm2_long_tune.jsonl") if r["id"].startswith("stdlib-")}
+    assert len(bench) == 6 and len(tune) == 3
+    assert set(LONG_EXCLUDED) == bench | tune
+
+
 def test_heldout_split_is_stable_and_near_its_share():
     ids = [f"mod.f{i}.write" for i in range(4000)]
     share = sum(heldout(i, 5) for i in ids) / len(ids)
@@ -96,6 +140,12 @@ def test_recipe_config_is_validated():
         RecipeConfig(distill_dtype="float16")
     with pytest.raises(ValueError, match="n_code=-1"):
         RecipeConfig(n_code=-1)
+    with pytest.raises(ValueError, match="n_long=-2 must be >= 0"):
+        RecipeConfig(n_long=-2)
+    with pytest.raises(ValueError, match="long_seq_len=256, long_every=4: long windows must exceed seq_len=256"):
+        RecipeConfig(long_seq_len=256)
+    with pytest.raises(ValueError, match="long_every=1"):
+        RecipeConfig(long_seq_len=2048, long_every=1)
 
 
 def test_distill_writes_resumes_and_drops_a_torn_record(tmp_path):
@@ -130,6 +180,30 @@ def test_distill_takes_batches_round_robin_over_kinds(tmp_path):
     assert kinds.index("write") == 3  # in the order of the groups, "write" would come after all six
     assert sorted(kinds) == ["complete"] * 6 + ["write"] * 2
     assert logs[0].startswith("distill: batch 1/5 (complete")
+
+
+def test_distill_answers_long_context_requests_in_smaller_batches(tmp_path):
+    """Long-context records go in batches of ``batch_size // BATCH_DIVISOR["long"]`` (their prefill and
+    cache cost ~10x a short prompt's); the other kinds keep the full batch."""
+    from tritonspec.recipes.smollm2.distill import BATCH_DIVISOR
+
+    class Recorder:
+        tokenizer = _ChatTok()
+
+        def __init__(self):
+            self.sizes = []
+
+        def generate(self, prompts, max_new_tokens, speculative, temperature, seed):
+            self.sizes.append(len(prompts))
+            return type("G", (), {"token_ids": [[5, 6] for _ in prompts]})()
+
+    rt = Recorder()
+    recs = [{"id": f"l{i}", "kind": "long", "prompt": f"long {i}"} for i in range(8)]
+    recs += [{"id": f"c{i}", "kind": "complete", "prompt": f"c {i}"} for i in range(8)]
+    distill(rt, recs, tmp_path / "d.jsonl", batch_size=8, sampled_every=100, log=lambda m: None)
+    assert BATCH_DIVISOR["long"] == 4
+    # long: record 0 sampled alone, 7 greedy in batches of 2; complete: 8 greedy in one batch
+    assert sorted(rt.sizes) == [1, 1, 2, 2, 2, 8]
 
 
 def _jsonl(name: str) -> list[dict]:
@@ -275,6 +349,10 @@ def test_one_variant_trains_and_bundles_alone(tmp_path, monkeypatch):
     monkeypatch.setattr(build, "stdlib_code", lambda n, tok, seed: picked.append(seed) or [])
     build.stage_train(RecipeConfig(variants=("eagle3.1",), seed=3, train_seed=4), tmp_path, tmp_path, data, 60.0)
     assert seen["runs"][0][3] == 4 and picked == [3]
+    # long windows reach the trainer's config as given
+    monkeypatch.setattr(training, "train_drafters", lambda t, d, runs, **kw: seen.update(cfg=runs[0][1]) or [])
+    build.stage_train(RecipeConfig(long_seq_len=2048, long_every=3), tmp_path, tmp_path, data, 60.0)
+    assert (seen["cfg"].long_seq_len, seen["cfg"].long_every, seen["cfg"].seq_len) == (2048, 3, 256)
 
     target, drafter = tiny_random_pair(tmp_path / "pair")
     out = tmp_path / "out"

@@ -4,6 +4,7 @@ run in the runtime, and bad input fails with a clear error."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -107,7 +108,7 @@ def test_resume_continues_and_rejects_incompatible_checkpoint(target_dir, greedy
 
     tm = ts.TargetModel.from_pretrained(target_dir, dtype=torch.float32)
     seqs = load_token_sequences(greedy_data, None, tm.vocab_size)
-    windows = tr.token_windows(seqs, cfg.seq_len)
+    windows = tr.Windows.cut(seqs, cfg)
     d = tr.build_drafter(tm, cfg, seqs)
     opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad])
     tr._save_checkpoint(out / tr.CHECKPOINT, tr.fingerprint(tm, cfg, windows), d, opt, 5, [])
@@ -213,6 +214,64 @@ def test_resume_after_a_stop_equals_an_uninterrupted_run(target_dir, greedy_data
     a = ts.Eagle3Drafter.from_pretrained(whole.out_dir).state_dict()
     b = ts.Eagle3Drafter.from_pretrained(res.out_dir).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _mixed_lengths() -> list[list[int]]:
+    """20 short sequences (ids < 100) and 5 long ones (ids >= 200)."""
+    g = torch.Generator().manual_seed(0)
+    short = [torch.randint(0, 100, (10,), generator=g).tolist() for _ in range(20)]
+    return short + [torch.randint(200, 256, (40,), generator=g).tolist() for _ in range(5)]
+
+
+def test_long_windows_come_from_the_long_sequences_every_nth_step():
+    """``long_seq_len``: sequences of >= long_seq_len // 2 tokens are cut into long windows, the rest
+    into short ones; every ``long_every``-th step is a long one and each pool goes through its own
+    epochs, so every short window is seen once an epoch. The inverse: long_seq_len=0 never goes long."""
+    from tritonspec.training import trainer as tr
+
+    seqs = _mixed_lengths()
+    cfg = TrainConfig(batch_size=2, seq_len=16, long_seq_len=64, long_every=4)
+    w = tr.Windows.cut(seqs, cfg)
+    assert w.short.shape == (12, 16) and bool((w.short < 100).all())  # 200 short tokens
+    assert w.long.shape == (3, 64) and bool((w.long >= 200).all())  # 200 long tokens
+    shapes = [tuple(w.batch(s, cfg).shape) for s in range(12)]
+    assert shapes == [(2, 16)] * 3 + [(1, 64)] + [(2, 16)] * 3 + [(1, 64)] + [(2, 16)] * 3 + [(1, 64)]
+    short_steps = [s for s in range(8) if not w.is_long(s, cfg)]  # the first 6 short batches: one epoch
+    seen = torch.cat([w.batch(s, cfg) for s in short_steps])
+    assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, w.short.tolist()))
+    assert w.largest(cfg) == (2, 64) and "3 of 64 (every 4th step, 1 a step)" in w.describe(cfg)
+    flat = tr.Windows.cut(seqs, TrainConfig(batch_size=2, seq_len=16))
+    assert flat.long is None and flat.short.shape == (25, 16)  # all 400 tokens, in short windows
+    assert {tuple(flat.batch(s, cfg).shape) for s in range(12)} == {(2, 16)}
+    with pytest.raises(ValueError, match="0 of 20 training sequences have at least 32 tokens.*--n-long"):
+        tr.Windows.cut(seqs[:20], cfg)
+    with pytest.raises(ValueError, match="5 of 5 training sequences"):
+        tr.Windows.cut(seqs[20:], cfg)
+
+
+def test_long_window_settings_are_validated():
+    with pytest.raises(ValueError, match="long_seq_len=16 must exceed seq_len=16"):
+        TrainConfig(seq_len=16, long_seq_len=16)
+    with pytest.raises(ValueError, match="long_every=1 must be >= 2"):
+        TrainConfig(long_every=1)
+
+
+def test_long_windows_train_and_a_checkpoint_keeps_their_settings(target_dir, tmp_path):
+    """A run with long windows trains on both shapes (the target's cache holds the long ones) and
+    its checkpoint refuses a resume with another ``long_every``."""
+    from tritonspec.training import trainer as tr
+
+    seqs = _mixed_lengths()
+    cfg = TrainConfig(steps=8, **{**SMALL, "seq_len": 16}, long_seq_len=64, long_every=4)
+    res = train_drafter(target_dir, seqs, tmp_path / "d", cfg, log=lambda m: None)
+    assert len(res.history) == 8 and all(math.isfinite(h["loss"]) for h in res.history)
+    tm = ts.TargetModel.from_pretrained(target_dir, dtype=torch.float32)
+    d = tr.build_drafter(tm, cfg, seqs)
+    opt = torch.optim.AdamW([p for p in d.parameters() if p.requires_grad])
+    fp = tr.fingerprint(tm, cfg, tr.Windows.cut(seqs, cfg))
+    tr._save_checkpoint(tmp_path / "d" / tr.CHECKPOINT, fp, d, opt, 5, [])
+    with pytest.raises(ValueError, match="incompatible.*long_every"):
+        train_drafter(target_dir, seqs, tmp_path / "d", TrainConfig(**{**cfg.__dict__, "long_every": 3}))
 
 
 def test_self_distillation_uses_the_loaded_target(target_dir, greedy_data, tmp_path, monkeypatch):

@@ -50,6 +50,10 @@ class TrainConfig:
     Parameters
     ----------
     steps, batch_size, seq_len : optimizer steps, windows per step, tokens per window.
+    long_seq_len, long_every : > 0 trains on long contexts too: the sequences of at least
+        ``long_seq_len // 2`` tokens are cut into windows of ``long_seq_len`` (the rest into ``seq_len``
+        ones), and every ``long_every``-th step takes ``max(1, batch_size * seq_len // long_seq_len)``
+        long windows instead of ``batch_size`` short ones. 0 (default): every window is ``seq_len``.
     lr, warmup_steps, grad_clip, weight_decay : AdamW(β=(0.9, 0.95)) with warm-up then cosine to 10 %.
     ttt_depth : unrolled training-time-test steps (EAGLE-3 uses 7; the 3.1 paper 4).
     fc_norm, norm_output : both True = EAGLE-3.1, both False = EAGLE-3.
@@ -73,6 +77,8 @@ class TrainConfig:
     steps: int = 1000
     batch_size: int = 4
     seq_len: int = 512
+    long_seq_len: int = 0
+    long_every: int = 4
     lr: float = 1e-3
     warmup_steps: int = 20
     grad_clip: float = 0.5
@@ -101,6 +107,12 @@ class TrainConfig:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.seq_len < 2:
             raise ValueError(f"seq_len={self.seq_len} must be >= 2")
+        if self.long_seq_len and self.long_seq_len <= self.seq_len:
+            raise ValueError(
+                f"long_seq_len={self.long_seq_len} must exceed seq_len={self.seq_len} (or be 0: no long windows)"
+            )
+        if self.long_every < 2:
+            raise ValueError(f"long_every={self.long_every} must be >= 2 (every long_every-th step is a long one)")
         if self.lr <= 0:
             raise ValueError(f"lr={self.lr} must be > 0")
         if self.save_dtype not in DTYPES:
@@ -219,12 +231,17 @@ def _warm_start(d: Eagle3Drafter, src_dir: Path) -> None:
     d.load_state_dict({k: state[k] for k in d.state_dict()}, strict=True)
 
 
-def fingerprint(target: TargetModel, cfg: TrainConfig, windows: torch.Tensor) -> dict:
+def fingerprint(target: TargetModel, cfg: TrainConfig, windows: Windows) -> dict:
     """What a resumed run must share with the checkpoint it resumes from."""
-    data_hash = hashlib.sha256(windows.numpy().tobytes()).hexdigest()[:16]
+    h = hashlib.sha256(windows.short.numpy().tobytes())
+    if windows.long is not None:
+        h.update(windows.long.numpy().tobytes())
+    data_hash = h.hexdigest()[:16]
     keep = (
         "batch_size",
         "seq_len",
+        "long_seq_len",
+        "long_every",
         "ttt_depth",
         "fc_norm",
         "norm_output",
@@ -324,6 +341,8 @@ def train_drafter(
 SHARED = (
     "batch_size",
     "seq_len",
+    "long_seq_len",
+    "long_every",
     "seed",
     "draft_vocab_size",
     "aux_layer_ids",
@@ -388,12 +407,10 @@ def train_drafters(
     if cfg.regenerate_new_tokens > 0:
         Path(runs[0][0]).mkdir(parents=True, exist_ok=True)
         seqs = _self_distill(tm, seqs, cfg, Path(runs[0][0]), log)
-    windows = token_windows(seqs, cfg.seq_len)
-    if windows.shape[1] < 2:
-        raise ValueError("training data has fewer than 2 tokens after tokenization: nothing to learn from")
+    windows = Windows.cut(seqs, cfg)
     state = [_start_run(tm, Path(o), c, seqs, windows, resume, log) for o, c in runs]
     tm.set_aux_layer_ids(state[0].drafter.config.aux_layer_ids)
-    tm.allocate_cache(cfg.batch_size, windows.shape[1])
+    tm.allocate_cache(*windows.largest(cfg))
     start = {r.start for r in state}
     if len(start) > 1:
         raise ValueError(
@@ -408,7 +425,7 @@ def train_drafters(
         r.drafter.train()
     step = start
     while step < total:
-        batch = _batch(windows, step, cfg).to(tm.device)
+        batch = windows.batch(step, cfg).to(tm.device)
         with _autocast(cfg, tm.device):
             aux, logits = capture(tm, ops, batch)
         teachers = shared_teachers(logits, [r.drafter.target_ids() for r in state])
@@ -459,7 +476,7 @@ def _start_run(
     out: Path,
     cfg: TrainConfig,
     seqs: list[list[int]],
-    windows: torch.Tensor,
+    windows: Windows,
     resume: bool,
     log: Callable[[str], None],
 ) -> _Run:
@@ -471,8 +488,8 @@ def _start_run(
     fp = fingerprint(tm, cfg, windows)
     start, history = _maybe_resume(out / CHECKPOINT, fp, drafter, opt, resume, log)
     log(
-        f"train: {sum(p.numel() for p in params) / 1e6:.2f}M drafter parameters, {windows.shape[0]} windows of "
-        f"{windows.shape[1]} tokens, TTT depth {cfg.ttt_depth}, fc_norm={cfg.fc_norm} norm_output={cfg.norm_output}, "
+        f"train: {sum(p.numel() for p in params) / 1e6:.2f}M drafter parameters, {windows.describe(cfg)}, "
+        f"TTT depth {cfg.ttt_depth}, fc_norm={cfg.fc_norm} norm_output={cfg.norm_output}, "
         f"draft vocab {drafter.config.draft_vocab_size}, steps {start}->{cfg.steps}"
     )
     return _Run(out, cfg, drafter, opt, params, fp, history, start)
@@ -534,15 +551,74 @@ def _self_distill(
     return load_token_sequences(path, None, tm.vocab_size)
 
 
-def _batch(windows: torch.Tensor, step: int, cfg: TrainConfig) -> torch.Tensor:
-    """Windows for ``step``: a seeded permutation per epoch, so a resumed run sees the same batches."""
+def _batch(windows: torch.Tensor, index: int, batch_size: int, seed: int) -> torch.Tensor:
+    """Batch ``index`` of ``windows``: a seeded permutation per epoch, so a resumed run sees the same batches."""
     n = windows.shape[0]
     picks = []
-    for k in range(step * cfg.batch_size, (step + 1) * cfg.batch_size):
+    for k in range(index * batch_size, (index + 1) * batch_size):
         epoch, i = divmod(k, n)
-        perm = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1_000_003 + epoch))
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
         picks.append(int(perm[i]))
     return windows[picks]
+
+
+@dataclass
+class Windows:
+    """The training windows: ``short [N, seq_len]`` and, with ``long_seq_len``, ``long [N_l, long_seq_len]``
+    cut from the sequences of at least ``long_seq_len // 2`` tokens (``TrainConfig``)."""
+
+    short: torch.Tensor  # [N, seq_len] int64
+    long: torch.Tensor | None  # [N_l, long_seq_len] int64, or None
+
+    @classmethod
+    def cut(cls, seqs: list[list[int]], cfg: TrainConfig) -> Windows:
+        if not cfg.long_seq_len:
+            short, long = token_windows(seqs, cfg.seq_len), None
+        else:
+            is_long = [len(s) >= cfg.long_seq_len // 2 for s in seqs]
+            n_long = sum(is_long)
+            if n_long == 0 or n_long == len(seqs):
+                raise ValueError(
+                    f"long_seq_len={cfg.long_seq_len}: {n_long} of {len(seqs)} training sequences have at least "
+                    f"{cfg.long_seq_len // 2} tokens; long windows need some long sequences and some short ones "
+                    "(add long-context records, e.g. the SmolLM2 recipe's --n-long, or set long_seq_len=0)"
+                )
+            short = token_windows([s for s, f in zip(seqs, is_long) if not f], cfg.seq_len)
+            long = token_windows([s for s, f in zip(seqs, is_long) if f], cfg.long_seq_len)
+        if short.shape[1] < 2:
+            raise ValueError("training data has fewer than 2 tokens after tokenization: nothing to learn from")
+        return cls(short, long)
+
+    def is_long(self, step: int, cfg: TrainConfig) -> bool:
+        return self.long is not None and (step + 1) % cfg.long_every == 0
+
+    def batch(self, step: int, cfg: TrainConfig) -> torch.Tensor:
+        """The windows of ``step``: ``[batch_size, seq_len]``, or on a long step ``[B_l, long_seq_len]``;
+        the short and the long windows each go through their own seeded epochs."""
+        if self.is_long(step, cfg):
+            return _batch(self.long, step // cfg.long_every, long_batch_size(cfg), cfg.seed + 1)
+        n_long = 0 if self.long is None else (step + 1) // cfg.long_every
+        return _batch(self.short, step - n_long, cfg.batch_size, cfg.seed)
+
+    def largest(self, cfg: TrainConfig) -> tuple[int, int]:
+        """``(rows, tokens)`` the target's cache must hold for any step."""
+        if self.long is None:
+            return cfg.batch_size, self.short.shape[1]
+        return max(cfg.batch_size, long_batch_size(cfg)), max(self.short.shape[1], self.long.shape[1])
+
+    def describe(self, cfg: TrainConfig) -> str:
+        s = f"{self.short.shape[0]} windows of {self.short.shape[1]} tokens"
+        if self.long is not None:
+            s += (
+                f" and {self.long.shape[0]} of {self.long.shape[1]} (every {cfg.long_every}th step, "
+                f"{long_batch_size(cfg)} a step)"
+            )
+        return s
+
+
+def long_batch_size(cfg: TrainConfig) -> int:
+    """Windows in a long step: about the tokens of a short step, at least one."""
+    return max(1, cfg.batch_size * cfg.seq_len // cfg.long_seq_len)
 
 
 def _mean_recent(history: list[dict], key: str, n: int = 10) -> float:

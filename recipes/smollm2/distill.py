@@ -18,7 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MAX_NEW_TOKENS = {"complete": 160, "write": 256, "explain": 256, "fix": 256, "general": 256, "chat": 256}
+MAX_NEW_TOKENS = {"complete": 160, "write": 256, "explain": 256, "fix": 256, "general": 256, "chat": 256, "long": 256}
+BATCH_DIVISOR = {"long": 4}  # long-context prompts (~2K tokens) go in batches of batch_size // 4
 QUERY_MAX_TOKENS = 48  # a sampled user question longer than this is dropped (truncated ones ramble)
 
 
@@ -41,7 +42,8 @@ def distill(
     log: Callable[[str], None] = print,
 ) -> Path:
     """Answer every record (every ``sampled_every``-th sampled at temperature 1, seeded by its index)
-    until ``deadline`` (``time.time()`` value); returns ``out``."""
+    until ``deadline`` (``time.time()`` value), ``batch_size`` prompts a batch (a kind in
+    ``BATCH_DIVISOR``, e.g. ``long``, that many times fewer); returns ``out``."""
     out = Path(out)
     done = set()
     if out.exists():
@@ -63,7 +65,8 @@ def distill(
     batches = []
     for key, items in sorted(groups.items()):
         items = sorted(items, key=lambda ir: (len(ids[ir[1]["id"]]), ir[0]))
-        batches.append([(key, items[b : b + batch_size]) for b in range(0, len(items), batch_size)])
+        n = max(1, batch_size // BATCH_DIVISOR.get(key[0], 1))
+        batches.append([(key, items[b : b + n]) for b in range(0, len(items), n)])
     order = [q[j] for j in range(max(map(len, batches), default=0)) for q in batches if j < len(q)]
     t0, n_tok = time.time(), 0
     with out.open("a") as fh:

@@ -7,7 +7,10 @@ Sources (never HumanEval, never the benchmark prompt sets in ``perf/``):
   code-completion benchmarks), ``write`` (a chat request for the function from its first
   docstring sentence), ``explain`` (a chat request to explain the source) and ``fix`` (the source
   with one operator flipped, and a request to find the bug);
-* general questions: stdlib module summaries as topics, asked with a handful of question forms.
+* general questions: stdlib module summaries as topics, asked with a handful of question forms;
+* long-context requests (``build_long_prompts``): a whole stdlib module's source (cut to at most
+  ``LONG_MAX_CHARS`` at a line end, ~2K tokens) pasted into a chat message, then a question about
+  it, in the form of the benchmark's long set but never its modules (``LONG_EXCLUDED``).
 
 Every record is ``{"id", "kind", "prompt"}`` where ``prompt`` is a raw string (``complete``) or a
 list of chat messages. The selection is seeded and spread over files by a hash of the path.
@@ -87,6 +90,21 @@ GENERAL = (
     "How can I improve my sleep?",
     "What is photosynthesis?",
     "Write a short story about a robot learning to paint.",
+)
+
+
+LONG_MIN_CHARS = 5000  # a long-context prompt's module source: ~1.2K-2.3K SmolLM2 tokens
+LONG_MAX_CHARS = 9000
+# the modules of perf/prompts/smollm2_long{,_tune}.jsonl (benchmark and tuning sets): never trained on
+LONG_EXCLUDED = ("graphlib", "filecmp", "copy", "glob", "getopt", "shelve", "queue", "netrc", "numbers")
+LONG_QUESTIONS = (
+    "Explain what the function `{func}` in this module does and when a caller would use it.",
+    "List the public functions and classes of this module with a one-line description of each.",
+    "Write a short example program that uses `{func}` from this module.",
+    "Summarize what this module is for in one paragraph, then name its three most important functions.",
+    "Write unit tests with the unittest module for `{func}`.",
+    "Are there edge cases or possible bugs in `{func}`? Explain each one.",
+    "How does the class `{cls}` work? Describe its main methods.",
 )
 
 
@@ -181,4 +199,70 @@ def build_prompts(n_code: int = 1200, n_general: int = 300, seed: int = 0, root:
                 general.append(_chat(form.format(name=name, topic=f"the Python {name} module")))
     for i, msgs in enumerate(general[:n_general]):
         out.append({"id": f"general.{i}", "kind": "general", "prompt": msgs})
+    return out
+
+
+def _public_names(text: str) -> tuple[list[str], list[str]]:
+    """Public module-level function and class names of a module's source (``ast``), in order."""
+    try:
+        tree = ast.parse(text)
+    except (SyntaxError, ValueError):
+        return [], []
+    funcs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    return [f for f in funcs if not f.startswith("_")], [c for c in classes if not c.startswith("_")]
+
+
+def build_long_prompts(n_long: int, seed: int = 0, root: Path | None = None) -> list[dict]:
+    """``n_long`` long-context requests: a stdlib module's source (at least ``LONG_MIN_CHARS``, cut to
+    ``LONG_MAX_CHARS`` at a line end) and a question about it (``LONG_QUESTIONS``, naming one of its
+    public functions or classes), one question per module in a seeded order, then another round.
+    The modules of the long benchmark and tuning sets (``LONG_EXCLUDED``) are never used.
+
+    Records are ``{"id": "long.<module>.<form>", "kind": "long", "prompt": [user message]}``.
+
+    Examples
+    --------
+    >>> recs = build_long_prompts(3, seed=1)
+    >>> [r["kind"] for r in recs], recs[0]["prompt"][0]["content"].startswith("Here is the source")
+    (['long', 'long', 'long'], True)
+    """
+    rng = random.Random(seed)
+    docs = []
+    for path in stdlib_files(root):
+        if path.stem in LONG_EXCLUDED or path.stem == "__init__":
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(text) < LONG_MIN_CHARS:
+            continue
+        if len(text) > LONG_MAX_CHARS:
+            text = text[: text.rindex("\n", 0, LONG_MAX_CHARS) + 1]
+        funcs, classes = _public_names(text)
+        if funcs or classes:
+            docs.append((path.stem, text, funcs, classes))
+    rng.shuffle(docs)
+    out: list[dict] = []
+    asked: set[tuple[str, int]] = set()
+    while len(out) < n_long:
+        before = len(out)
+        for stem, text, funcs, classes in docs:
+            if len(out) >= n_long:
+                break
+            forms = [
+                k
+                for k, q in enumerate(LONG_QUESTIONS)
+                if (stem, k) not in asked and ("{func}" not in q or funcs) and ("{cls}" not in q or classes)
+            ]
+            if not forms:
+                continue
+            k = rng.choice(forms)
+            asked.add((stem, k))
+            q = LONG_QUESTIONS[k].format(func=rng.choice(funcs or [""]), cls=rng.choice(classes or [""]))
+            content = f"Here is the source of the Python module `{stem}.py`:\n\n```python\n{text}```\n\n{q}"
+            out.append({"id": f"long.{stem}.{k}", "kind": "long", "prompt": _chat(content)})
+        if len(out) == before:  # every (module, question) pair asked
+            break
     return out
