@@ -35,6 +35,14 @@ A stopped run resumes from <out>/checkpoint.pt when rerun with the same settings
     t.add_argument("--steps", type=int, default=1000)
     t.add_argument("--batch-size", type=int, default=4)
     t.add_argument("--seq-len", type=int, default=512)
+    t.add_argument(
+        "--long-seq-len",
+        type=int,
+        default=0,
+        help="also train on long contexts: sequences of >= half this many tokens are cut into windows of it, "
+        "one window every --long-every-th step (0: off)",
+    )
+    t.add_argument("--long-every", type=int, default=4, help="every Nth step is a long one (with --long-seq-len)")
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--ttt-depth", type=int, default=7, help="unrolled training-time-test steps (default 7)")
     t.add_argument("--draft-vocab-size", type=int, default=None, help="default: the full target vocabulary")
@@ -69,7 +77,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     flag = VARIANT_FLAGS[args.variant]
     ids = tuple(int(x) for x in args.aux_layer_ids.split(",")) if args.aux_layer_ids else None
     cfg = TrainConfig(
-        **flag_values(args, "steps batch_size seq_len lr ttt_depth draft_vocab_size seed device"),
+        **flag_values(args, "steps batch_size seq_len long_seq_len long_every lr ttt_depth"),
+        **flag_values(args, "draft_vocab_size seed device"),
         fc_norm=flag,
         norm_output=flag,
         aux_layer_ids=ids,

@@ -181,6 +181,15 @@ def test_train_cli(target_dir, greedy_data, tmp_path, capsys):
     )
     assert "accuracy_per_depth" in capsys.readouterr().out
     assert json.loads((out / "config.json").read_text())["fc_norm"] is False
+    mixed = tmp_path / "mixed.jsonl"  # the 36-token sequences and their 10-token heads
+    mixed.write_text("".join(json.dumps({"input_ids": x}) + "\n" for s in greedy_data for x in (s, s[:10])))
+    long_out = tmp_path / "cli-long"
+    args = ["train", "--target", str(target_dir), "--data", str(mixed), "--out", str(long_out), "--steps", "4"]
+    assert main(args + ["--seq-len", "8", "--batch-size", "2", "--long-seq-len", "64", "--long-every", "2"]) == 0
+    train_cfg = json.loads((long_out / "training_args.json").read_text())["train_config"]
+    assert (train_cfg["long_seq_len"], train_cfg["long_every"]) == (64, 2)
+    assert main(args + ["--seq-len", "24", "--long-seq-len", "16"]) == 2
+    assert "long_seq_len=16 must exceed seq_len=24" in capsys.readouterr().err
     assert (
         main(["train", "--target", str(target_dir), "--data", str(tmp_path / "missing.jsonl"), "--out", str(out)]) == 2
     )
