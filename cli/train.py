@@ -39,7 +39,7 @@ A stopped run resumes from <out>/checkpoint.pt when rerun with the same settings
         "--long-seq-len",
         type=int,
         default=0,
-        help="also train on long contexts: sequences of >= half this many tokens are cut into windows of it, "
+        help="also train on long contexts: sequences of more than half this many tokens are cut into windows of it, "
         "one window every --long-every-th step (0: off)",
     )
     t.add_argument("--long-every", type=int, default=4, help="every Nth step is a long one (with --long-seq-len)")

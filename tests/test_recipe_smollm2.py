@@ -79,7 +79,8 @@ def test_general_questions_take_a_second_pass_over_the_modules(fake_stdlib):
 
 def _long_module(name: str, lines: int) -> str:
     body = "".join(f"    x{i} = {i} + 1  # padding line {i:04d}\n" for i in range(lines))
-    return f'"""Module {name}."""\n\n\ndef public_{name}(a):\n{body}    return a\n\n\nclass Thing_{name}:\n    pass\n'
+    head = f'"""Module {name}."""\n\n\ndef public_{name}(a):\n    return a\n\n\n'
+    return head + f"def _pad(a):\n{body}    return a\n\n\nclass Thing_{name}:\n    pass\n"
 
 
 def test_long_prompts_paste_whole_modules_cut_at_a_line_and_skip_the_benchmark_modules(tmp_path):
@@ -91,12 +92,16 @@ def test_long_prompts_paste_whole_modules_cut_at_a_line_and_skip_the_benchmark_m
     for i in range(3):
         (root / f"big{i}.py").write_text(_long_module(f"big{i}", 300))  # ~12K characters: cut
     (root / "small.py").write_text(_long_module("small", 10))  # under LONG_MIN_CHARS
+    # cut inside a docstring (the pasted text does not parse): named from the whole file's functions
+    # that end before the cut
+    doc = "".join(f"    line {i} of a long docstring\n" for i in range(400))
+    (root / "doc0.py").write_text(f'def early_doc0(a):\n    return a\n\n\ndef late_doc0(b):\n    """\n{doc}    """\n')
     (root / f"{LONG_EXCLUDED[0]}.py").write_text(_long_module("bench", 300))
     recs = build_long_prompts(10, seed=1, root=root)
     assert len(recs) == 10 and {r["kind"] for r in recs} == {"long"}
     assert len({r["id"] for r in recs}) == 10
     mods = {r["id"].split(".")[1] for r in recs}
-    assert mods == {"big0", "big1", "big2"}  # neither the short module nor the benchmark's
+    assert mods == {"big0", "big1", "big2", "doc0"}  # neither the short module nor the benchmark's
     for r in recs:
         text = r["prompt"][0]["content"]
         mod = r["id"].split(".")[1]
@@ -105,11 +110,12 @@ def test_long_prompts_paste_whole_modules_cut_at_a_line_and_skip_the_benchmark_m
         assert len(code) <= LONG_MAX_CHARS and code.endswith("\n")
         assert (root / f"{mod}.py").read_text().startswith(code)  # a prefix of the file, whole lines
         question = text.split("```\n\n")[1]
-        assert "{" not in question and (f"public_{mod}" in question or "module" in question)
+        assert "{" not in question and (f"public_{mod}" in question or "early_doc0" in question or "module" in question)
+        assert "late_doc0" not in question  # it ends past the cut
     assert build_long_prompts(10, seed=1, root=root) == recs  # seeded
     every = build_long_prompts(10**4, seed=1, root=root)
     # every (module, question) pair once; the class lies past the cut, so its question is never asked
-    assert len(every) == 3 * 6 and not any("Thing_" in r["prompt"][0]["content"] for r in every)
+    assert len(every) == 4 * 6 and not any("Thing_" in r["prompt"][0]["content"] for r in every)
 
 
 def test_long_prompts_exclude_exactly_the_long_benchmark_and_tuning_modules():
@@ -127,6 +133,11 @@ def test_heldout_split_is_stable_and_near_its_share():
     assert 0.035 < share < 0.065
     assert [heldout(i, 5) for i in ids] == [heldout(i, 5) for i in ids]
     assert not any(heldout(i, 0) for i in ids)
+    # a long-context request is held out with its module: the same source never trains under another question
+    mods = [f"long.mod{i}" for i in range(400)]
+    assert all(len({heldout(f"{m}.{k}", 5) for k in range(7)}) == 1 for m in mods)
+    assert 0 < sum(heldout(f"{m}.0", 5) for m in mods) < 40
+    assert len({heldout(f"mod.f{i}.{k}", 5) for i in range(50) for k in ("write", "fix")}) == 2  # others by id
 
 
 def test_recipe_config_is_validated():

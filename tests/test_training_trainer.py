@@ -248,14 +248,21 @@ def test_long_windows_come_from_the_long_sequences_every_nth_step():
     short_steps = [s for s in range(8) if not w.is_long(s, cfg)]  # the first 6 short batches: one epoch
     seen = torch.cat([w.batch(s, cfg) for s in short_steps])
     assert sorted(map(tuple, seen.tolist())) == sorted(map(tuple, w.short.tolist()))
-    assert w.largest(cfg) == (2, 64) and "3 of 64 (every 4th step, 1 a step)" in w.describe(cfg)
+    longs = torch.cat([w.batch(s, cfg) for s in (3, 7, 11)])  # the first 3 long batches: one long epoch
+    assert sorted(map(tuple, longs.tolist())) == sorted(map(tuple, w.long.tolist()))
+    assert w.largest(cfg) == (2, 64) and "3 of 64 (1 step in 4, 1 a step)" in w.describe(cfg)
     flat = tr.Windows.cut(seqs, TrainConfig(batch_size=2, seq_len=16))
     assert flat.long is None and flat.short.shape == (25, 16)  # all 400 tokens, in short windows
     assert {tuple(flat.batch(s, cfg).shape) for s in range(12)} == {(2, 16)}
-    with pytest.raises(ValueError, match="0 of 20 training sequences have at least 32 tokens.*--n-long"):
+    with pytest.raises(ValueError, match="0 of 20 training sequences have more than 32 tokens.*--n-long"):
         tr.Windows.cut(seqs[:20], cfg)
-    with pytest.raises(ValueError, match="5 of 5 training sequences"):
+    with pytest.raises(ValueError, match="5 of 5 training sequences .*add short records, raise long_seq_len"):
         tr.Windows.cut(seqs[20:], cfg)
+    # exactly half a long window is short: only sequences longer than long_seq_len // 2 go long
+    under = tr.Windows.cut(seqs, TrainConfig(batch_size=2, seq_len=16, long_seq_len=79))  # 40 > 39: long
+    assert under.long.shape == (2, 79) and under.short.shape == (12, 16)
+    with pytest.raises(ValueError, match="0 of 25 training sequences have more than 40 tokens"):
+        tr.Windows.cut(seqs, TrainConfig(batch_size=2, seq_len=16, long_seq_len=80))
 
 
 def test_long_window_settings_are_validated():

@@ -50,7 +50,7 @@ class TrainConfig:
     Parameters
     ----------
     steps, batch_size, seq_len : optimizer steps, windows per step, tokens per window.
-    long_seq_len, long_every : > 0 trains on long contexts too: the sequences of at least
+    long_seq_len, long_every : > 0 trains on long contexts too: the sequences of more than
         ``long_seq_len // 2`` tokens are cut into windows of ``long_seq_len`` (the rest into ``seq_len``
         ones), and every ``long_every``-th step takes ``max(1, batch_size * seq_len // long_seq_len)``
         long windows instead of ``batch_size`` short ones. 0 (default): every window is ``seq_len``.
@@ -240,8 +240,6 @@ def fingerprint(target: TargetModel, cfg: TrainConfig, windows: Windows) -> dict
     keep = (
         "batch_size",
         "seq_len",
-        "long_seq_len",
-        "long_every",
         "ttt_depth",
         "fc_norm",
         "norm_output",
@@ -250,7 +248,7 @@ def fingerprint(target: TargetModel, cfg: TrainConfig, windows: Windows) -> dict
         "intermediate_size",
         "init_from",
         "seed",
-    )
+    ) + (("long_seq_len", "long_every") if cfg.long_seq_len else ())  # off: a checkpoint from before them resumes
     return {
         "target": {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size, "num_layers": target.num_layers},
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k in keep},
@@ -565,7 +563,7 @@ def _batch(windows: torch.Tensor, index: int, batch_size: int, seed: int) -> tor
 @dataclass
 class Windows:
     """The training windows: ``short [N, seq_len]`` and, with ``long_seq_len``, ``long [N_l, long_seq_len]``
-    cut from the sequences of at least ``long_seq_len // 2`` tokens (``TrainConfig``)."""
+    cut from the sequences of more than ``long_seq_len // 2`` tokens (``TrainConfig``)."""
 
     short: torch.Tensor  # [N, seq_len] int64
     long: torch.Tensor | None  # [N_l, long_seq_len] int64, or None
@@ -575,13 +573,17 @@ class Windows:
         if not cfg.long_seq_len:
             short, long = token_windows(seqs, cfg.seq_len), None
         else:
-            is_long = [len(s) >= cfg.long_seq_len // 2 for s in seqs]
+            is_long = [len(s) > cfg.long_seq_len // 2 for s in seqs]
             n_long = sum(is_long)
             if n_long == 0 or n_long == len(seqs):
+                fix = (
+                    "add long-context records (e.g. the SmolLM2 recipe's --n-long) or set long_seq_len=0"
+                    if n_long == 0
+                    else "add short records, raise long_seq_len, or set long_seq_len=0"
+                )
                 raise ValueError(
-                    f"long_seq_len={cfg.long_seq_len}: {n_long} of {len(seqs)} training sequences have at least "
-                    f"{cfg.long_seq_len // 2} tokens; long windows need some long sequences and some short ones "
-                    "(add long-context records, e.g. the SmolLM2 recipe's --n-long, or set long_seq_len=0)"
+                    f"long_seq_len={cfg.long_seq_len}: {n_long} of {len(seqs)} training sequences have more than "
+                    f"{cfg.long_seq_len // 2} tokens; long windows need some long sequences and some short ones ({fix})"
                 )
             short = token_windows([s for s, f in zip(seqs, is_long) if not f], cfg.seq_len)
             long = token_windows([s for s, f in zip(seqs, is_long) if f], cfg.long_seq_len)
@@ -610,7 +612,7 @@ class Windows:
         s = f"{self.short.shape[0]} windows of {self.short.shape[1]} tokens"
         if self.long is not None:
             s += (
-                f" and {self.long.shape[0]} of {self.long.shape[1]} (every {cfg.long_every}th step, "
+                f" and {self.long.shape[0]} of {self.long.shape[1]} (1 step in {cfg.long_every}, "
                 f"{long_batch_size(cfg)} a step)"
             )
         return s

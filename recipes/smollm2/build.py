@@ -111,8 +111,11 @@ def log(msg: str) -> None:
 
 
 def heldout(record_id: str, percent: int) -> bool:
-    """True for the ``percent`` % of records held out for evaluation (by a hash of the id)."""
-    return int(hashlib.sha256(record_id.encode()).hexdigest()[:8], 16) % 100 < percent
+    """True for the ``percent`` % of records held out for evaluation (by a hash of the id; a long-context
+    request's ``long.<module>.<question>`` by its module, so a held-out module's source never trains
+    under another question)."""
+    key = record_id.rsplit(".", 1)[0] if record_id.startswith("long.") else record_id
+    return int(hashlib.sha256(key.encode()).hexdigest()[:8], 16) % 100 < percent
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -368,10 +371,12 @@ def main(argv: list[str] | None = None) -> int:
         "--long-seq-len",
         type=int,
         default=RecipeConfig.long_seq_len,
-        help="train every --long-every-th step on windows of this many tokens cut from the records longer "
-        "than the 256-token windows (0: all windows 256 tokens)",
+        help="train every --long-every-th step on a window of this many tokens cut from the records of more "
+        "than half as many (0: all windows 256 tokens)",
     )
-    p.add_argument("--long-every", type=int, default=RecipeConfig.long_every)
+    p.add_argument(
+        "--long-every", type=int, default=RecipeConfig.long_every, help="every Nth step is a long one (default 4)"
+    )
     p.add_argument("--distill-dtype", default=RecipeConfig.distill_dtype, choices=["float32", "bfloat16"])
     p.add_argument("--lr", type=float, default=RecipeConfig.lr)
     p.add_argument("--ttt-depth", type=int, default=RecipeConfig.ttt_depth)

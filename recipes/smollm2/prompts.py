@@ -10,7 +10,8 @@ Sources (never HumanEval, never the benchmark prompt sets in ``perf/``):
 * general questions: stdlib module summaries as topics, asked with a handful of question forms;
 * long-context requests (``build_long_prompts``): a whole stdlib module's source (cut to at most
   ``LONG_MAX_CHARS`` at a line end, ~2K tokens) pasted into a chat message, then a question about
-  it, in the form of the benchmark's long set but never its modules (``LONG_EXCLUDED``).
+  it, in the form of the benchmark's long set but never about its modules (``LONG_EXCLUDED``; their
+  functions can still appear in the requests above).
 
 Every record is ``{"id", "kind", "prompt"}`` where ``prompt`` is a raw string (``complete``) or a
 list of chat messages. The selection is seeded and spread over files by a hash of the path.
@@ -202,14 +203,16 @@ def build_prompts(n_code: int = 1200, n_general: int = 300, seed: int = 0, root:
     return out
 
 
-def _public_names(text: str) -> tuple[list[str], list[str]]:
-    """Public module-level function and class names of a module's source (``ast``), in order."""
+def _public_names(text: str, lines: int) -> tuple[list[str], list[str]]:
+    """Public module-level function and class names of a module's whole source (``ast``) that end
+    within its first ``lines`` lines (the pasted part: a cut text seldom parses on its own)."""
     try:
         tree = ast.parse(text)
     except (SyntaxError, ValueError):
         return [], []
-    funcs = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
-    classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    shown = [n for n in tree.body if n.end_lineno is not None and n.end_lineno <= lines]
+    funcs = [n.name for n in shown if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    classes = [n.name for n in shown if isinstance(n, ast.ClassDef)]
     return [f for f in funcs if not f.startswith("_")], [c for c in classes if not c.startswith("_")]
 
 
@@ -238,11 +241,10 @@ def build_long_prompts(n_long: int, seed: int = 0, root: Path | None = None) -> 
             continue
         if len(text) < LONG_MIN_CHARS:
             continue
-        if len(text) > LONG_MAX_CHARS:
-            text = text[: text.rindex("\n", 0, LONG_MAX_CHARS) + 1]
-        funcs, classes = _public_names(text)
+        shown = text[: text.rindex("\n", 0, LONG_MAX_CHARS) + 1] if len(text) > LONG_MAX_CHARS else text
+        funcs, classes = _public_names(text, shown.count("\n"))
         if funcs or classes:
-            docs.append((path.stem, text, funcs, classes))
+            docs.append((path.stem, shown, funcs, classes))
     rng.shuffle(docs)
     out: list[dict] = []
     asked: set[tuple[str, int]] = set()
