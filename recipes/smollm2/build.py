@@ -14,7 +14,7 @@ Stages (each writes into ``--work`` and is skipped or resumed when its output ex
 4. ``train``    both drafters side by side on the same batches (one target forward per step,
                 ``training.train_drafters``) for the rest of the budget.
 5. ``evaluate`` acceptance length of each drafter on held-out prompts, greedy (and on held-out
-                self-chat questions, reported apart, when there are some).
+                self-chat questions and long-context requests, each reported apart, when there are some).
 6. ``bundle``   float16 drafters into ``--out`` (the package's ``drafters/``), with the training
                 history, and ``report.json`` (data, steps, wall time, τ).
 
