@@ -96,12 +96,9 @@ class RecipeConfig:
                 f"n_code={self.n_code}, n_general={self.n_general}, n_self_chat={self.n_self_chat}, "
                 f"n_long={self.n_long} must be >= 0"
             )
-        if self.long_seq_len and self.long_seq_len <= self.seq_len or self.long_every < 2:
-            raise ValueError(
-                f"long_seq_len={self.long_seq_len}, long_every={self.long_every}: long windows must exceed "
-                f"seq_len={self.seq_len} (0: none) and come every 2nd step or rarer (e.g. --long-seq-len 2048 "
-                "--long-every 4)"
-            )
+        from ...training import TrainConfig  # its checks, here before an hour of distillation
+
+        TrainConfig(seq_len=self.seq_len, long_seq_len=self.long_seq_len, long_every=self.long_every)
         if not 8192 <= self.draft_vocab_size <= 16384 and self.budget_minutes >= 30:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size}: the recipe uses 8K-16K")
 
@@ -240,10 +237,9 @@ def stage_evaluate(cfg: RecipeConfig, work: Path, target: Path, records: list[di
     chats = self_chat_records(self_chat_path(cfg, work), cfg.n_self_chat, cfg.seed)[0] if cfg.n_self_chat else []
     held_chat = [r for r in chats if heldout(r["id"], cfg.heldout_percent)][: cfg.eval_prompts // 2]
     out = {}
+    capacity = seq_capacity(load_tokenizer(target), held_long)
     for name in cfg.variants:
-        rt = SpeculativeRuntime.from_pretrained(
-            target, work / name, max_batch_size=1, max_seq_len=seq_capacity(load_tokenizer(target), held_long)
-        )
+        rt = SpeculativeRuntime.from_pretrained(target, work / name, max_batch_size=1, max_seq_len=capacity)
 
         def tau(recs: list[dict], rt=rt) -> float:
             taus = []
