@@ -226,6 +226,8 @@ def _library() -> ctypes.CDLL:
     lib.tritonspec_amx_enabled.restype = ctypes.c_int
     lib.tritonspec_panels_wide_rows.argtypes = [ctypes.c_int]
     lib.tritonspec_panels_wide_rows.restype = ctypes.c_int
+    lib.tritonspec_panels_tall_rows.argtypes = [ctypes.c_int]
+    lib.tritonspec_panels_tall_rows.restype = ctypes.c_int
     for name in ("tritonspec_tree_attention_f32", "tritonspec_tree_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, *[i64] * 7, p, p, *[i64] * 5, ctypes.c_float, p]
@@ -272,6 +274,8 @@ def native_op() -> str | None:
         native = ctypes.CDLL(str(out))  # the same handle: its C functions (set_wide_panel_rows)
         native.tritonspec_panels_wide_rows.argtypes = [ctypes.c_int]
         native.tritonspec_panels_wide_rows.restype = ctypes.c_int
+        native.tritonspec_panels_tall_rows.argtypes = [ctypes.c_int]
+        native.tritonspec_panels_tall_rows.restype = ctypes.c_int
         _native_libs.append(native)
         torch.library.register_fake("tritonspec_cpu::linear")(_fake)
         torch.library.register_fake("tritonspec_cpu::tree_attention")(_fake_attention)
@@ -302,6 +306,27 @@ def set_wide_panel_rows(rows: int) -> int:
     old = _library().tritonspec_panels_wide_rows(rows)
     for lib in _native_libs:
         lib.tritonspec_panels_wide_rows(rows)
+    return old
+
+
+def set_tall_panel_rows(rows: int) -> int:
+    """Run float32 panel calls of 7 up to ``rows`` rows (at most 14) in one tall AVX-512 tile
+    (``kernels/cpu/linear.c`` ``panels512_tall``: every row against 2 panels, so the weights stream
+    once), 0 never (the 6-row tiles, which re-read a panel group from cache for the rows after the
+    sixth); returns the previous value (default 14). Same bits either way: it is here for
+    side-by-side measurements. CPUs without AVX-512 return 0 and set nothing.
+
+    Example
+    -------
+    >>> old = set_tall_panel_rows(0)  # doctest: +SKIP
+    >>> _ = set_tall_panel_rows(old)  # doctest: +SKIP
+    """
+    if rows < 0:
+        raise ValueError(f"rows={rows} must be >= 0 (0: never run the tall panel tiles)")
+    native_op()
+    old = _library().tritonspec_panels_tall_rows(rows)
+    for lib in _native_libs:
+        lib.tritonspec_panels_tall_rows(rows)
     return old
 
 
@@ -393,16 +418,17 @@ def panels_default(dtype: torch.dtype = torch.float32) -> bool:
     * AVX2 CPUs, float32 and bfloat16 (AMD EPYC Zen 3: float32 0.6-0.75x the ``[N, K]`` kernel's time
       at 1-3 rows, ~0.5x from 64 rows; bfloat16 0.7-0.75x the bfloat16 ``[N, K]`` kernel's time at 1-3
       rows, 0.75-0.95x at 4-128, half the float32 panels' time at 1-3 rows; perf/CPU_DECODE.md);
-    * AVX-512 CPUs other than Intel's (``INTEL``), float32 only (AMD EPYC Zen 4, 2026-12-04,
-      same process: SmolLM2 float32 plain steps 0.74-0.89x the ``[N, K]`` layout's time, EAGLE-3.1
-      rounds 0.79-0.86x, prompts 0.82-0.87x; the demo pair's rounds 0.84x. bfloat16 stays ``[N, K]``
-      there: its panel kernel decodes faster (0.80-0.85x) but runs a prompt's forward at 1.7x the time
-      of the AVX512-BF16 path ``F.linear`` takes for unpacked weights, which ended level end to end).
+    * AVX-512 CPUs, float32 only. AMD EPYC Zen 4 (2026-12-04, same process): SmolLM2 float32 plain
+      steps 0.74-0.89x the ``[N, K]`` layout's time, EAGLE-3.1 rounds 0.79-0.86x, prompts 0.82-0.87x;
+      the demo pair's rounds 0.84x. Intel Xeon with AMX (2026-12-05, 2 threads, same process, with the
+      tall tiles of ``kernels/cpu/linear.c``): SmolLM2 plain steps 0.98x, EAGLE-3.1 rounds 0.88x, prompts
+      0.87x. bfloat16 stays ``[N, K]`` (AMX tiles where the CPU has AMX): on Zen 4 its panel kernel
+      decodes faster (0.80-0.85x) but runs a prompt's forward at 1.7x the time of the AVX512-BF16 path
+      ``F.linear`` takes for unpacked weights, which ended level end to end.
 
-    Intel AVX-512 CPUs keep ``[N, K]`` (and AMX tiles for bfloat16) until measured there;
     ``weight_layout="panels"`` runs the panel kernels on any CPU the kernels build for."""
     here = isa()
-    return here == "avx2" or (here == "avx512" and not INTEL and dtype == torch.float32)
+    return here == "avx2" or (here == "avx512" and dtype == torch.float32)
 
 
 def panels_pay(weight: torch.Tensor) -> bool:

@@ -14,17 +14,18 @@ callers also keep the references under ``cpu_linear="torch"`` (``TorchOps.cpu_in
     kv_compact      kernels/kv_compact.py  kv_compact_reference      the accepted path's K/V moved in place
     row_hash        runtime/sampling.py    RowRandom.hashes          a sampled round's random words (integer hash)
     verify_chain    kernels/verify_chain.py verify_chain_reference   a sampled chain's accepted count and tokens
+    argmax          torch.argmax(x, -1)                               the verify's greedy token per node
 
-Integers, booleans and copies (``verify_chain``: the reference's float64 coin test, float32 residual and
-division, first-maximum argmax), so the C results equal the references' exactly on the inputs the decoder
-passes (tested with hypothesis in ``tests/test_cpu_tree.py``); only the cost changes. Each reference is
-fixed-shape tensor work so that CUDA graphs and compiled rounds can take it, which on a CPU costs
-30-130 small PyTorch ops: on the demo pair an eager default round spent 1.5 of its 9.7 ms in these
-five (2026-12-04). Where the decoder cannot go, they differ only in how they fail: the graft of a tree
-whose root is off the chain's path (the reference raises, the C result is clamped), a compaction path
-not starting at the root or an idle row starting outside the cache (the reference's order is undefined
-or it raises; the C operator moves only the path); a negative chain token (the reference's indexing
-wraps it, the C operator raises).
+Integers, booleans and copies (``argmax``: comparisons only, a bfloat16 widened exactly; ``verify_chain``: the
+reference's float64 coin test, float32 residual and division, first-maximum argmax), so the C results equal
+the references' exactly on the inputs the decoder passes (tested with hypothesis in
+``tests/test_cpu_tree.py``); only the cost changes. Each reference is fixed-shape tensor work so that CUDA
+graphs and compiled rounds can take it, which on a CPU costs 30-130 small PyTorch ops: on the demo pair an
+eager default round spent 1.5 of its 9.7 ms in these five (2026-12-04). Where the decoder cannot go, they
+differ only in how they fail: the graft of a tree whose root is off the chain's path (the reference raises,
+the C result is clamped), a compaction path not starting at the root or an idle row starting outside the cache
+(the reference's order is undefined or it raises; the C operator moves only the path); a negative chain token
+(the reference's indexing wraps it, the C operator raises).
 """
 
 from __future__ import annotations
@@ -170,4 +171,20 @@ def verify_chain(
     floats = (probs, draft_probs, uniforms, exp_noise)
     if _native(tokens, *floats) and tokens.dtype == torch.int64 and all(t.dtype == torch.float32 for t in floats):
         return torch.ops.tritonspec_cpu.verify_chain(tokens, probs, draft_probs, uniforms, exp_noise)
+    return None
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor | None:  # [..., V] float32 / bfloat16 -> [...] int64
+    """``x.argmax(-1)``, exactly (the lowest index of a row's maximum; a NaN above every number, the first
+    NaN), rows split over the intra-op threads: ATen's CPU argmax runs one thread at ~1.7 ns an element
+    (SmolLM2's 49,152-token head over a 14-node tree: 1.2 ms a verify); None where the C operator does not
+    run.
+
+    Example
+    -------
+    >>> argmax(torch.tensor([[0.5, 2.0, 2.0], [float("nan"), 1.0, float("nan")]]))  # doctest: +SKIP
+    tensor([1, 0])
+    """
+    if _native(x) and x.dtype in (torch.float32, torch.bfloat16) and x.dim() >= 1 and x.shape[-1] >= 1 and x.numel():
+        return torch.ops.tritonspec_cpu.argmax(x)
     return None

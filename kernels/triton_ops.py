@@ -50,6 +50,12 @@ class TritonOps:
     tree_attention = staticmethod(tree_attention)  # (q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None)
     prefill_attention = staticmethod(prefill_attention)  # (q, k, v, scale): PyTorch causal SDPA, not a decode op
     verify_greedy = staticmethod(verify_greedy)  # (tokens, parents, target_argmax, max_depth)
+
+    @staticmethod
+    def argmax(logits):  # [..., V] -> [...] int64
+        """``logits.argmax(-1)``: one reduction kernel on the GPU (``TorchOps.argmax`` has the CPU's C one)."""
+        return logits.argmax(-1)
+
     verify_sampling = staticmethod(verify_sampling)  # (tokens, parents, probs, uniforms, exp_noise, max_depth)
     verify_chain = staticmethod(verify_chain)  # (tokens, probs, draft_probs, uniforms, exp_noise)
     kv_compact = staticmethod(kv_compact)  # (k_cache, v_cache, start, nodes)

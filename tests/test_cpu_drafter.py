@@ -120,7 +120,7 @@ def test_native_step_is_the_python_step_bit_for_bit(c):
     ran = []
     real, real_default = cpu_drafter.drafter_step, cl.panels_default
     cpu_drafter.drafter_step = lambda *a: ran.append(real(*a)) or ran[-1]
-    # both dtypes packed (AMD AVX-512 runtimes pack only float32 drafters by default): the operator runs either
+    # both dtypes packed (AVX-512 runtimes pack only float32 drafters by default): the operator runs either
     cl.panels_default = lambda dtype=torch.float32: True
     try:
         args = _inputs(c)

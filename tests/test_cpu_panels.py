@@ -22,7 +22,7 @@ WHY = cl.available(torch.float32)
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"CPU linear kernel unavailable for float32: {WHY}")
 packs_by_default = pytest.mark.skipif(
     WHY is not None or not cl.panels_default(),
-    reason="runtimes pack float32 drafters into panels on AVX2 and AMD AVX-512 CPUs only (cpu_linear.panels_default)",
+    reason="runtimes pack float32 drafters into panels on AVX2 and AVX-512 CPUs only (cpu_linear.panels_default)",
 )
 
 
@@ -93,6 +93,36 @@ def test_wide_tiles_give_the_eight_lane_tiles_bits(m, n):
         cl.set_wide_panel_rows(-1)
 
 
+@pytest.mark.parametrize("m", [7, 8, 14, 15, 29, 43, 112, 113])
+@pytest.mark.parametrize("n,k", [(16, 99), (80, 1), (80, 31), (80, 33), (576, 577)])
+def test_tall_tiles_give_the_six_row_tiles_bits(m, n, k):
+    """From 7 to 112 rows AVX-512 CPUs run tall tiles (up to 14 rows x 2 panels; more rows in several
+    such tiles taking turns over blocks of 32 k-steps, their accumulators parked between blocks); each lane
+    is the same chain as the 6-row tiles', so the bits are equal: one tile and several, k below, at and past
+    a block's end, an odd panel left over (80 columns), a bias, a strided ``x``, 1 and 2 threads, the native
+    operator; 113 rows runs the 6-row tiles either way."""
+    g = torch.Generator().manual_seed(m * 31 + n + k)
+    w, b = cl.pack_f32(torch.randn(n, k, generator=g)), torch.randn(n, generator=g)
+    x = torch.randn(m, k + 40, generator=g)[:, 3 : 3 + k]  # rows at stride k + 40
+    old = cl.set_tall_panel_rows(0)
+    assert old == (112 if cl.isa() == "avx512" else 0)  # the default: the tall tiles are on where they build
+    try:
+        assert cl.set_tall_panel_rows(0) == 0
+        six = [cl.cpu_linear(x, w, b, threads=t) for t in (1, 2)] + [cl.linear(x, w, b)]
+        assert cl.set_tall_panel_rows(500) == 0  # capped at 112
+        assert cl.set_tall_panel_rows(112) == (112 if cl.isa() == "avx512" else 0)
+        tall = [cl.cpu_linear(x, w, b, threads=t) for t in (1, 2)] + [cl.linear(x, w, b)]
+    finally:
+        cl.set_tall_panel_rows(old)
+    for a, c in zip(six, tall):
+        assert torch.equal(a, c)
+    assert torch.equal(six[0], six[2])
+    tol = 1e-6 * (k + 1) * float(_ref(x.abs(), cl.unpack(w).abs()).max() + 1)
+    assert float((tall[1].double() - _ref(x, cl.unpack(w), b)).abs().max()) <= tol
+    with pytest.raises(ValueError, match="must be >= 0"):
+        cl.set_tall_panel_rows(-1)
+
+
 def test_invariance_check_sees_a_changed_row():
     """The inverse: the comparison above is not vacuous. MKL's one-row and eight-row calls round some
     row differently on these shapes, and the panel kernel's bits differ from the ``[N, K]`` kernel's
@@ -151,13 +181,13 @@ def test_native_operator_and_compiled_call_run_the_same_kernel():
         ("avx2", False, True, True),
         ("avx2", True, True, True),
         ("avx512", False, True, False),
-        ("avx512", True, False, False),
+        ("avx512", True, True, False),
         (None, False, False, False),
     ],
 )
 def test_panels_default_follows_where_it_was_measured(monkeypatch, isa, intel, f32, bf16):
-    """AVX2: both dtypes; AMD AVX-512 (Zen 4): float32 only; Intel AVX-512 and CPUs without the
-    kernels: never. The runtime's layout and the drafter's packing follow the same answer per dtype."""
+    """AVX2: both dtypes; AVX-512 (AMD Zen 4, Intel Xeon): float32 only; CPUs without the kernels:
+    never. The runtime's layout and the drafter's packing follow the same answer per dtype."""
     monkeypatch.setattr(cl, "isa", lambda: isa)
     monkeypatch.setattr(cl, "INTEL", intel)
     assert (cl.panels_default(), cl.panels_default(torch.float32), cl.panels_default(torch.bfloat16)) == (
@@ -218,7 +248,9 @@ def test_drafter_runs_packed_only_where_its_runtime_runs_the_kernel(monkeypatch)
     every drafter projection reaches the kernel as a packed weight; a runtime with
     ``cpu_linear="torch"`` sharing the same module keeps ``F.linear`` on its weights; the two give
     the same greedy tokens (verification is exact), and a weight changed in place is repacked (the
-    inverse: a stale copy would keep the old logits)."""
+    inverse: a stale copy would keep the old logits). Intel's size floors (``SIZE_FLOORS``: the demo's
+    small weights stay ``[N, K]`` there) are lifted so that every projection packs."""
+    monkeypatch.setattr(cl, "SIZE_FLOORS", False)
     target, drafter = ts.demo.demo_pair()
     tok = ts.runtime.engine.load_tokenizer(target)
     d = ts.Eagle3Drafter.from_pretrained(drafter)

@@ -187,7 +187,7 @@ def test_decoding_runs_the_operators_and_emits_the_references_tokens(spec, monke
         pytest.skip("the CPU kernels do not run here (cpu_linear)")
     prompts = [[1, 5, 9, 5, 9, 5, 9, 3, 5, 9], [7, 3], [2, 4, 6, 8, 2, 4, 6, 8, 2]]
     calls: dict[str, int] = {}
-    for name in ("verify_greedy", "build_tree", "ngram_lookup", "graft_chain", "kv_compact"):
+    for name in ("verify_greedy", "build_tree", "ngram_lookup", "graft_chain", "kv_compact", "argmax"):
         real = getattr(cpu_tree, name)
 
         def counted(*a, _real=real, _name=name):
@@ -197,7 +197,7 @@ def test_decoding_runs_the_operators_and_emits_the_references_tokens(spec, monke
 
         monkeypatch.setattr(cpu_tree, name, counted)
     with_c = rt.generate(prompts, max_new_tokens=24)
-    assert calls.get("verify_greedy", 0) > 0 and calls.get("kv_compact", 0) > 0, calls
+    assert min(calls.get(n, 0) for n in ("verify_greedy", "kv_compact", "argmax")) > 0, calls
     if spec == "tree+lookup":
         assert min(calls.get(n, 0) for n in ("build_tree", "ngram_lookup", "graft_chain")) > 0, calls
     monkeypatch.setattr(TorchOps, "cpu_index", property(lambda self: False))
@@ -208,6 +208,56 @@ def test_decoding_runs_the_operators_and_emits_the_references_tokens(spec, monke
     assert with_c.token_ids == with_refs.token_ids
     assert with_c.token_ids == rt.generate(prompts, max_new_tokens=24, speculative=False).token_ids
     assert with_c.stats.mean_acceptance_length > 1.3  # drafts were accepted: the walk was exercised
+
+
+# ================================================================== argmax
+@settings(max_examples=150, deadline=None)
+@given(
+    lead=st.sampled_from([(), (1,), (3,), (2, 5)]),
+    V=st.integers(1, 70),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    specials=st.lists(st.tuples(st.integers(0, 69), st.sampled_from(["nan", "inf", "-inf", "max", "0", "-0"]))),
+    levels=st.integers(1, 5),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**16),
+)
+def test_argmax_equals_torch(lead, V, dtype, specials, levels, threads, seed):
+    """``x.argmax(-1)`` exactly: ties (values drawn from a few levels, so most rows hold repeated maxima),
+    NaN (the first one wins), infinities, -0.0 beside +0.0, V below, at and past a 16-lane block, leading
+    dimensions, bfloat16, 1 and 2 threads."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-levels, levels, (*lead, V), generator=g).float() * 0.5
+    value = {"nan": float("nan"), "inf": float("inf"), "-inf": float("-inf"), "0": 0.0, "-0": -0.0}
+    flat = x.view(-1, V)
+    for i, (col, kind) in enumerate(specials):
+        row = flat[i % flat.shape[0]]
+        row[col % V] = float(levels) if kind == "max" else value[kind]
+    x = x.to(dtype)
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = cpu_tree.argmax(x)
+    finally:
+        torch.set_num_threads(saved)
+    want = x.argmax(-1)
+    assert got is not None and got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got, want), (x.tolist(), got.tolist(), want.tolist())
+
+
+def test_argmax_known_answers_and_what_it_declines():
+    """Known answers (first maximum, first NaN, all -inf -> 0, -0.0 before +0.0 -> the first), a 49,152-token
+    bfloat16 head row; strided rows and a strided view; float64 and integer inputs decline (None)."""
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[0.5, 2.0, 2.0, 1.0], [1.0, nan, 3.0, nan], [-inf, -inf, -inf, -inf], [-0.0, 0.0, -1.0, -0.0]])
+    assert cpu_tree.argmax(x).tolist() == [1, 1, 0, 0]
+    head = torch.randn(3, 49152).bfloat16()
+    head[1, 40000] = 100.0
+    assert torch.equal(cpu_tree.argmax(head), head.argmax(-1)) and int(cpu_tree.argmax(head)[1]) == 40000
+    wide = torch.randn(4, 50)
+    assert torch.equal(cpu_tree.argmax(wide[:, 3:40]), wide[:, 3:40].argmax(-1))
+    assert torch.equal(cpu_tree.argmax(wide.t()), wide.t().argmax(-1))
+    assert cpu_tree.argmax(torch.randn(2, 5, dtype=torch.float64)) is None
+    assert cpu_tree.argmax(torch.arange(6).view(2, 3)) is None
 
 
 # ================================================================== kv_compact

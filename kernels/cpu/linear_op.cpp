@@ -1,5 +1,5 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
-// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain and .drafter_step: the kernels of linear.c, attention.c,
+// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax and .drafter_step: the kernels of linear.c, attention.c,
 // norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
@@ -57,6 +57,7 @@ void tritonspec_graft_chain(const int64_t*, const int64_t*, const int64_t*, cons
 int64_t tritonspec_kv_compact(char*, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, const int64_t*,
                               const int64_t*, int64_t, int64_t, int64_t, char*);
 void tritonspec_row_hash(const int64_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t*);
+void tritonspec_argmax(const void*, int, int64_t, int64_t, int64_t, int64_t*, int);
 void tritonspec_verify_chain(const int64_t*, const float*, const float*, const float*, const float*, int64_t, int64_t,
                              int64_t, int64_t*, int64_t*, int64_t*);
 void tritonspec_rms_norm_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
@@ -404,6 +405,19 @@ at::Tensor row_hash(const at::Tensor& key, const at::Tensor& counter, int64_t n,
   return h;
 }
 
+// x [..., V] float32 or bfloat16 -> [...] int64: torch.argmax(x, -1) exactly (tree_ops.c tritonspec_argmax), the rows
+// split over the intra-op threads.
+at::Tensor argmax(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) >= 1 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              "tritonspec_cpu::argmax: x [..., V >= 1], float32 or bfloat16");
+  at::Tensor c = x.contiguous();
+  const int64_t V = c.size(-1), R = c.numel() / V;
+  at::Tensor out = at::empty(c.sizes().slice(0, c.dim() - 1), c.options().dtype(at::kLong));
+  tritonspec_argmax(c.const_data_ptr(), c.scalar_type() == at::kBFloat16, R, V, V, out.mutable_data_ptr<int64_t>(),
+                    at::get_num_threads());
+  return out;
+}
+
 // One EAGLE-3 drafter step (runtime/drafter.py Eagle3Drafter.step, decode rounds: not a prompt's causal forward)
 // as one operator: the same wrappers and ATen calls the Python step makes, in the same order with the same
 // arguments, so the same bits, without ~20 Python-level dispatches (~0.3 ms a step on the demo drafter).
@@ -467,6 +481,7 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
   m.def("graft_chain(Tensor tokens, Tensor parents, Tensor depth, Tensor mask, Tensor chain, Tensor valid) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("row_hash(Tensor key, Tensor counter, int n, int vocab) -> Tensor");
+  m.def("argmax(Tensor x) -> Tensor");
   m.def("verify_chain(Tensor tokens, Tensor probs, Tensor draft_probs, Tensor uniforms, Tensor exp_noise) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("drafter_step(Tensor hidden, Tensor tokens, Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, "
@@ -489,5 +504,6 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("kv_compact", &kv_compact);
   m.impl("drafter_step", &drafter_step);
   m.impl("row_hash", &row_hash);
+  m.impl("argmax", &argmax);
   m.impl("verify_chain", &verify_chain);
 }
