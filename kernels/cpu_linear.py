@@ -228,6 +228,8 @@ def _library() -> ctypes.CDLL:
     lib.tritonspec_panels_wide_rows.restype = ctypes.c_int
     lib.tritonspec_panels_tall_rows.argtypes = [ctypes.c_int]
     lib.tritonspec_panels_tall_rows.restype = ctypes.c_int
+    lib.tritonspec_panels_tall_calls.argtypes = []
+    lib.tritonspec_panels_tall_calls.restype = ctypes.c_int64
     for name in ("tritonspec_tree_attention_f32", "tritonspec_tree_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, *[i64] * 7, p, p, *[i64] * 5, ctypes.c_float, p]
@@ -276,6 +278,8 @@ def native_op() -> str | None:
         native.tritonspec_panels_wide_rows.restype = ctypes.c_int
         native.tritonspec_panels_tall_rows.argtypes = [ctypes.c_int]
         native.tritonspec_panels_tall_rows.restype = ctypes.c_int
+        native.tritonspec_panels_tall_calls.argtypes = []
+        native.tritonspec_panels_tall_calls.restype = ctypes.c_int64
         _native_libs.append(native)
         torch.library.register_fake("tritonspec_cpu::linear")(_fake)
         torch.library.register_fake("tritonspec_cpu::tree_attention")(_fake_attention)
@@ -310,10 +314,12 @@ def set_wide_panel_rows(rows: int) -> int:
 
 
 def set_tall_panel_rows(rows: int) -> int:
-    """Run float32 panel calls of 7 up to ``rows`` rows (at most 14) in one tall AVX-512 tile
-    (``kernels/cpu/linear.c`` ``panels512_tall``: every row against 2 panels, so the weights stream
-    once), 0 never (the 6-row tiles, which re-read a panel group from cache for the rows after the
-    sixth); returns the previous value (default 14). Same bits either way: it is here for
+    """Run float32 panel calls of 7 up to ``rows`` rows (at most 112; larger values are capped) in tall
+    AVX-512 tiles (``kernels/cpu/linear.c`` ``panels512_tall``: up to 14 rows x 2 panels a tile, several
+    tiles taking turns over k blocks, so the weights stream once), 0 never (the 6-row tiles, which
+    re-read a panel group from cache for each row tile after the first); returns the previous value
+    (default 112). The tall tiles are AVX-512 tiles: ``set_wide_panel_rows(0)`` turns them off too.
+    ``tall_panel_calls()`` counts the calls that ran them. Same bits either way: it is here for
     side-by-side measurements. CPUs without AVX-512 return 0 and set nothing.
 
     Example
@@ -328,6 +334,16 @@ def set_tall_panel_rows(rows: int) -> int:
     for lib in _native_libs:
         lib.tritonspec_panels_tall_rows(rows)
     return old
+
+
+def tall_panel_calls() -> int:
+    """How many float32 panel calls ran the tall tiles (``set_tall_panel_rows``) so far in this process,
+    through ctypes and the native operator together (0 on CPUs without AVX-512): for tests that must see
+    the path taken, since the tiles give the same bits either way."""
+    native_op()
+    return int(_library().tritonspec_panels_tall_calls()) + sum(
+        int(lib.tritonspec_panels_tall_calls()) for lib in _native_libs
+    )
 
 
 @torch.compiler.assume_constant_result
@@ -418,13 +434,14 @@ def panels_default(dtype: torch.dtype = torch.float32) -> bool:
     * AVX2 CPUs, float32 and bfloat16 (AMD EPYC Zen 3: float32 0.6-0.75x the ``[N, K]`` kernel's time
       at 1-3 rows, ~0.5x from 64 rows; bfloat16 0.7-0.75x the bfloat16 ``[N, K]`` kernel's time at 1-3
       rows, 0.75-0.95x at 4-128, half the float32 panels' time at 1-3 rows; perf/CPU_DECODE.md);
-    * AVX-512 CPUs, float32 only. AMD EPYC Zen 4 (2026-12-04, same process): SmolLM2 float32 plain
-      steps 0.74-0.89x the ``[N, K]`` layout's time, EAGLE-3.1 rounds 0.79-0.86x, prompts 0.82-0.87x;
-      the demo pair's rounds 0.84x. Intel Xeon with AMX (2026-12-05, 2 threads, same process, with the
-      tall tiles of ``kernels/cpu/linear.c``): SmolLM2 plain steps 0.98x, EAGLE-3.1 rounds 0.88x, prompts
-      0.87x. bfloat16 stays ``[N, K]`` (AMX tiles where the CPU has AMX): on Zen 4 its panel kernel
-      decodes faster (0.80-0.85x) but runs a prompt's forward at 1.7x the time of the AVX512-BF16 path
-      ``F.linear`` takes for unpacked weights, which ended level end to end.
+    * AVX-512 CPUs, float32 only. AMD EPYC Zen 4 (2026-12-04, same process): SmolLM2 float32 plain steps
+      0.74-0.89x the ``[N, K]`` layout's time, EAGLE-3.1 rounds 0.79-0.86x, prompts 0.82-0.87x; the demo
+      pair's rounds 0.84x. Intel Xeon with AMX (2026-12-05, 2 threads, same process, with the tall tiles of
+      ``kernels/cpu/linear.c``): SmolLM2 plain steps 0.98x, EAGLE-3.1 rounds 0.88x, prompts 0.87x (measured on
+      that AMX-class Xeon only; ``weight_layout="nk"`` keeps the other layout). bfloat16 stays ``[N, K]`` (AMX
+      tiles where the CPU has AMX): on Zen 4 its panel kernel decodes faster (0.80-0.85x) but runs a prompt's
+      forward at 1.7x the time of the AVX512-BF16 path ``F.linear`` takes for unpacked weights, which ended
+      level end to end.
 
     ``weight_layout="panels"`` runs the panel kernels on any CPU the kernels build for."""
     here = isa()
@@ -434,8 +451,8 @@ def panels_default(dtype: torch.dtype = torch.float32) -> bool:
 def panels_pay(weight: torch.Tensor) -> bool:
     """Whether the panel layout (``weight_layout="panels"``, ``Eagle3Drafter.pack_for_cpu``) packs
     ``weight``: ``packable_panels``, and where ``SIZE_FLOORS`` applies (Intel: MKL won on small,
-    cache-resident weights against the ``[N, K]`` kernel; the panel kernel is not measured there) at
-    least ``MIN_WEIGHT`` elements and ``MIN_K`` columns. Smaller weights stay ``[N, K]``."""
+    cache-resident weights against the ``[N, K]`` kernel; the panel kernel is not measured against MKL on
+    them there) at least ``MIN_WEIGHT`` elements and ``MIN_K`` columns. Smaller weights stay ``[N, K]``."""
     if not packable_panels(weight):
         return False
     return not SIZE_FLOORS or (weight.numel() >= MIN_WEIGHT and weight.shape[1] >= MIN_K)

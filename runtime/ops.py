@@ -189,7 +189,7 @@ class TorchOps:
     def packs_cpu_weights(self) -> frozenset[torch.dtype]:
         """The dtypes whose drafters run their CPU projections packed into panels here
         (``Eagle3Drafter.pack_for_cpu``), as the target's ``weight_layout="auto"`` packs them: the kernel
-        runs the dtype and ``kernels.cpu_linear.panels_default(dtype)`` (AVX2 CPUs; float32 on AMD
+        runs the dtype and ``kernels.cpu_linear.panels_default(dtype)`` (AVX2 CPUs; float32 on
         AVX-512 ones). Empty: no packing. Decided once per backend, as ``_cpu_kernel`` is (the drafter
         asks on every call outside a round)."""
         return frozenset(t for t in _cpu_linear.DTYPES if self._cpu_kernel(t) and _cpu_linear.panels_default(t))

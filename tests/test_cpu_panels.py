@@ -94,13 +94,13 @@ def test_wide_tiles_give_the_eight_lane_tiles_bits(m, n):
 
 
 @pytest.mark.parametrize("m", [7, 8, 14, 15, 29, 43, 112, 113])
-@pytest.mark.parametrize("n,k", [(16, 99), (80, 1), (80, 31), (80, 33), (576, 577)])
+@pytest.mark.parametrize("n,k", [(16, 99), (80, 1), (80, 31), (80, 32), (80, 33), (48, 64), (576, 577)])
 def test_tall_tiles_give_the_six_row_tiles_bits(m, n, k):
-    """From 7 to 112 rows AVX-512 CPUs run tall tiles (up to 14 rows x 2 panels; more rows in several
-    such tiles taking turns over blocks of 32 k-steps, their accumulators parked between blocks); each lane
-    is the same chain as the 6-row tiles', so the bits are equal: one tile and several, k below, at and past
-    a block's end, an odd panel left over (80 columns), a bias, a strided ``x``, 1 and 2 threads, the native
-    operator; 113 rows runs the 6-row tiles either way."""
+    """From 7 to 112 rows AVX-512 CPUs run tall tiles (up to 14 rows x 2 panels; more rows in several such tiles
+    taking turns over blocks of 32 k-steps, their accumulators parked between blocks); each lane is the same
+    chain as the 6-row tiles', so the bits are equal (and the tall path is seen to run): one tile and several, k
+    below, at (32, 64) and past a block's end, an odd panel left over (80 columns), a bias, a strided ``x``, 1
+    and 2 threads, the native operator; 113 rows runs the 6-row tiles either way."""
     g = torch.Generator().manual_seed(m * 31 + n + k)
     w, b = cl.pack_f32(torch.randn(n, k, generator=g)), torch.randn(n, generator=g)
     x = torch.randn(m, k + 40, generator=g)[:, 3 : 3 + k]  # rows at stride k + 40
@@ -108,12 +108,16 @@ def test_tall_tiles_give_the_six_row_tiles_bits(m, n, k):
     assert old == (112 if cl.isa() == "avx512" else 0)  # the default: the tall tiles are on where they build
     try:
         assert cl.set_tall_panel_rows(0) == 0
+        before = cl.tall_panel_calls()
         six = [cl.cpu_linear(x, w, b, threads=t) for t in (1, 2)] + [cl.linear(x, w, b)]
+        assert cl.tall_panel_calls() == before  # off: the 6-row tiles ran
         assert cl.set_tall_panel_rows(500) == 0  # capped at 112
         assert cl.set_tall_panel_rows(112) == (112 if cl.isa() == "avx512" else 0)
         tall = [cl.cpu_linear(x, w, b, threads=t) for t in (1, 2)] + [cl.linear(x, w, b)]
+        ran = cl.tall_panel_calls() - before
     finally:
         cl.set_tall_panel_rows(old)
+    assert ran == (3 if cl.isa() == "avx512" and m <= 112 else 0)  # the tall path really ran (or could not)
     for a, c in zip(six, tall):
         assert torch.equal(a, c)
     assert torch.equal(six[0], six[2])

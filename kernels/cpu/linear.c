@@ -317,12 +317,15 @@ int tritonspec_panels_wide_rows(int rows) {
  * The 6 x 4 tiles above take such a call in row tiles that each walk the whole panel group: the first
  * streams it from memory, the others re-read it from L2 with no memory traffic to overlap. Measured (Intel
  * Xeon with AMX, SmolLM2's float32 projections and head, 2 threads, 2026-12-05), time over one row's:
- * 7 rows 1.11x -> 1.08-1.10x, 14 rows 1.41x -> 1.19x, 19 rows 1.71x -> 1.37x, 28 rows 2.07x -> 1.62x, 64 rows
+ * 7 rows 1.10-1.14x -> 1.04-1.10x, 14 rows 1.41x -> 1.19x, 19 rows 1.71x -> 1.37x, 28 rows 2.07x -> 1.62x, 64 rows
  * 3.69x -> 3.24x, 112 rows 5.26x -> 5.16x; 256 rows level, 512 rows 1.19x slower (so TALL_ROWS stops at 112).
  * One panel for up to 28 rows in one tile (15+ broadcasts per 64-byte load) ran slower than the 6-row tiles.
  * Same lanes, same chains, same bits. */
 #define TALL_TILE 14
 #define TALL_TILES 8
+/* tall_group's switch covers tiles of 7..14 rows: M > 14 split into ceil(M / 14) balanced tiles never gives
+ * fewer than 7 */
+_Static_assert(TALL_TILE == 14, "tall_group's TALL_CASEs cover tiles of 7..14 rows");
 #define TALL_BLOCK 32
 #define TALL_AHEAD 48
 
@@ -401,10 +404,15 @@ int tritonspec_panels_tall_rows(int rows) {
     return old;
 }
 
+/* calls that ran the tall tiles (kernels/cpu_linear.py tall_panel_calls: tests see the path taken) */
+static int64_t tall_calls;
+int64_t tritonspec_panels_tall_calls(void) { return tall_calls; }
+
 /* every row against every panel in tall tiles, in tasks of 2 panels (1 where fewer panels than 2 tasks a
  * thread would leave a thread idle); the odd panel left over alone */
 static void panels512_tall(const float* x, int64_t M, int64_t ldx, const float* wp, int64_t panels, int64_t K,
                            const float* b, float* y, int64_t ldy, int threads) {
+    tall_calls++;
     const int NP = panels >= 2 * 2 * threads ? 2 : 1;
     const int64_t groups = panels / NP, tasks = groups + (panels - groups * NP);
 #pragma omp parallel for schedule(static) num_threads(threads)
@@ -442,6 +450,7 @@ int tritonspec_panels_tall_rows(int rows) { /* no AVX-512: the 8-lane tiles only
     (void)rows;
     return 0;
 }
+int64_t tritonspec_panels_tall_calls(void) { return 0; }
 #endif
 
 /* y [M, N] (row stride ldy) = x [M, K] (row stride ldx) @ w^T (+ b), w packed into N / 16 panels. */
