@@ -304,13 +304,7 @@ def set_wide_panel_rows(rows: int) -> int:
     >>> old = set_wide_panel_rows(0)  # doctest: +SKIP
     >>> _ = set_wide_panel_rows(old)  # doctest: +SKIP
     """
-    if rows < 0:
-        raise ValueError(f"rows={rows} must be >= 0 (0: never run the AVX-512 panel tiles)")
-    native_op()
-    old = _library().tritonspec_panels_wide_rows(rows)
-    for lib in _native_libs:
-        lib.tritonspec_panels_wide_rows(rows)
-    return old
+    return _set_rows_knob("tritonspec_panels_wide_rows", rows, "the AVX-512 panel tiles")
 
 
 def set_tall_panel_rows(rows: int) -> int:
@@ -327,12 +321,18 @@ def set_tall_panel_rows(rows: int) -> int:
     >>> old = set_tall_panel_rows(0)  # doctest: +SKIP
     >>> _ = set_tall_panel_rows(old)  # doctest: +SKIP
     """
+    return _set_rows_knob("tritonspec_panels_tall_rows", rows, "the tall panel tiles")
+
+
+def _set_rows_knob(fn: str, rows: int, what: str) -> int:
+    """Set the C row-count knob ``fn`` in both copies of the kernels (ctypes' and the native operator's);
+    returns the previous value."""
     if rows < 0:
-        raise ValueError(f"rows={rows} must be >= 0 (0: never run the tall panel tiles)")
+        raise ValueError(f"rows={rows} must be >= 0 (0: never run {what})")
     native_op()
-    old = _library().tritonspec_panels_tall_rows(rows)
+    old = getattr(_library(), fn)(rows)
     for lib in _native_libs:
-        lib.tritonspec_panels_tall_rows(rows)
+        getattr(lib, fn)(rows)
     return old
 
 
