@@ -185,6 +185,6 @@ def argmax(x: torch.Tensor) -> torch.Tensor | None:  # [..., V] float32 / bfloat
     >>> argmax(torch.tensor([[0.5, 2.0, 2.0], [float("nan"), 1.0, float("nan")]]))  # doctest: +SKIP
     tensor([1, 0])
     """
-    if _native(x) and x.dtype in (torch.float32, torch.bfloat16) and x.dim() >= 1 and x.shape[-1] >= 1 and x.numel():
+    if _native(x) and x.dtype in (torch.float32, torch.bfloat16) and x.dim() >= 1 and x.numel() > 0:
         return torch.ops.tritonspec_cpu.argmax(x)
     return None

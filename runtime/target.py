@@ -571,12 +571,11 @@ class TargetModel:
 
     def greedy(self, hidden: torch.Tensor, ops: Any = None) -> torch.Tensor:
         """``[..., H] -> [...]`` argmax of the logits, without their float32 copy (the widening is
-        exact, so the argmax and its lowest-id tie break are those of ``logits``). An ``ops`` with an
-        ``argmax`` runs it (the torch backend: ``kernels.cpu_tree.argmax`` on the CPU; deterministic mode:
-        on the caller's threads); each is ``logits.argmax(-1)`` exactly."""
+        exact, so the argmax and its lowest-id tie break are those of ``logits``). ``ops`` (an ``Ops``) runs
+        it with its ``argmax`` (the torch backend: ``kernels.cpu_tree.argmax`` on the CPU; deterministic mode:
+        on the caller's threads), each ``logits.argmax(-1)`` exactly."""
         logits = _linear(ops, hidden, self.lm_head)
-        argmax = getattr(ops, "argmax", None)
-        return argmax(logits) if argmax is not None else logits.argmax(-1)
+        return logits.argmax(-1) if ops is None else ops.argmax(logits)
 
 
 def _config_dtype(config: Any, device: torch.device) -> torch.dtype:
