@@ -140,9 +140,20 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         help="bfloat16: a float32 pair's drafter reads its decode-round weights as bfloat16 panels on the CPU "
         "kernels (half the bytes; lossless, tau may move slightly)",
     )
+    g.add_argument(
+        "--no-adaptive-shape",
+        action="store_true",
+        help="keep a request's tuned tree shape fixed (default: a batch-1 greedy request re-chooses it between "
+        "rounds among the shapes the tuner measured, by the acceptance it shows; runtime/adaptive.py)",
+    )
     g.add_argument("--quiet-stats", action="store_true", help="print the stats line on stderr")
     g.set_defaults(fn=cmd_generate)
     return g
+
+
+def shapes_label(rounds_per_shape: dict[str, int]) -> str:
+    """``(5,2,12)+lookup4:8,(3,2,7)+lookup4:24``: the rounds a request ran with each shape (adaptive)."""
+    return ",".join(f"{k}:{v}" for k, v in rounds_per_shape.items())
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -187,6 +198,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         deterministic=args.deterministic,
         cpu_linear=args.cpu_linear,
         drafter_weight_dtype=args.drafter_weight_dtype,
+        adaptive_shape=not args.no_adaptive_shape,
     )
     speculative = not args.no_speculative and rt.drafter is not None
     kw = flag_values(args, "max_new_tokens temperature top_p top_k seed")
@@ -220,6 +232,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         f"cpu_kernels={'on' if rt.cpu_kernels else 'off'} weight_layout={rt.target.weight_layout} "
         f"spec={shape_label(s.spec)} "
         f"spec_source={s.spec_source.replace(' ', '-')}"
+        + (f" shapes={shapes_label(s.rounds_per_shape)}" if s.shape_switches else "")
         + (" deterministic=on" if rt.deterministic else "")
         + (" drafter_weights=bfloat16" if rt.drafter_weight_dtype is not None else "")
     )

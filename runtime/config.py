@@ -148,6 +148,13 @@ class SpecStats:
     #                                                     rounds replayed as CUDA graphs (eager rounds split by phase)
     rows_refilled: int = 0  # continuous batching: prompts admitted into a finished row mid-run
     rows_moved: int = 0  # rows moved down into finished ones once no prompt waits (the round narrows)
+    shape_switches: int = 0  # adaptive shapes (runtime/adaptive.py): times a request changed its shape
+    rounds_per_shape: dict[str, int] = field(default_factory=dict)  # "(D,K,N)+lookupL" -> rounds run with it
+
+    def count_shape(self, spec: SpecConfig) -> None:
+        """Count one round run with ``spec``."""
+        key = spec.label
+        self.rounds_per_shape[key] = self.rounds_per_shape.get(key, 0) + 1
 
     def count_round(self, accepted: list[int], draft_tokens: int) -> None:
         """Count one verify round of each row that ran it: ``accepted[i]`` draft tokens accepted of

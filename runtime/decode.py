@@ -206,6 +206,13 @@ class Decoder:
             )
             self.drafter.rope(need + 1)
 
+    def fit(self, specs: Sequence[SpecConfig]) -> None:
+        """Grow the caches so that every shape of ``specs`` fits (before a prefill whose request may
+        switch among them, ``runtime/adaptive.py``; the prefill regrows the round buffers)."""
+        with torch.inference_mode(False):
+            for s in specs:
+                self._fit(s)
+
     def _new_buffers(self) -> DecodeBuffers:
         hidden = self.drafter.config.hidden_size if self.drafter is not None else None
         depth = self._max_depth
@@ -347,7 +354,7 @@ class Decoder:
         with torch.inference_mode(False):
             # runtimes may share the target, whose cache only grows, and the spec may have grown: fit both
             self._fit(self.spec)
-            if self.bufs.out.shape[1] < self.emitted_width:  # the tree depth grew since construction (autotune)
+            if self.bufs.out.shape[1] < self._max_depth + 2:  # the tree depth grew since construction (autotune, fit)
                 self.bufs = self._new_buffers()  # sized by _fit's depth
         B = len(batch)
         rows = B if rows is None else rows

@@ -89,6 +89,7 @@ class SpeculativeRuntime:
         compile: str | bool = "auto",
         cpu_linear: str = "auto",
         drafter_weight_dtype: str | torch.dtype | None = DRAFTER_WEIGHT_DTYPE,
+        adaptive_shape: bool = True,
     ):
         self.target = target
         self.tokenizer = resolve_tokenizer(tokenizer)
@@ -119,6 +120,9 @@ class SpeculativeRuntime:
         if max_batch_size < 1:
             raise UserError(f"max_batch_size={max_batch_size} must be >= 1")
         self.max_batch_size = max_batch_size
+        if not isinstance(adaptive_shape, bool):
+            raise UserError(f"adaptive_shape={adaptive_shape!r} must be True or False")
+        self.adaptive_shape = adaptive_shape  # a profile's batch-1 greedy requests re-choose their shape (_adapts)
         self.cuda_graphs = cuda_graphs
         self.compile = compile
         self._graphs = graph_runner(cuda_graphs, self.device, max_batch_size, cuda_graph_sizes, compile)  # None: eager
@@ -329,6 +333,7 @@ class SpeculativeRuntime:
         compile: str | bool = "auto",
         cpu_linear: str = "auto",
         drafter_weight_dtype: str | torch.dtype | None = DRAFTER_WEIGHT_DTYPE,
+        adaptive_shape: bool = True,
     ) -> SpeculativeRuntime:
         """Build a runtime from a target (HF directory or ``PreTrainedModel``) and an optional drafter.
 
@@ -371,6 +376,11 @@ class SpeculativeRuntime:
             the drafter's dtype. ``None`` / ``"float32"``: the drafter runs in the target's dtype. Lossless as ever
             (the target verifies): greedy output is unchanged; the proposals (so τ, and seeded sampled output)
             may move slightly. Prompts keep float32 weights.
+        adaptive_shape : ``True`` (default): a batch-1 greedy request whose shape comes from a tuned
+            profile re-chooses it between rounds among the shapes the tuner measured, by the
+            acceptance it shows (``runtime/adaptive.py``: deep trees where the drafter is accepted
+            deep, small ones where it is not); eager rounds only. Output is unchanged (greedy).
+            ``False``: every request keeps the shape it started with.
 
         A drafter object already on ``device`` in the target's dtype is used as is; otherwise the
         runtime runs a converted copy and the caller's module is left untouched. Bad arguments,
@@ -401,6 +411,7 @@ class SpeculativeRuntime:
             compile=compile,
             cpu_linear=cpu_linear,
             drafter_weight_dtype=drafter_weight_dtype,
+            adaptive_shape=adaptive_shape,
         )
 
     # ================================================================== public API
@@ -575,8 +586,13 @@ class SpeculativeRuntime:
         use_draft = choice.spec is not None
         if use_draft:
             dec.spec = choice.spec
-        stats = SpecStats(accepted_per_position=[0] * self.spec.tree_depth if use_draft else [])
+        ladder = choice.ladder if use_draft and self._adapts(sampling, len(batch)) else None
+        depth = max(s.tree_depth for s in ladder.shapes) if ladder is not None else self.spec.tree_depth
+        stats = SpecStats(accepted_per_position=[0] * depth if use_draft else [])
         stats.spec, stats.spec_source = choice.spec, choice.source
+        tracker = ladder.track(choice.spec) if ladder is not None else None
+        if ladder is not None:
+            dec.fit(ladder.shapes)
         t0 = time.perf_counter()
         first_batch = min(len(batch), self.max_batch_size)
         slot_req: list[int | None] = list(range(first_batch))  # the request each row decodes
@@ -602,6 +618,9 @@ class SpeculativeRuntime:
             if free:  # refill finished rows, lowest first (keeps the round's rows few)
                 for b in free[: len(waiting)]:
                     r = waiting.pop()
+                    if tracker is not None:  # a new request: its own acceptance, from the row's shape
+                        tracker = ladder.track(choice.spec)
+                        dec.spec = choice.spec
                     with torch.inference_mode(), self._pinned():
                         tok = dec.admit(b, batch[r], seeds[r], timings=stats.time_split_s)
                     slot_req += [None] * (b + 1 - len(slot_req))
@@ -623,6 +642,10 @@ class SpeculativeRuntime:
                 new = dec.collect()
             if use_draft:
                 stats.count_round([len(t) - 1 for t in new if t], dec.take_draft_nodes())
+                stats.count_shape(dec.spec)
+                if tracker is not None and (nxt := tracker.observe([len(t) for t in new if t])) is not None:
+                    dec.spec = nxt  # the next round drafts and verifies this shape (runtime/adaptive.py)
+                    stats.shape_switches += 1
             self._emit(dec, requests, slot_req, new)
             yield requests
         stats.wall_time_s = time.perf_counter() - t0
@@ -631,6 +654,14 @@ class SpeculativeRuntime:
         if self.tokenizer is not None:
             texts = [requests.text(b) for b in range(len(requests.outs))]
         return GenerationOutput(token_ids=requests.outs, texts=texts, stats=stats, finish_reasons=requests.reasons)
+
+    def _adapts(self, sampling: SamplingParams, prompts: int) -> bool:
+        """Whether a request may re-choose its shape between rounds (``runtime/adaptive.py``): the
+        runtime allows it, greedy, one row at a time, eager rounds (a compiled or captured round is
+        one artifact per shape) and no drift observer (it records one shape's depths)."""
+        eager = self._graphs is None or not self._graphable()
+        one_row = min(prompts, self.max_batch_size) == 1
+        return self.adaptive_shape and sampling.greedy and one_row and eager and self.decoder.observer is None
 
     def _compact(self, dec: Decoder, slot_req: list[int | None]) -> int:
         """No prompt waits: move the last running rows into finished rows below them (``Decoder.move_row``),

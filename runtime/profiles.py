@@ -51,7 +51,9 @@ from typing import Any
 import torch
 
 from ..kernels import store
+from .adaptive import ShapeLadder
 from .config import SpecConfig
+from .shape_model import AcceptanceProfile, CostModel
 from .spec_policy import ShapePolicy
 
 KIND = "tree_shape"
@@ -338,11 +340,69 @@ def policy_from_profile(data: dict, source: str, device: torch.device | str, pat
     kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
     base = tables.pop(0)
     policy = ShapePolicy(source, spec.num_draft_tokens, kind, base, path=path)
+    b1 = next((r for r in data.get("shapes") or [] if _short_b1_greedy(r)), None)
+    ladder = shape_ladder(data, b1) if b1 is not None and b1.get("spec") else None
+    if ladder is not None:
+        policy.ladders[1, "greedy"] = ladder
     for t, table in tables.items():  # long-context buckets: the rule there scales their own batch-1 shape
         b1 = table.get((1, "greedy"), spec)
         budget = b1.num_draft_tokens if b1 is not None else 1  # plain decoding won batch 1: plain above it too
         policy.contexts[t] = ShapePolicy(source, budget, kind, table, path=path)
     return policy
+
+
+def _short_b1_greedy(row: dict) -> bool:
+    return row["batch_size"] == 1 and row["sampling"] == "greedy" and not row.get("context", 0)
+
+
+LADDER_MIN_RATE = 0.7  # a ladder keeps the shapes that measured >= this x the row's best (and beat plain)
+SHAPE_KEY = re.compile(r"\((\d+),(\d+),(\d+)\)")  # "(D,K,N)", a measured shape in a row's decode_tokens_per_s
+
+
+def shape_ladder(data: dict, row: dict) -> ShapeLadder | None:
+    """The ``ShapeLadder`` of a profile's batch-1 greedy ``row`` (``runtime/adaptive.py``): the shapes
+    measured there (its ``decode_tokens_per_s`` keys) at >= ``LADDER_MIN_RATE`` of the best and
+    faster than plain decoding, each with the row's prompt-lookup settings, modelled with the
+    profile's ``costs`` and ``acceptance``. None when the profile lacks them
+    (older profiles) or the row measured fewer than two shapes; a warning when they are malformed."""
+    if not isinstance(data.get("costs"), dict) or not isinstance(data.get("acceptance"), dict):
+        return None
+    chosen = _read_spec(row["spec"])
+    lookup = {k: getattr(chosen, k) for k in LOOKUP_FIELDS}
+    shapes = [chosen]
+    rates = row.get("decode_tokens_per_s") or {}
+    measured = [v for k, v in rates.items() if SHAPE_KEY.fullmatch(str(k)) and isinstance(v, (int, float))]
+    if not measured:
+        return None
+    floor = max(rates.get("plain", 0.0), LADDER_MIN_RATE * max(measured))
+    for key, rate in rates.items():
+        m = SHAPE_KEY.fullmatch(str(key))
+        if m and isinstance(rate, (int, float)) and rate >= floor:  # no hopeless shape (the model may misjudge it)
+            d, k, n = map(int, m.groups())
+            try:
+                shapes.append(SpecConfig(d, k, n, **lookup))
+            except (ValueError, TypeError):
+                continue  # a shape this version would not run
+    try:
+        c, a = data["costs"], data["acceptance"]
+        costs = CostModel(
+            [int(n) for n in c["verify_n"]],
+            [float(x) for x in c["verify_s"]],
+            {int(k): float(v) for k, v in c["draft_head_s"].items()},
+            {int(k): float(v) for k, v in c["draft_step_s"].items()},
+            (float(c["commit_s"][0]), float(c["commit_s"][1])),
+            float(c["plain_s"]),
+            float(c.get("overhead_s", 0.0)),
+        )
+        acc = AcceptanceProfile(
+            [[float(x) for x in r] for r in a["p"]],
+            [int(x) for x in a.get("samples") or []],
+            [[float(x) for x in r] for r in a["score"]] if a.get("score") else None,
+        )
+        return ShapeLadder.build(shapes, acc, costs)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        _warn(f"the tuned profile's costs or acceptance are malformed ({e!r}); requests keep its shapes fixed")
+        return None
 
 
 def shape_policy(target: Any, drafter: Any, backend: str, compiled: bool = False) -> ShapePolicy:

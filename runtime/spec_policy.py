@@ -36,6 +36,10 @@ decoding, (1,1,2) 1.12x). A profile tuned with ``--long-prompts`` holds rows mea
 prompts, marked ``"context": T`` (they apply to prompts of at least T tokens; ``contexts`` here:
 one sub-policy per threshold, with its own table and budget). A request takes the bucket of the
 largest threshold at or below its longest prompt; a bucket's rows and rule work as above.
+
+Adaptive shapes: a profile's batch-1 greedy row also carries a ``ShapeLadder`` (``runtime/adaptive.py``):
+the shapes the tuner measured there, among which a request re-chooses between rounds by the
+acceptance it shows (``ShapeChoice.ladder``; the engine decides whether it applies).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .adaptive import ShapeLadder
 from .config import SpecConfig
 
 ROW_BUDGET = {"cpu": 8, "cuda": 64}  # rows a verify forward takes at about one decode step's cost
@@ -57,6 +62,7 @@ class ShapeChoice:
     spec: SpecConfig | None
     source: str  # "caller", "profile", "shipped profile" or "heuristic" (+ " rule" for a row a profile lacks)
     path: str | None = None  # the profile file, when one decided
+    ladder: ShapeLadder | None = None  # shapes the request may switch to by its acceptance (runtime/adaptive.py)
 
 
 def rule_shape(batch_size: int, greedy: bool, budget: int, device_type: str = "cpu") -> SpecConfig | None:
@@ -82,7 +88,8 @@ class ShapePolicy:
     empty); ``budget``: the row budget of the rule for what the table lacks; ``fixed``: the
     caller's shape, which overrides everything; ``contexts``: ``{T: ShapePolicy}``, the policies
     of prompts of at least T tokens (long-context rows; this policy's own table and budget serve
-    shorter prompts)."""
+    shorter prompts); ``ladders``: the measured rows whose requests may re-choose their shape by
+    the acceptance they show (``runtime/adaptive.py``)."""
 
     source: str
     budget: int
@@ -91,6 +98,7 @@ class ShapePolicy:
     fixed: SpecConfig | None = None
     path: str | None = None
     contexts: dict[int, ShapePolicy] = field(default_factory=dict)  # threshold (prompt tokens) -> its policy
+    ladders: dict[tuple[int, str], ShapeLadder] = field(default_factory=dict)  # rows that adapt (runtime/adaptive.py)
 
     @classmethod
     def caller(cls, spec: SpecConfig) -> ShapePolicy:
@@ -114,7 +122,10 @@ class ShapePolicy:
         mode = "greedy" if greedy else "sampled"
         rows = sorted(b for b, m in self.table if m == mode and b <= batch_size)
         if rows and rows[-1] == batch_size:  # measured
-            return ShapeChoice(self.table[batch_size, mode], self.source, self.path)
+            spec, ladder = self.table[batch_size, mode], self.ladders.get((batch_size, mode))
+            if ladder is not None and spec not in ladder.shapes:
+                ladder = None
+            return ShapeChoice(spec, self.source, self.path, ladder)
         source = "heuristic" if self.source == "heuristic" else f"{self.source} rule"
         # a batch the table did not measure: a smaller batch's shape would verify more rows than it was
         # measured at (SmolLM2's batch-1 (3,2,5)+lookup4 ran 0.49-0.77x of plain decoding at batch 4), so
@@ -135,6 +146,7 @@ class ShapePolicy:
         specs = [
             self.choose(b, g, c).spec for b in range(1, max_batch_size + 1) for g in (True, False) for c in contexts
         ]
+        specs += [s for lad in self.ladders.values() for s in lad.shapes]  # shapes a request may switch to
         specs = [s for s in specs if s is not None] or [SpecConfig.chain(1)]
         d = max(s.num_speculative_tokens for s in specs)
         k = max(s.top_k for s in specs)

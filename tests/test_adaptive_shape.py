@@ -1,0 +1,276 @@
+"""Adaptive shapes (runtime/adaptive.py): a batch-1 greedy request re-chooses its draft tree between
+rounds from the acceptance it shows, among the shapes a tuned profile measured; output unchanged."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import asdict
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import tritonspec as ts
+from tritonspec.runtime import adaptive as ad
+from tritonspec.runtime import profiles as prof
+from tritonspec.runtime.adaptive import LAMBDAS, ShapeLadder, scaled
+from tritonspec.runtime.shape_model import AcceptanceProfile, CostModel
+
+from _util import perm_pair, random_prompts, runtime
+
+S = ts.SpecConfig
+BIG, SMALL = S(4, 2, 9), S(2, 1, 3)
+
+
+def costs(verify_per_row: float = 0.1) -> CostModel:
+    """A device where every verified row beyond the first costs ``verify_per_row`` of a plain step."""
+    ns = [1, 2, 4, 8, 16]
+    return CostModel(
+        ns, [1.0 + verify_per_row * (n - 1) for n in ns], {1: 0.05, 2: 0.06}, {1: 0.05, 2: 0.06}, (0.02, 0.0), 1.0
+    )
+
+
+def acceptance(p0: float = 0.7, depth: int = 5) -> AcceptanceProfile:
+    return AcceptanceProfile([[p0, (1 - p0) * 0.4] for _ in range(depth)], [100] * depth)
+
+
+# ------------------------------------------------------------------ the model pieces
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.lists(st.floats(0, 1), min_size=2, max_size=4), min_size=1, max_size=5).filter(
+        lambda rows: len({len(r) for r in rows}) == 1
+    ),
+    st.floats(0.2, 2.0),
+)
+def test_scaled_acceptance_stays_a_probability_and_grows_with_lambda(p, lam):
+    # a measured level: ranks are exclusive events (sum <= 1), the drafter's rank 0 likeliest
+    p = [sorted((x / max(sum(r), 1.0) for x in r), reverse=True) for r in p]
+    acc = AcceptanceProfile(p)
+    lo, hi = scaled(acc, lam), scaled(acc, lam * 1.25)
+    for r_lo, r_hi, r in zip(lo.p, hi.p, p):
+        for k in range(1, len(r) + 1):  # P(one of the first k ranks) = min(lam P(<= k), 1): grows with lam
+            assert abs(sum(r_lo[:k]) - min(lam * sum(r[:k]), 1.0)) < 1e-9
+            assert sum(r_hi[:k]) >= sum(r_lo[:k]) - 1e-12
+        assert all(0.0 <= a <= x * lam + 1e-12 for a, x in zip(r_lo, r))
+    for k in (1, 2):
+        t_lo, t_hi = lo.tokens_per_round(len(p), k), hi.tokens_per_round(len(p), k)
+        assert all(b >= a - 1e-9 for a, b in zip(t_lo, t_hi))
+
+
+def test_ladder_tables_rise_with_lambda_and_favour_deep_trees_at_high_acceptance():
+    lad = ShapeLadder.build([BIG, SMALL, S(1, 1, 2)], acceptance(), costs())
+    assert lad is not None and lad.shapes == (BIG, SMALL, S(1, 1, 2))
+    for row in lad.tau:
+        assert all(b >= a - 1e-12 for a, b in zip(row, row[1:]))  # the residual is monotone in λ
+        assert row[0] >= 1.0
+    assert lad.shapes[lad.best[-1]] == BIG  # accepted deep: the deep tree
+    assert lad.shapes[lad.best[0]] != BIG  # hardly accepted: a small one
+    assert lad.round_s[0] > lad.round_s[1] > lad.round_s[2]
+
+
+def test_ladder_drops_shapes_the_model_cannot_predict():
+    acc = acceptance(depth=3)
+    assert ShapeLadder.build([S(3, 2, 7), S(5, 1, 6)], acc, costs()) is None  # depth 5 > 3 measured: one left
+    assert ShapeLadder.build([S(3, 2, 7), S(3, 4, 9)], acc, costs()) is None  # top-k 4 > 2 ranks measured
+    lad = ShapeLadder.build([S(3, 2, 7), S(2, 1, 3), S(3, 2, 7)], acc, costs())
+    assert lad.shapes == (S(3, 2, 7), S(2, 1, 3))  # duplicates once
+
+
+def feed(tracker, tokens: list[int]) -> list:
+    return [tracker.observe([t]) for t in tokens]
+
+
+def test_tracker_moves_to_the_small_shape_when_little_is_accepted_and_stays_when_much_is():
+    lad = ShapeLadder.build([BIG, SMALL], acceptance(), costs())
+    low = lad.track(BIG)
+    got = feed(low, [1, 1])
+    assert got == [None, None] and low.spec == BIG  # no switch before MIN_ROUNDS
+    got = feed(low, [1, 1, 1])
+    assert SMALL in got and low.spec == SMALL and got.count(SMALL) == 1
+    high = lad.track(BIG)
+    assert feed(high, [5] * 20) == [None] * 20 and high.spec == BIG
+    # and back: a request that starts small but is accepted deep moves to the deep tree
+    up = lad.track(SMALL)
+    assert BIG in feed(up, [3] * 10) and up.spec == BIG
+
+
+def test_tracker_estimate_follows_the_observed_acceptance():
+    lad = ShapeLadder.build([BIG, SMALL], acceptance(), costs())
+    js = []
+    for a in (1, 2, 3, 4):
+        t = lad.track(BIG)
+        t.rounds = -100  # observe only, never switch
+        feed(t, [a] * 12)
+        js.append(t.estimate())
+    assert js == sorted(js) and js[0] < js[-1]  # more accepted, larger λ̂
+    t = lad.track(BIG)
+    j = 20  # rounds exactly as predicted at LAMBDAS[j] give λ̂ = LAMBDAS[j]
+    t.rounds = -100
+    for _ in range(10):
+        t.observe([lad.tau[0][j]])
+    assert abs(t.estimate() - j) <= 1
+
+
+def test_tracker_never_flaps_within_the_margin():
+    # two shapes predicted within MARGIN of each other at every λ: no switch whatever is observed
+    lad = ShapeLadder(
+        (BIG, SMALL),
+        ((2.0,) * len(LAMBDAS), (2.0,) * len(LAMBDAS)),
+        (1.0, 1.0 / (1 + ad.MARGIN / 2)),
+        (1,) * len(LAMBDAS),
+    )
+    t = lad.track(BIG)
+    assert feed(t, [1, 5, 1, 5, 2, 3] * 3) == [None] * 18
+
+
+# ------------------------------------------------------------------ profiles
+def _row(spec: S, rates: dict[str, float], **kw) -> dict:
+    return {"batch_size": 1, "sampling": "greedy", "spec": prof._spec_fields(spec), "decode_tokens_per_s": rates, **kw}
+
+
+def _data(rows: list[dict], with_model: bool = True) -> dict:
+    d = {"kind": prof.KIND, "spec": prof._spec_fields(BIG), "shapes": rows}
+    if with_model:
+        d |= {"costs": asdict(costs()), "acceptance": asdict(acceptance())}
+    return d
+
+
+def test_a_profile_row_carries_its_measured_shapes_with_its_lookup():
+    chosen = S(4, 2, 9, prompt_lookup_num_tokens=4)
+    rates = {"plain": 10.0, "(4,2,9)": 20.0, "(2,1,3)": 18.0, "(1,1,2)": 13.0, "(5,1,6)": 9.0, "bogus": 30.0}
+    policy = prof.policy_from_profile(_data([_row(chosen, rates), _row(SMALL, rates, context=50)]), "profile", "cpu")
+    c = policy.choose(1, True)
+    assert c.spec == chosen and c.ladder is not None
+    # >= 0.7 x the best and faster than plain: (1,1,2) at 0.65x and (5,1,6) below plain are left out
+    assert [s.label for s in c.ladder.shapes] == ["(4,2,9)+lookup4", "(2,1,3)+lookup4"]
+    assert policy.choose(1, True, context=60).ladder is None  # long-context rows keep their shape
+    assert policy.choose(1, False).ladder is None and policy.choose(4, True).ladder is None
+    assert policy.largest(4).num_draft_tokens >= 9  # the caches fit every ladder shape
+
+
+def test_older_or_broken_profiles_keep_their_shape_fixed():
+    rates = {"plain": 10.0, "(4,2,9)": 20.0, "(2,1,3)": 18.0}
+    old = prof.policy_from_profile(_data([_row(BIG, rates)], with_model=False), "profile", "cpu")
+    assert old.choose(1, True).spec == BIG and old.choose(1, True).ladder is None
+    broken = _data([_row(BIG, rates)])
+    broken["costs"] = dict(broken["costs"], verify_s="fast")
+    with pytest.warns(Warning, match="costs or acceptance are malformed"):
+        p = prof.policy_from_profile(broken, "profile", "cpu")
+    assert p.choose(1, True).spec == BIG and p.choose(1, True).ladder is None
+
+
+# ------------------------------------------------------------------ end to end
+@pytest.fixture
+def pair_with_profile(tuned_dir):
+    """perm_pair with a user profile whose batch-1 greedy row measured BIG (chosen) and SMALL."""
+    model, drafter = perm_pair("llama", vocab=24, seed=3, alpha=0.3)
+    rt0 = runtime(model, drafter)
+    key = dict(
+        target=prof.target_fingerprint(rt0.target),
+        drafter=prof.drafter_fingerprint(drafter),
+        device=prof.device_key("cpu"),
+        dtype="float32",
+        backend="torch",
+    )
+    row = {"batch_size": 1, "sampling": "greedy", "spec": BIG, "decode_tokens_per_s": {"(4,2,9)": 2.0, "(2,1,3)": 1.9}}
+    prof.write_profile(
+        tuned_dir,
+        key,
+        BIG,
+        predicted={},
+        measured_with={},
+        costs=asdict(costs()),
+        acceptance=asdict(acceptance()),
+        checks=[],
+        shapes=[row],
+    )
+    return model, drafter
+
+
+def forced(rt, to: S) -> None:
+    """Replace the runtime's batch-1 greedy ladder by one that always prefers ``to`` (2x its rate)."""
+    start = rt.shape_policy.choose(1, True).spec
+    n = len(LAMBDAS)
+    rt.shape_policy.ladders[1, "greedy"] = ShapeLadder((start, to), ((2.0,) * n, (2.0,) * n), (1.0, 0.5), (1,) * n)
+
+
+def test_a_request_switches_shape_and_keeps_the_targets_tokens(pair_with_profile):
+    model, drafter = pair_with_profile
+    rt = runtime(model, drafter, max_batch_size=2)
+    assert rt.shape_policy.source == "profile" and rt.shape_policy.choose(1, True).ladder is not None
+    prompt = random_prompts(24, [6], seed=4)
+    plain = rt.generate(prompt, max_new_tokens=30, speculative=False).token_ids
+    forced(rt, SMALL)
+    out = rt.generate(prompt, max_new_tokens=30)
+    s = out.stats
+    assert out.token_ids == plain
+    assert s.shape_switches == 1 and s.spec == BIG  # stats.spec: the shape it started with
+    assert s.rounds_per_shape[BIG.label] == ad.MIN_ROUNDS and s.rounds_per_shape[SMALL.label] >= 1
+    assert sum(s.rounds_per_shape.values()) == s.num_drafts
+    assert len(s.accepted_per_position) == BIG.tree_depth
+    # the inverse: adaptive_shape=False, sampling, or two rows keep the shape
+    fixed = runtime(model, drafter, max_batch_size=2, adaptive_shape=False)
+    forced(fixed, SMALL)
+    f = fixed.generate(prompt, max_new_tokens=30)
+    assert f.token_ids == plain and f.stats.shape_switches == 0 and list(f.stats.rounds_per_shape) == [BIG.label]
+    sampled = rt.generate(prompt, max_new_tokens=30, temperature=1.0, seed=3)
+    assert sampled.stats.shape_switches == 0
+    two = rt.generate(prompt * 2, max_new_tokens=12)
+    assert two.stats.shape_switches == 0
+
+
+def test_each_request_of_a_one_row_queue_starts_from_the_profile_shape(pair_with_profile):
+    model, drafter = pair_with_profile
+    rt = runtime(model, drafter, max_batch_size=1)
+    prompts = random_prompts(24, [5, 7, 4], seed=6)
+    plain = rt.generate(prompts, max_new_tokens=16, speculative=False).token_ids
+    forced(rt, SMALL)
+    out = rt.generate(prompts, max_new_tokens=16)
+    assert out.token_ids == plain
+    assert out.stats.shape_switches == 3  # one per request: the tracker restarts on each admitted prompt
+    assert out.stats.rounds_per_shape[BIG.label] == 3 * ad.MIN_ROUNDS
+
+
+def test_a_ladder_shape_larger_than_the_caches_is_fitted_before_the_prefill(pair_with_profile):
+    model, drafter = pair_with_profile
+    rt = runtime(model, drafter, max_batch_size=1)
+    prompt = random_prompts(24, [6], seed=5)
+    plain = rt.generate(prompt, max_new_tokens=30, speculative=False).token_ids
+    deep = S(7, 2, 15, prompt_lookup_num_tokens=8)  # deeper and wider than anything the policy picked
+    forced(rt, deep)
+    out = rt.generate(prompt, max_new_tokens=30)
+    assert out.token_ids == plain and out.stats.rounds_per_shape.get(deep.label, 0) >= 1
+    assert len(out.stats.accepted_per_position) == deep.tree_depth
+
+
+def test_cli_flag_turns_it_off_and_the_stats_line_lists_the_shapes(capsys, monkeypatch):
+    from tritonspec.cli import main
+    from tritonspec.runtime.spec_policy import ShapePolicy
+
+    real = ts.SpeculativeRuntime.from_pretrained
+    built = []
+
+    def with_ladder(*a, **kw):  # the demo pair under a profile policy whose ladder always prefers SMALL
+        rt = real(*a, **kw)
+        rt._policy = ShapePolicy("profile", BIG.num_draft_tokens, table={(1, "greedy"): BIG})
+        forced(rt, SMALL)
+        built.append(rt)
+        return rt
+
+    monkeypatch.setattr(ts.SpeculativeRuntime, "from_pretrained", with_ladder)
+    args = ["generate", "def f(x):", "--target", "demo", "--max-new-tokens", "24"]
+    assert main(args) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert f"shapes={BIG.label}:{ad.MIN_ROUNDS},{SMALL.label}:" in line and built[-1].adaptive_shape is True
+    assert main([*args, "--no-adaptive-shape"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert "shapes=" not in line and built[-1].adaptive_shape is False
+
+
+def test_adaptive_shape_must_be_a_bool():
+    model, drafter = perm_pair("llama", vocab=24, seed=3)
+    with pytest.raises(ts.UserError, match="adaptive_shape"):
+        runtime(model, drafter, adaptive_shape="yes")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert runtime(model, drafter, adaptive_shape=False).adaptive_shape is False
