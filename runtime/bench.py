@@ -59,6 +59,8 @@ class BenchResult:
     note: str = ""
     compiled: bool = False  # our runtime with compiled rounds (compile time not in wall_time_s)
     compile_s: float = 0.0  # the untimed pass that compiled this configuration's rounds (and generated)
+    shape_switches: int = 0  # adaptive shapes (runtime/adaptive.py): shape changes summed over the requests
+    rounds_per_shape: dict[str, int] = field(default_factory=dict)  # rounds run with each shape, summed
     # generated ids per prompt, in prompt order (not in ``info()``: its digests are, ``token_sha256``)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -156,11 +158,33 @@ class Bench:
                 compile=compile,
             )
         self.compile = compile
+        self._drafter_dirs = dict(drafters)
+        self._runtime_args = dict(spec=spec, max_batch_size=4, max_seq_len=max_seq_len, compile=compile)
         self.hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=self.dtype).to(device).eval()
         self.assisted_unavailable = assisted_unavailable
         self.draft_lm = None
         if draft_lm_dir is not None and (Path(draft_lm_dir) / "config.json").exists():
             self.draft_lm = AutoModelForCausalLM.from_pretrained(str(draft_lm_dir), dtype=self.dtype).to(device).eval()
+
+    def add_fixed_shape(self, system: str) -> str:
+        """Add ``<system>-fixed``: ``system``'s drafter (loaded again from its directory, as ``system``'s
+        was) with ``adaptive_shape=False``, every request keeping the shape it starts with, on the
+        same target; returns its name, a system ``run_interleaved`` accepts (adaptive vs fixed side
+        by side, ``perf/bench_adaptive.py``)."""
+        from .drafter import Eagle3Drafter
+        from .engine import SpeculativeRuntime
+
+        if not system.startswith("ours-eagle") or system not in self.runtimes:
+            raise UserError(
+                f"add_fixed_shape takes one of our speculative systems {list(self.runtimes)[1:]}, not {system!r}"
+            )
+        name = f"{system}-fixed"
+        base = self.runtimes[system]
+        d = Eagle3Drafter.from_pretrained(self._drafter_dirs[system[len("ours-") :]], loaded_by_runtime=True)
+        self.runtimes[name] = SpeculativeRuntime(
+            base.target, d, self.tokenizer, adaptive_shape=False, **self._runtime_args
+        )
+        return name
 
     def available(self, system: str, batch: int) -> str | None:
         """None when the system can run this configuration, else the reason it cannot."""
@@ -218,7 +242,7 @@ class Bench:
             if v < 1:
                 raise UserError(f"{name}={v} must be >= 1")
         for system in systems:
-            if system not in SYSTEMS:
+            if system not in SYSTEMS and system not in self.runtimes:  # or a variant added (add_fixed_shape)
                 raise UserError(f"unknown system {system!r}; choose from {', '.join(SYSTEMS)}")
             why = self.available(system, batch)
             if why:
@@ -270,7 +294,8 @@ class _Runner:
         self.bench, self.system = bench, system
         self.temperature, self.max_new_tokens, self.seed = temperature, max_new_tokens, seed
         self.wall = self.compile_s = 0.0
-        self.tokens = self.drafts = self.accepted = 0
+        self.tokens = self.drafts = self.accepted = self.switches = 0
+        self.shapes: dict[str, int] = {}
         self.outs: list[list[int]] = []
         self.per_pos = torch.zeros(0)  # grows to the deepest shape the requests ran (it may differ per chunk)
 
@@ -304,6 +329,8 @@ class _Runner:
             accepted_per_position=(self.per_pos / max(self.drafts, 1)).tolist() if spec else [],
             compiled=self.system.startswith("ours-") and self.bench.compile is True,
             compile_s=self.compile_s,
+            shape_switches=self.switches,
+            rounds_per_shape=dict(self.shapes),
             token_ids=self.outs,
         )
 
@@ -335,6 +362,9 @@ class _OursRunner(_Runner):
         self.tokens += s.num_new_tokens
         self.drafts += s.num_drafts
         self.accepted += s.num_accepted_tokens
+        self.switches += s.shape_switches
+        for k, v in s.rounds_per_shape.items():
+            self.shapes[k] = self.shapes.get(k, 0) + v
         if self.speculative:
             a = torch.tensor(s.accepted_per_position, dtype=torch.float32)
             self.per_pos = torch.nn.functional.pad(self.per_pos, (0, max(len(a) - len(self.per_pos), 0)))

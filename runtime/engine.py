@@ -166,7 +166,8 @@ class SpeculativeRuntime:
 
     @property
     def spec(self) -> SpecConfig:
-        """The draft-tree shape of the last request (before any: the batch-1 greedy choice).
+        """The draft-tree shape of the last request, the one it started with (before any: the batch-1
+        greedy choice; an adaptive request's switches are in its ``stats.rounds_per_shape``).
         Setting it pins every request to that shape (as passing ``spec=`` does)."""
         return self.decoder.spec
 
@@ -609,45 +610,49 @@ class SpeculativeRuntime:
             first = dec.first_tokens()
         self._emit(dec, requests, slot_req, [[t] for t in first])
         yield requests
-        while True:
-            free = (
-                [b for b in range(self.max_batch_size) if b >= len(dec.running) or not dec.running[b]]
-                if waiting
-                else []
-            )
-            if free:  # refill finished rows, lowest first (keeps the round's rows few)
-                for b in free[: len(waiting)]:
-                    r = waiting.pop()
-                    if tracker is not None:  # a new request: its own acceptance, from the row's shape
-                        tracker = ladder.track(choice.spec)
-                        dec.spec = choice.spec
-                    with torch.inference_mode(), self._pinned():
-                        tok = dec.admit(b, batch[r], seeds[r], timings=stats.time_split_s)
-                    slot_req += [None] * (b + 1 - len(slot_req))
-                    slot_req[b] = r
-                    stats.rows_refilled += 1
-                    self._emit(dec, requests, slot_req, [[tok] if i == b else [] for i in range(len(slot_req))])
+        try:
+            while True:
+                free = (
+                    [b for b in range(self.max_batch_size) if b >= len(dec.running) or not dec.running[b]]
+                    if waiting
+                    else []
+                )
+                if free:  # refill finished rows, lowest first (keeps the round's rows few)
+                    for b in free[: len(waiting)]:
+                        r = waiting.pop()
+                        if tracker is not None:  # a new request: its own acceptance, from the row's shape
+                            tracker = ladder.track(choice.spec)
+                            dec.spec = choice.spec
+                        with torch.inference_mode(), self._pinned():
+                            tok = dec.admit(b, batch[r], seeds[r], timings=stats.time_split_s)
+                        slot_req += [None] * (b + 1 - len(slot_req))
+                        slot_req[b] = r
+                        stats.rows_refilled += 1
+                        self._emit(dec, requests, slot_req, [[tok] if i == b else [] for i in range(len(slot_req))])
+                    yield requests
+                if not any(dec.running):
+                    if waiting:
+                        continue  # every newcomer stopped at its first token: admit the next ones
+                    break
+                if not waiting:
+                    stats.rows_moved += self._compact(dec, slot_req)
+                live = max(b for b, a in enumerate(dec.running) if a) + 1
+                if self._rows(live) != dec.rows:  # finished rows at the end shrink the round; newcomers widen it
+                    dec.narrow(self._rows(live))
+                with torch.inference_mode(), self._pinned():
+                    self._dispatch_round(stats)
+                    new = dec.collect()
+                if use_draft:
+                    stats.count_round([len(t) - 1 for t in new if t], dec.take_draft_nodes())
+                    stats.count_shape(dec.spec)
+                    if tracker is not None and (nxt := tracker.observe([len(t) for t in new if t])) is not None:
+                        dec.spec = nxt  # the next round drafts and verifies this shape (runtime/adaptive.py)
+                        stats.shape_switches += 1
+                self._emit(dec, requests, slot_req, new)
                 yield requests
-            if not any(dec.running):
-                if waiting:
-                    continue  # every newcomer stopped at its first token: admit the next ones
-                break
-            if not waiting:
-                stats.rows_moved += self._compact(dec, slot_req)
-            live = max(b for b, a in enumerate(dec.running) if a) + 1
-            if self._rows(live) != dec.rows:  # finished rows at the end shrink the round; newcomers widen it
-                dec.narrow(self._rows(live))
-            with torch.inference_mode(), self._pinned():
-                self._dispatch_round(stats)
-                new = dec.collect()
-            if use_draft:
-                stats.count_round([len(t) - 1 for t in new if t], dec.take_draft_nodes())
-                stats.count_shape(dec.spec)
-                if tracker is not None and (nxt := tracker.observe([len(t) for t in new if t])) is not None:
-                    dec.spec = nxt  # the next round drafts and verifies this shape (runtime/adaptive.py)
-                    stats.shape_switches += 1
-            self._emit(dec, requests, slot_req, new)
-            yield requests
+        finally:  # rt.spec: the shape the request started with, whatever it switched to
+            if tracker is not None:
+                dec.spec = choice.spec
         stats.wall_time_s = time.perf_counter() - t0
         stats.num_new_tokens = sum(len(o) for o in requests.outs)
         texts = None

@@ -208,6 +208,7 @@ def test_a_request_switches_shape_and_keeps_the_targets_tokens(pair_with_profile
     assert s.rounds_per_shape[BIG.label] == ad.MIN_ROUNDS and s.rounds_per_shape[SMALL.label] >= 1
     assert sum(s.rounds_per_shape.values()) == s.num_drafts
     assert len(s.accepted_per_position) == BIG.tree_depth
+    assert rt.spec == BIG  # the shape the request started with, not the one it ended on
     # the inverse: adaptive_shape=False, sampling, or two rows keep the shape
     fixed = runtime(model, drafter, max_batch_size=2, adaptive_shape=False)
     forced(fixed, SMALL)

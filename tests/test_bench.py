@@ -92,3 +92,34 @@ def test_interleaved_bad_input_names_the_problem(bench):
         bench.run_interleaved(SYSTEMS, [], "s")
     with pytest.raises(ValueError, match="hf-prompt-lookup at batch 2"):
         bench.run_interleaved(["ours-plain", "hf-prompt-lookup"], PROMPTS, "s", batch=2)
+
+
+def test_a_fixed_shape_variant_runs_beside_the_adaptive_system(bench):
+    """``add_fixed_shape`` adds ``<system>-fixed`` (adaptive_shape=False, the same drafter loaded again):
+    a system run_interleaved accepts, with the same tokens; a forced ladder makes only the adaptive
+    one switch, and the results count its switches and rounds per shape."""
+    from tritonspec.runtime.adaptive import LAMBDAS, ShapeLadder
+    from tritonspec.runtime.config import SpecConfig
+    from tritonspec.runtime.spec_policy import ShapePolicy
+
+    name = bench.add_fixed_shape("ours-eagle3.1")
+    assert name == "ours-eagle3.1-fixed" and bench.runtimes[name].adaptive_shape is False
+    assert bench.runtimes["ours-eagle3.1"].adaptive_shape is True
+    big, small, n = SpecConfig(3, 2, 7), SpecConfig.chain(1), len(LAMBDAS)
+    saved = bench.runtimes["ours-eagle3.1"]._policy
+    for s in ("ours-eagle3.1", name):  # a profile-like policy whose ladder always prefers `small`
+        policy = ShapePolicy("profile", 7, table={(1, "greedy"): big})
+        policy.ladders[1, "greedy"] = ShapeLadder((big, small), ((2.0,) * n, (2.0,) * n), (1.0, 0.5), (1,) * n)
+        bench.runtimes[s]._policy = policy
+    try:
+        res = bench.run_interleaved(["ours-plain", name, "ours-eagle3.1"], PROMPTS, "s", 0.0, 1, 12)
+    finally:  # the module's bench serves other tests
+        bench.runtimes["ours-eagle3.1"]._policy = saved
+        del bench.runtimes[name]
+    assert res[name].token_ids == res["ours-eagle3.1"].token_ids == res["ours-plain"].token_ids
+    assert res[name].shape_switches == 0 and list(res[name].rounds_per_shape) == [big.label]
+    assert res["ours-eagle3.1"].shape_switches == len(PROMPTS)
+    assert set(res["ours-eagle3.1"].rounds_per_shape) == {big.label, small.label}
+    assert res["ours-eagle3.1"].info()["rounds_per_shape"] == res["ours-eagle3.1"].rounds_per_shape
+    with pytest.raises(UserError, match="add_fixed_shape takes one of our speculative systems"):
+        bench.add_fixed_shape("hf-greedy")
