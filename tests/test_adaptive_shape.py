@@ -275,3 +275,32 @@ def test_adaptive_shape_must_be_a_bool():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert runtime(model, drafter, adaptive_shape=False).adaptive_shape is False
+
+
+def test_observed_decoding_keeps_its_shape(pair_with_profile):
+    """A drift observer records one shape's depths: its requests never switch (the inverse of the
+    forced switch above, on the same runtime)."""
+    from tritonspec.runtime.drift import DriftRecorder
+
+    model, drafter = pair_with_profile
+    rt = runtime(model, drafter, max_batch_size=1)
+    prompt = random_prompts(24, [6], seed=4)
+    forced(rt, SMALL)
+    with rt.observe(DriftRecorder(BIG.tree_depth)):
+        seen = rt.generate(prompt, max_new_tokens=20)
+    assert seen.stats.shape_switches == 0 and list(seen.stats.rounds_per_shape) == [BIG.label]
+    assert rt.generate(prompt, max_new_tokens=20).stats.shape_switches == 1
+
+
+def test_compiled_rounds_keep_their_shape(pair_with_profile):
+    """A compiled round is one artefact per shape: such runtimes never adapt (checked without compiling)."""
+    from tritonspec.runtime.sampling import SamplingParams
+
+    model, drafter = pair_with_profile
+    greedy = SamplingParams()
+    assert runtime(model, drafter, max_batch_size=1)._adapts(greedy, 1)
+    compiled = runtime(model, drafter, max_batch_size=1, compile=True)
+    assert compiled.compiled and not compiled._adapts(greedy, 1)
+    assert not runtime(model, drafter, max_batch_size=1, adaptive_shape=False)._adapts(greedy, 1)
+    assert not runtime(model, drafter, max_batch_size=2)._adapts(greedy, 2)
+    assert not runtime(model, drafter, max_batch_size=1)._adapts(SamplingParams(temperature=1.0), 1)
