@@ -27,7 +27,8 @@ import torch
 from ..runtime.bench import device_sync
 from ..runtime.config import SpecConfig
 from ..runtime.decode import Decoder, DraftTree
-from .tree_model import AcceptanceProfile, CostModel, _monotone
+from ..runtime.shape_model import AcceptanceProfile, CostModel
+from .tree_model import _monotone
 
 VERIFY_NS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 

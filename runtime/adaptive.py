@@ -13,15 +13,21 @@ model (``autotune/tree_model.py``) and the profile's measured pieces (``runtime/
     p_λ(d, r)   = λ p(d, r) (capped so a level's siblings sum to <= 1): the profile's acceptance,
                   scaled by one factor λ that says how well this request accepts the drafter
     τ(s, λ)     = expected tokens per round of shape s under p_λ (the tuner's EAGLE-2 tree model)
-    cost(s)     = draft + verify(N + lookup) + commit + other, in seconds (the profile's costs)
+    cost(s)     = τ(s, 1) / (the decode tokens/s the tuner measured for s): the measured round
+                  time, so that at λ = 1 the ladder ranks shapes as the tuner's measurements did
+                  (the model's own draft + verify + commit + other where a shape was not measured)
     λ̂           = the λ at which the rounds run so far, weighted by decay ** age, would have been
-                  predicted: sum w_i (τ(s_i, λ̂) - a_i) = 0 (a_i = tokens round i emitted, s_i its shape)
+                  predicted: sum w_i (τ(s_i, λ̂) - a_i) = 0 (a_i = 1 + the drafter nodes round i
+                  accepted, s_i its shape)
     next shape  = argmax over the candidates of τ(s, λ̂) / cost(s), once ``min_rounds`` rounds are
                   seen, and only when it beats the current shape by ``margin`` (no flapping)
 
 The candidates are the shapes the tuner measured for that row (its ``decode_tokens_per_s``
-table), each with the row's prompt-lookup settings. A lookup branch's matches count in a_i and
-so in λ̂ (the model has no term for them; every candidate carries the same branch).
+table) at >= ``profiles.LADDER_MIN_RATE`` of the row's best and faster than plain decoding, each
+with the row's prompt-lookup settings. The model has no term for the lookup branch (every
+candidate carries the same one), so a_i counts the drafter's tree only (``Decoder.commit``
+records it when ``track_drafted`` is set), and a round whose accepted path ran on along the
+lookup branch past the tree is left out (what the tree alone would have accepted is unknown).
 
 Where it runs: a batch-1 greedy request whose shape came from a tuned profile with measured
 ``costs`` and ``acceptance`` (the profile's short-context row: long-context rows and larger
@@ -31,11 +37,13 @@ switching never changes tokens. ``SpeculativeRuntime(adaptive_shape=False)`` or 
 ``--no-adaptive-shape`` turns it off; ``SpecStats.shape_switches`` and ``rounds_per_shape`` say
 what it did.
 
-Pure arithmetic on host integers: one call per round, a few microseconds, no device reads.
+Per round: a few host integer operations here, and in ``commit`` four tiny tensor ops whose
+result the round's one sync (``collect``) reads with the emitted tokens.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -52,7 +60,8 @@ def scaled(acc: AcceptanceProfile, lam: float) -> AcceptanceProfile:
     """``acc`` with every acceptance probability times ``lam``, capped in rank order so that a level's
     ranks stay exclusive events: ``p'(d, r) = min(lam p(d, r), 1 - sum_{r' < r} p'(d, r'))``, i.e. the
     chance that one of the first r ranks is accepted is ``min(lam P(d, <= r), 1)``, which grows with
-    ``lam`` (the drafter's scores, which order the tree, are unchanged)."""
+    ``lam``. The drafter's scores, which order the tree, are kept (a profile without scores orders
+    it by the scaled p)."""
     p = []
     for row in acc.p:
         out, total = [], 0.0
@@ -77,15 +86,34 @@ class ShapeLadder:
     best: tuple[int, ...]
 
     @classmethod
-    def build(cls, shapes: Sequence[SpecConfig], acc: AcceptanceProfile, costs: CostModel) -> ShapeLadder | None:
+    def build(
+        cls,
+        shapes: Sequence[SpecConfig],
+        acc: AcceptanceProfile,
+        costs: CostModel,
+        measured: Sequence[float | None] | None = None,
+    ) -> ShapeLadder | None:
         """The ladder of ``shapes`` the model can predict (depth and top-k within the profile's
-        measured ones, at least the root plus one node); None when fewer than two remain."""
-        ok = []
-        for s in shapes:
+        measured ones, at least the root plus one node); None when fewer than two remain.
+
+        ``measured[i]``: decode tokens/s the tuner measured for ``shapes[i]`` without its lookup
+        branch, on the prompts ``acc`` was measured on (None: not measured). It calibrates the
+        shape's round time to ``τ(s, 1) / measured`` (the model's τ at the profile's own acceptance
+        over the measured rate), so that at λ = 1 the ladder ranks shapes as the measurements did:
+        the model alone misjudges some shapes' cost (on the demo pair's EAGLE-3 avx512 profile it
+        put (8,1,9) 16 % ahead of the tuned (3,1,4), measured 14 % behind). The lookup branch,
+        the same on every candidate, is left out of both sides: its rows are verified only when
+        it matched (eager CPU rounds cut the padding), and its tokens are not in a_i."""
+        measured = list(measured) if measured is not None else [None] * len(shapes)
+        if len(measured) != len(shapes):
+            raise ValueError(f"{len(measured)} measured rates for {len(shapes)} shapes")
+        ok, rates = [], []
+        for s, m in zip(shapes, measured):
             D, K, N = s.num_speculative_tokens, s.top_k, s.num_draft_tokens
             fits = D <= acc.max_depth and K <= acc.max_rank and K in costs.draft_head_s and K in costs.draft_step_s
             if fits and N >= 2 and s not in ok and N <= len(acc.tokens_per_round(D, K)):
                 ok.append(s)
+                rates.append(m if m is not None and m > 0 else None)
         if len(ok) < 2:
             return None
         tables = [scaled(acc, lam) for lam in LAMBDAS]
@@ -93,11 +121,14 @@ class ShapeLadder:
             tuple(t.tokens_per_round(s.num_speculative_tokens, s.top_k)[s.num_draft_tokens - 1] for t in tables)
             for s in ok
         )
-        round_s = tuple(
-            costs.round(s.num_speculative_tokens, s.top_k, s.verify_tokens) for s in ok
-        )  # the lookup branch's rows are verified too
+        round_s = []
+        for s, m in zip(ok, rates):
+            D, K, N = s.num_speculative_tokens, s.top_k, s.num_draft_tokens
+            round_s.append(acc.tokens_per_round(D, K)[N - 1] / m if m is not None else costs.round(D, K, N))
+        if not all(r > 0 and math.isfinite(r) for r in round_s):
+            raise ValueError(f"round times must be positive, got {round_s}")
         best = tuple(max(range(len(ok)), key=lambda i: tau[i][j] / round_s[i]) for j in range(len(LAMBDAS)))
-        return cls(tuple(ok), tau, round_s, best)
+        return cls(tuple(ok), tau, tuple(round_s), best)
 
     def track(self, start: SpecConfig) -> ShapeTracker:
         """A per-request tracker that starts on ``start`` (which must be one of ``shapes``)."""
@@ -126,8 +157,9 @@ class ShapeTracker:
         return len(LAMBDAS) - 1
 
     def observe(self, tokens: Sequence[int]) -> SpecConfig | None:
-        """Feed one round: ``tokens``, the tokens each live row emitted (accepted + 1). Returns the
-        shape to run next when it changes, else None."""
+        """Feed one round: ``tokens``, per live row 1 + the drafter nodes it accepted (empty: the round
+        says nothing, e.g. the lookup branch went further). Returns the shape to run next when it
+        changes, else None."""
         if not tokens:
             return None
         a = sum(tokens) / len(tokens)

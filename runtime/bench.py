@@ -174,9 +174,10 @@ class Bench:
         from .drafter import Eagle3Drafter
         from .engine import SpeculativeRuntime
 
-        if not system.startswith("ours-eagle") or system not in self.runtimes:
+        if system[len("ours-") :] not in self._drafter_dirs or system not in self.runtimes:
             raise UserError(
-                f"add_fixed_shape takes one of our speculative systems {list(self.runtimes)[1:]}, not {system!r}"
+                f"add_fixed_shape takes one of our speculative systems "
+                f"{[f'ours-{n}' for n in self._drafter_dirs]}, not {system!r}"
             )
         name = f"{system}-fixed"
         base = self.runtimes[system]

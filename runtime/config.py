@@ -143,13 +143,13 @@ class SpecStats:
     num_new_tokens: int = 0
     wall_time_s: float = 0.0
     time_split_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))  # + "graph":
-    spec: SpecConfig | None = None  # the shape the request ran (None: plain decoding)
+    spec: SpecConfig | None = None  # the shape the request started with (None: plain decoding; adaptive: below)
     spec_source: str = ""  # why: "caller", "profile", "shipped profile", "heuristic", "speculative=False", ...
     #                                                     rounds replayed as CUDA graphs (eager rounds split by phase)
     rows_refilled: int = 0  # continuous batching: prompts admitted into a finished row mid-run
     rows_moved: int = 0  # rows moved down into finished ones once no prompt waits (the round narrows)
     shape_switches: int = 0  # adaptive shapes (runtime/adaptive.py): times a request changed its shape
-    rounds_per_shape: dict[str, int] = field(default_factory=dict)  # "(D,K,N)+lookupL" -> rounds run with it
+    rounds_per_shape: dict[str, int] = field(default_factory=dict)  # "(D,K,N)+lookupL" -> rounds (not rows x rounds)
 
     def count_shape(self, spec: SpecConfig) -> None:
         """Count one round run with ``spec``."""

@@ -119,7 +119,7 @@ class DecodeBuffers:
         self.active = torch.zeros(max_batch, dtype=torch.bool, device=device)  # [Bmax]
         self.key = torch.zeros(max_batch, **i64)  # [Bmax] random key per request (sampling.RowRandom)
         self.counter = torch.zeros(max_batch, **i64)  # [Bmax] rounds drawn per request
-        self.out = torch.zeros(max_batch, width, **i64)  # [Bmax, D+2] emitted tokens, then their count
+        self.out = torch.zeros(max_batch, width, **i64)  # [Bmax, D+3] emitted tokens, their count; last: drafted
         self.hist = torch.zeros(max_batch, history, **i64)  # [Bmax, S] token at each position, root at L
         h = (max_batch, hidden) if hidden else (max_batch, 0)
         self.hn = torch.zeros(h, device=device, dtype=dtype)  # [Bmax, H] drafter normed hidden at L-1
@@ -188,6 +188,8 @@ class Decoder:
         self._kv_cap: int | None = None  # attention bound of a whole-cache round (``round(kv_cap=)``)
         self._cut_nodes: int | None = None  # draft nodes of the last eager CPU round that cut its lookup padding
         self.top1_chains = True  # a top-1 tree keeping every candidate is drafted as a chain (``draft``)
+        self.track_drafted = False  # commit records each row's accepted drafter nodes (adaptive shapes)
+        self.drafted: list[int] = []  # per row, by collect when tracked: accepted drafter nodes, -1: lookup's path
 
     def _fit(self, spec: SpecConfig) -> None:
         """Grow the caches (never shrink) so that ``spec`` fits: the target's ``max_seq_len + N``
@@ -217,7 +219,7 @@ class Decoder:
         hidden = self.drafter.config.hidden_size if self.drafter is not None else None
         depth = self._max_depth
         history = self.max_seq_len + depth + 2  # a round's last emitted token lands at most at max_seq_len + depth + 1
-        return DecodeBuffers(self.max_batch_size, hidden, depth + 2, history, self.device, self.target.dtype)
+        return DecodeBuffers(self.max_batch_size, hidden, depth + 3, history, self.device, self.target.dtype)
 
     # ================================================================== state
     def narrow(self, rows: int) -> None:
@@ -226,7 +228,7 @@ class Decoder:
         self.rows = rows
         self.L, self.root, self.active = b.L[:rows], b.root[:rows], b.active[:rows]  # [rows]
         self.hn, self.carry = b.hn[:rows], b.carry[:rows]  # [rows, H]
-        self.out = b.out[:rows]  # [rows, D+2]
+        self.out = b.out[:rows]  # [rows, D+3]
         if self.rng is not None:
             self.rng.key, self.rng.counter = b.key[:rows], b.counter[:rows]
 
@@ -235,7 +237,9 @@ class Decoder:
         advances the host lengths by as many tokens. A row whose target hidden states were not
         finite (``commit`` wrote count -1) raises a ``UserError``."""
         width = self.emitted_width
-        em = self.out[:, :width].tolist()
+        em = (self.out if self.track_drafted else self.out[:, :width]).tolist()
+        if self.track_drafted:  # the drafter tree's share of each row's accepted path (commit)
+            self.drafted = [row[-1] for row in em]
         bad = [b for b, (row, run) in enumerate(zip(em, self.running)) if run and row[width - 1] < 0]
         if bad:
             raise not_finite(bad, "decoding", self.target.dtype)
@@ -354,7 +358,7 @@ class Decoder:
         with torch.inference_mode(False):
             # runtimes may share the target, whose cache only grows, and the spec may have grown: fit both
             self._fit(self.spec)
-            if self.bufs.out.shape[1] < self._max_depth + 2:  # the tree depth grew since construction (autotune, fit)
+            if self.bufs.out.shape[1] < self._max_depth + 3:  # the tree depth grew since construction (autotune, fit)
                 self.bufs = self._new_buffers()  # sized by _fit's depth
         B = len(batch)
         rows = B if rows is None else rows
@@ -816,6 +820,11 @@ class Decoder:
         self.out[:, :w].copy_(v.emitted)
         w = max(w, self.emitted_width - 1)  # the count's column (a sampled chain may be shallower than the lookup)
         self.out[:, w].copy_(v.num if v.finite is None else torch.where(v.finite, v.num, -1))  # -1: not finite
+        if self.track_drafted and self.speculative:  # adaptive shapes (runtime/adaptive.py) read it in collect
+            n_tree = self.spec.num_draft_tokens  # nodes past it: the prompt-lookup branch (_graft_lookup)
+            last = v.nodes.gather(1, v.num[:, None])[:, 0]  # [B] the deepest accepted node
+            in_tree = ((v.nodes > 0) & (v.nodes < n_tree)).sum(1)  # [B] accepted drafter nodes
+            self.out[:, -1].copy_(torch.where(last < n_tree, in_tree, -1))  # -1: the lookup branch went further
         _add_time(timings, "commit", t0)
 
     # ================================================================== round

@@ -167,7 +167,8 @@ class SpeculativeRuntime:
     @property
     def spec(self) -> SpecConfig:
         """The draft-tree shape of the last request, the one it started with (before any: the batch-1
-        greedy choice; an adaptive request's switches are in its ``stats.rounds_per_shape``).
+        greedy choice; an adaptive request's switches are in its ``stats.rounds_per_shape``; during
+        an open stream, the shape its next round runs).
         Setting it pins every request to that shape (as passing ``spec=`` does)."""
         return self.decoder.spec
 
@@ -594,6 +595,7 @@ class SpeculativeRuntime:
         tracker = ladder.track(choice.spec) if ladder is not None else None
         if ladder is not None:
             dec.fit(ladder.shapes)
+        dec.track_drafted = tracker is not None  # commit records each row's accepted drafter nodes
         t0 = time.perf_counter()
         first_batch = min(len(batch), self.max_batch_size)
         slot_req: list[int | None] = list(range(first_batch))  # the request each row decodes
@@ -645,12 +647,18 @@ class SpeculativeRuntime:
                 if use_draft:
                     stats.count_round([len(t) - 1 for t in new if t], dec.take_draft_nodes())
                     stats.count_shape(dec.spec)
-                    if tracker is not None and (nxt := tracker.observe([len(t) for t in new if t])) is not None:
+                self._emit(dec, requests, slot_req, new)
+                if tracker is not None:  # rows still running: the drafter nodes they accepted, + 1 (the
+                    # model's tokens per round); a round whose lookup branch went further says nothing of it
+                    seen = [
+                        d + 1 for b, d in enumerate(dec.drafted) if b < len(dec.running) and dec.running[b] and d >= 0
+                    ]
+                    if (nxt := tracker.observe(seen)) is not None:
                         dec.spec = nxt  # the next round drafts and verifies this shape (runtime/adaptive.py)
                         stats.shape_switches += 1
-                self._emit(dec, requests, slot_req, new)
                 yield requests
         finally:  # rt.spec: the shape the request started with, whatever it switched to
+            dec.track_drafted = False
             if tracker is not None:
                 dec.spec = choice.spec
         stats.wall_time_s = time.perf_counter() - t0

@@ -363,30 +363,40 @@ def shape_ladder(data: dict, row: dict) -> ShapeLadder | None:
     """The ``ShapeLadder`` of a profile's batch-1 greedy ``row`` (``runtime/adaptive.py``): the shapes
     measured there (its ``decode_tokens_per_s`` keys) at >= ``LADDER_MIN_RATE`` of the best and
     faster than plain decoding, each with the row's prompt-lookup settings, modelled with the
-    profile's ``costs`` and ``acceptance``. None when the profile lacks them
-    (older profiles) or the row measured fewer than two shapes; a warning when they are malformed."""
+    profile's ``costs`` and ``acceptance`` and calibrated by the measured rates. None when the
+    profile lacks them (older profiles) or fewer than two shapes qualify; a warning, and None,
+    when they are malformed (the profile's shapes still apply, fixed)."""
     if not isinstance(data.get("costs"), dict) or not isinstance(data.get("acceptance"), dict):
         return None
-    chosen = _read_spec(row["spec"])
-    lookup = {k: getattr(chosen, k) for k in LOOKUP_FIELDS}
-    shapes = [chosen]
-    rates = row.get("decode_tokens_per_s") or {}
-    measured = [v for k, v in rates.items() if SHAPE_KEY.fullmatch(str(k)) and isinstance(v, (int, float))]
-    if not measured:
-        return None
-    floor = max(rates.get("plain", 0.0), LADDER_MIN_RATE * max(measured))
-    for key, rate in rates.items():
-        m = SHAPE_KEY.fullmatch(str(key))
-        if m and isinstance(rate, (int, float)) and rate >= floor:  # no hopeless shape (the model may misjudge it)
-            d, k, n = map(int, m.groups())
+    try:
+        chosen = _read_spec(row["spec"])
+        lookup = {k: getattr(chosen, k) for k in LOOKUP_FIELDS}
+        rates = row.get("decode_tokens_per_s") or {}
+        if not isinstance(rates, dict):
+            raise ValueError(f"decode_tokens_per_s must be a table of shape -> tokens/s, got {type(rates).__name__}")
+        number = (int, float)
+        measured = {k: float(v) for k, v in rates.items() if isinstance(v, number) and not isinstance(v, bool)}
+        shaped = {k: v for k, v in measured.items() if SHAPE_KEY.fullmatch(str(k))}
+        if not shaped:
+            return None
+        floor = max(measured.get("plain", 0.0), LADDER_MIN_RATE * max(shaped.values()))
+        base = chosen.label.split("+")[0]  # the chosen shape without its lookup branch: "(D,K,N)"
+        shapes, rate_of = [chosen], [shaped.get(base)]
+        for key, rate in shaped.items():
+            if rate < floor:
+                continue  # no hopeless shape (the model may misjudge it)
+            d, k, n = map(int, SHAPE_KEY.fullmatch(key).groups())
             try:
                 shapes.append(SpecConfig(d, k, n, **lookup))
             except (ValueError, TypeError):
                 continue  # a shape this version would not run
-    try:
+            rate_of.append(rate)
         c, a = data["costs"], data["acceptance"]
+        ns = [int(n) for n in c["verify_n"]]
+        if any(x >= y for x, y in zip(ns, ns[1:])):
+            raise ValueError(f"costs.verify_n must increase strictly, got {ns}")
         costs = CostModel(
-            [int(n) for n in c["verify_n"]],
+            ns,
             [float(x) for x in c["verify_s"]],
             {int(k): float(v) for k, v in c["draft_head_s"].items()},
             {int(k): float(v) for k, v in c["draft_step_s"].items()},
@@ -399,9 +409,12 @@ def shape_ladder(data: dict, row: dict) -> ShapeLadder | None:
             [int(x) for x in a.get("samples") or []],
             [[float(x) for x in r] for r in a["score"]] if a.get("score") else None,
         )
-        return ShapeLadder.build(shapes, acc, costs)
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        _warn(f"the tuned profile's costs or acceptance are malformed ({e!r}); requests keep its shapes fixed")
+        return ShapeLadder.build(shapes, acc, costs, rate_of)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
+        _warn(
+            f"the tuned profile's costs, acceptance or measured rates are malformed ({e!r}); "
+            "requests keep its shapes fixed"
+        )
         return None
 
 

@@ -98,7 +98,7 @@ class AcceptanceProfile:
 # ================================================================== cost model
 @dataclass
 class CostModel:
-    """Seconds per round piece on this device/backend (see the module docstring)."""
+    """Seconds per round piece on this device/backend (the pieces: ``autotune/tree_model.py``'s module docstring)."""
 
     verify_n: list[int]
     verify_s: list[float]

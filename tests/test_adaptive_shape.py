@@ -148,13 +148,38 @@ def test_a_profile_row_carries_its_measured_shapes_with_its_lookup():
     assert policy.largest(4).num_draft_tokens >= 9  # the caches fit every ladder shape
 
 
+def _zero_costs(d: dict) -> None:  # an unmeasured chosen shape on a zero cost model: no round time
+    d["costs"].update(verify_s=[0.0] * 5, draft_head_s={1: 0.0, 2: 0.0}, draft_step_s={1: 0.0, 2: 0.0})
+    d["costs"].update(commit_s=[0.0, 0.0], plain_s=0.0)
+    d["shapes"][0]["decode_tokens_per_s"]["(4,2,9)"] = 0.0
+
+
+@pytest.mark.parametrize(
+    "break_it",
+    [
+        lambda d: d["costs"].update(verify_s="fast"),
+        lambda d: d["costs"].update(verify_n=[1, 2, 2, 8, 16]),  # not increasing: no interpolation
+        _zero_costs,
+        lambda d: d["shapes"][0].update(decode_tokens_per_s=[20.0, 18.0]),
+        lambda d: d["acceptance"].update(p="high"),
+    ],
+    ids=["verify_s", "verify_n", "zero-costs", "rates-list", "acceptance"],
+)
+def test_a_malformed_ladder_warns_and_the_profile_still_applies(break_it):
+    data = _data([_row(BIG, {"plain": 10.0, "(4,2,9)": 20.0, "(2,1,3)": 18.0})])
+    break_it(data)
+    with pytest.warns(Warning, match="malformed"):
+        p = prof.policy_from_profile(data, "profile", "cpu")
+    assert p.choose(1, True).spec == BIG and p.choose(1, True).ladder is None
+
+
 def test_older_or_broken_profiles_keep_their_shape_fixed():
     rates = {"plain": 10.0, "(4,2,9)": 20.0, "(2,1,3)": 18.0}
     old = prof.policy_from_profile(_data([_row(BIG, rates)], with_model=False), "profile", "cpu")
     assert old.choose(1, True).spec == BIG and old.choose(1, True).ladder is None
     broken = _data([_row(BIG, rates)])
     broken["costs"] = dict(broken["costs"], verify_s="fast")
-    with pytest.warns(Warning, match="costs or acceptance are malformed"):
+    with pytest.warns(Warning, match="costs, acceptance or measured rates are malformed"):
         p = prof.policy_from_profile(broken, "profile", "cpu")
     assert p.choose(1, True).spec == BIG and p.choose(1, True).ladder is None
 
@@ -304,3 +329,101 @@ def test_compiled_rounds_keep_their_shape(pair_with_profile):
     assert not runtime(model, drafter, max_batch_size=1, adaptive_shape=False)._adapts(greedy, 1)
     assert not runtime(model, drafter, max_batch_size=2)._adapts(greedy, 2)
     assert not runtime(model, drafter, max_batch_size=1)._adapts(SamplingParams(temperature=1.0), 1)
+
+
+@pytest.mark.parametrize("path", sorted(prof.SHIPPED_DIR.glob("tree_shape,*.json")), ids=lambda p: p.name[:60])
+def test_a_request_accepted_as_the_profile_predicts_keeps_the_tuned_shape(path):
+    """Calibrated by the measured rates, every shipped ladder ranks the tuned shape first at λ = 1:
+    rounds exactly as the profile predicts never move a request off it; rounds far below or above do
+    move it (the inverse: the ladder is not inert)."""
+    policy = prof.policy_from_profile(prof.read_profile(path), "shipped profile", "cpu")
+    choice = policy.choose(1, True)
+    if choice.ladder is None:
+        pytest.skip(f"{path.name}: no ladder (no measured shapes, costs or acceptance)")
+    lad = choice.ladder
+    i, j1 = lad.shapes.index(choice.spec), LAMBDAS.index(1.0)
+    assert lad.best[j1] == i
+    t = lad.track(choice.spec)
+    assert feed(t, [lad.tau[i][j1]] * 30) == [None] * 30
+    moved = {lad.best[0], lad.best[-1]} - {i}
+    if moved:  # some λ prefers another shape: rounds at that λ's prediction move the request
+        low, high = lad.track(choice.spec), lad.track(choice.spec)
+        assert any(feed(low, [lad.tau[i][0]] * 30)) or any(feed(high, [lad.tau[i][-1]] * 30))
+
+
+def test_the_tracker_sees_the_drafter_nodes_each_running_round_accepted(pair_with_profile, monkeypatch):
+    """Without a lookup branch every round but the request's last (its row has finished) feeds the
+    tracker 1 + the drafter nodes it accepted: the tokens the round emitted."""
+    model, drafter = pair_with_profile
+    rt = runtime(model, drafter, max_batch_size=1)
+    seen, emitted = [], []
+    real_observe, real_collect = ad.ShapeTracker.observe, rt.decoder.collect
+
+    def observe(self, tokens):
+        seen.append(list(tokens))
+        return real_observe(self, tokens)
+
+    def collect():
+        new = real_collect()
+        emitted.append([len(t) for t in new if t])
+        return new
+
+    monkeypatch.setattr(ad.ShapeTracker, "observe", observe)
+    monkeypatch.setattr(rt.decoder, "collect", collect)
+    out = rt.generate(random_prompts(24, [6], seed=4), max_new_tokens=25)
+    assert out.stats.num_drafts == len(emitted) >= 3
+    assert seen[:-1] == emitted[:-1] and seen[-1] == []  # the last round's row had finished
+    assert sum(map(sum, emitted)) == out.stats.num_accepted_tokens + out.stats.num_drafts
+
+
+def test_rounds_the_lookup_branch_carried_further_say_nothing_of_the_drafter(tuned_dir, monkeypatch):
+    """A target whose greedy text soon repeats, a random drafter, a 4-token lookup branch: the lookup
+    carries many rounds past the drafter's tree; those rounds are left out of the fit (the drafter's
+    tree alone would have accepted less), so they never read as deep acceptance."""
+    from tritonspec.runtime.spec_policy import ShapePolicy
+
+    model, _ = perm_pair("llama", vocab=24, seed=3, alpha=0.3, chain=[3, 5, 7, 9])
+    bad = ts.Eagle3Drafter.for_target(model.config, seed=11)
+    rt = runtime(model, bad, max_batch_size=1)
+    start = S(2, 1, 3, prompt_lookup_num_tokens=4)
+    rt._policy = ShapePolicy("profile", 3, table={(1, "greedy"): start})
+    n = len(LAMBDAS)
+    rt.shape_policy.ladders[1, "greedy"] = ShapeLadder(
+        (start, S(4, 1, 5, prompt_lookup_num_tokens=4)), (LAMBDAS, LAMBDAS), (1.0, 1.0), (0,) * n
+    )
+    seen = []
+    real = ad.ShapeTracker.observe
+    monkeypatch.setattr(
+        ad.ShapeTracker, "observe", lambda self, tokens: seen.append(list(tokens)) or real(self, tokens)
+    )
+    out = rt.generate([[3, 5, 7, 9, 3, 5, 7, 9, 3]], max_new_tokens=40)
+    assert out.token_ids == rt.generate([[3, 5, 7, 9, 3, 5, 7, 9, 3]], max_new_tokens=40, speculative=False).token_ids
+    assert out.stats.mean_acceptance_length > 1.5  # the lookup branch carries rounds (8 of 21 here)
+    assert sum(1 for s in seen if not s) >= 5  # those rounds said nothing of the drafter
+    assert all(t <= 2 for s in seen for t in s)  # the random drafter's own tree: hardly ever accepted
+
+
+def test_a_stream_closed_after_a_switch_leaves_the_runtime_on_the_profile_shape(pair_with_profile):
+    model, drafter = pair_with_profile
+    rt = runtime(model, drafter, max_batch_size=1)
+    prompt = random_prompts(24, [6], seed=4)
+    forced(rt, SMALL)
+    stream = rt.stream(prompt[0], max_new_tokens=40)
+    for i, _ in enumerate(stream):
+        if i == ad.MIN_ROUNDS + 2:  # past the switch
+            break
+    assert rt.spec == SMALL  # the open stream's next round
+    stream.close()
+    assert rt.spec == BIG  # closed: back to the shape requests start from
+    again = rt.generate(prompt, max_new_tokens=30)
+    assert again.stats.shape_switches == 1 and again.stats.rounds_per_shape[BIG.label] == ad.MIN_ROUNDS
+
+
+def test_deterministic_mode_switches_shape_and_keeps_its_tokens(pair_with_profile):
+    model, drafter = pair_with_profile
+    rt = runtime(model, drafter, max_batch_size=1, deterministic=True)
+    prompt = random_prompts(24, [6], seed=7)
+    plain = rt.generate(prompt, max_new_tokens=30, speculative=False).token_ids
+    forced(rt, SMALL)
+    out = rt.generate(prompt, max_new_tokens=30)
+    assert out.stats.shape_switches == 1 and out.token_ids == plain
