@@ -77,8 +77,9 @@ def scaled(acc: AcceptanceProfile, lam: float) -> AcceptanceProfile:
 class ShapeLadder:
     """The candidate shapes of one profile row and their model tables over the λ grid.
 
-    ``tau[i][j]``: predicted tokens per round of ``shapes[i]`` at ``LAMBDAS[j]``; ``round_s[i]``:
-    its predicted round time; ``best[j]``: the index of the fastest shape at ``LAMBDAS[j]``."""
+    ``tau[i][j]``: predicted tokens per round of ``shapes[i]`` (its drafter tree, root included) at
+    ``LAMBDAS[j]``; ``round_s[i]``: its round time in seconds (calibrated by the tuner's measured rate,
+    ``build``); ``best[j]``: the index of the fastest shape at ``LAMBDAS[j]``."""
 
     shapes: tuple[SpecConfig, ...]
     tau: tuple[tuple[float, ...], ...]
