@@ -108,13 +108,14 @@ class ShapeLadder:
         measured = list(measured) if measured is not None else [None] * len(shapes)
         if len(measured) != len(shapes):
             raise ValueError(f"{len(measured)} measured rates for {len(shapes)} shapes")
-        ok, rates = [], []
+        ok, round_s = [], []
         for s, m in zip(shapes, measured):
             D, K, N = s.num_speculative_tokens, s.top_k, s.num_draft_tokens
             fits = D <= acc.max_depth and K <= acc.max_rank and K in costs.draft_head_s and K in costs.draft_step_s
-            if fits and N >= 2 and s not in ok and N <= len(acc.tokens_per_round(D, K)):
+            tau1 = acc.tokens_per_round(D, K) if fits else []  # at λ = 1, by num_draft_tokens - 1
+            if fits and N >= 2 and s not in ok and N <= len(tau1):
                 ok.append(s)
-                rates.append(m if m is not None and m > 0 else None)
+                round_s.append(tau1[N - 1] / m if m is not None and m > 0 else costs.round(D, K, N))
         if len(ok) < 2:
             return None
         tables = [scaled(acc, lam) for lam in LAMBDAS]
@@ -122,10 +123,6 @@ class ShapeLadder:
             tuple(t.tokens_per_round(s.num_speculative_tokens, s.top_k)[s.num_draft_tokens - 1] for t in tables)
             for s in ok
         )
-        round_s = []
-        for s, m in zip(ok, rates):
-            D, K, N = s.num_speculative_tokens, s.top_k, s.num_draft_tokens
-            round_s.append(acc.tokens_per_round(D, K)[N - 1] / m if m is not None else costs.round(D, K, N))
         if not all(r > 0 and math.isfinite(r) for r in round_s):
             raise ValueError(f"round times must be positive, got {round_s}")
         best = tuple(max(range(len(ok)), key=lambda i: tau[i][j] / round_s[i]) for j in range(len(LAMBDAS)))

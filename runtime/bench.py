@@ -142,24 +142,17 @@ class Bench:
         self.tokenizer = AutoTokenizer.from_pretrained(str(target_dir))
         tm = TargetModel.from_pretrained(target_dir, device=device)
         self.dtype = tm.dtype
-        self.runtimes = {
-            "ours-plain": SpeculativeRuntime(
-                tm, None, self.tokenizer, spec=spec, max_batch_size=4, max_seq_len=max_seq_len, compile=compile
-            )
-        }
+        self._runtime_args = dict(spec=spec, max_batch_size=4, max_seq_len=max_seq_len, compile=compile)
+        self._drafter_dirs = dict(drafters)
+        self.runtimes = {"ours-plain": SpeculativeRuntime(tm, None, self.tokenizer, **self._runtime_args)}
         for name, d in drafters.items():
             self.runtimes[f"ours-{name}"] = SpeculativeRuntime(
                 tm,
                 Eagle3Drafter.from_pretrained(d, loaded_by_runtime=True),  # "auto" applies, as in serving
                 self.tokenizer,
-                spec=spec,
-                max_batch_size=4,
-                max_seq_len=max_seq_len,
-                compile=compile,
+                **self._runtime_args,
             )
         self.compile = compile
-        self._drafter_dirs = dict(drafters)
-        self._runtime_args = dict(spec=spec, max_batch_size=4, max_seq_len=max_seq_len, compile=compile)
         self.hf = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=self.dtype).to(device).eval()
         self.assisted_unavailable = assisted_unavailable
         self.draft_lm = None

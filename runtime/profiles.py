@@ -374,18 +374,16 @@ def shape_ladder(data: dict, row: dict) -> ShapeLadder | None:
         rates = row.get("decode_tokens_per_s") or {}
         if not isinstance(rates, dict):
             raise ValueError(f"decode_tokens_per_s must be a table of shape -> tokens/s, got {type(rates).__name__}")
-        number = (int, float)
-        measured = {k: float(v) for k, v in rates.items() if isinstance(v, number) and not isinstance(v, bool)}
-        shaped = {k: v for k, v in measured.items() if SHAPE_KEY.fullmatch(str(k))}
+        measured = {k: float(v) for k, v in rates.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        shaped = {tuple(map(int, m.groups())): v for k, v in measured.items() if (m := SHAPE_KEY.fullmatch(str(k)))}
         if not shaped:
             return None
         floor = max(measured.get("plain", 0.0), LADDER_MIN_RATE * max(shaped.values()))
-        base = chosen.label.split("+")[0]  # the chosen shape without its lookup branch: "(D,K,N)"
-        shapes, rate_of = [chosen], [shaped.get(base)]
-        for key, rate in shaped.items():
+        shapes = [chosen]  # its rate: its shape's without the lookup branch, as every other rate here
+        rate_of = [shaped.get((chosen.num_speculative_tokens, chosen.top_k, chosen.num_draft_tokens))]
+        for (d, k, n), rate in shaped.items():
             if rate < floor:
                 continue  # no hopeless shape (the model may misjudge it)
-            d, k, n = map(int, SHAPE_KEY.fullmatch(key).groups())
             try:
                 shapes.append(SpecConfig(d, k, n, **lookup))
             except (ValueError, TypeError):
