@@ -9,8 +9,9 @@ import pytest
 
 import tritonspec as ts
 from tritonspec.recipes.smollm2.build import RecipeConfig, heldout
-from tritonspec.recipes.smollm2.distill import distill
+from tritonspec.recipes.smollm2.distill import MAX_NEW_TOKENS, distill
 from tritonspec.recipes.smollm2.prompts import KINDS, LONG_EXCLUDED, LONG_MAX_CHARS, build_long_prompts, build_prompts
+from tritonspec.recipes.smollm2.tasks import build_task_prompts, prose_paragraphs
 from tritonspec.runtime.tiny import tiny_random_pair
 
 SOURCE = '''
@@ -151,7 +152,7 @@ def test_recipe_config_is_validated():
         RecipeConfig(distill_dtype="float16")
     with pytest.raises(ValueError, match="n_code=-1"):
         RecipeConfig(n_code=-1)
-    with pytest.raises(ValueError, match="n_long=-2 must be >= 0"):
+    with pytest.raises(ValueError, match="n_long=-2, n_tasks=0 must be >= 0"):
         RecipeConfig(n_long=-2)
     with pytest.raises(ValueError, match="long_seq_len=256 must exceed seq_len=256"):
         RecipeConfig(long_seq_len=256)
@@ -404,3 +405,84 @@ def test_curves_history_prepends_the_warm_start_source_only_where_it_exists(tmp_
     with pytest.raises(SystemExit) as exit_:  # a --before folder with neither drafter is a mistake, not "no warm start"
         main(["--drafters", str(tmp_path / "new"), "--before", str(tmp_path / "typo"), "--out", str(tmp_path / "c")])
     assert exit_.value.code == 2 and "holds neither smollm2-eagle3 nor smollm2-eagle3.1" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------- everyday tasks
+TOPICS_PY = """
+topics = {"a": 'The first paragraph is plain English prose about how a statement is executed by the interpreter, '
+    'and it has more than enough words to count as a paragraph worth rewriting for a reader who wants to learn '
+    'what the language does in each case.\\n\\n'
+    '   indented code block that should never be used even though it has many many words in it, '
+    'far more than thirty-five words would be, since a block of code is not prose to summarise or rewrite.\\n\\n'
+    'A table | with | pipes and plenty of extra words so that its length would otherwise qualify as well here, '
+    'since it goes on and on about columns, rows, cells, borders and headers for far longer than needed.\\n\\n'
+    'Too short.'}
+"""
+MODULE_DOC_PY = '''#!/usr/bin/env python3
+# a comment before the docstring
+"""Module summary line.
+
+This module docstring paragraph explains what the module offers to its callers in ordinary words, long enough
+to be kept by the paragraph filter, and it ends with a full stop as prose does, after a few more words.
+"""
+import os
+'''
+
+
+@pytest.fixture
+def prose_root(tmp_path):
+    root = tmp_path / "lib"
+    (root / "pydoc_data").mkdir(parents=True)
+    (root / "pydoc_data" / "topics.py").write_text(TOPICS_PY)
+    (root / "documented.py").write_text(MODULE_DOC_PY)
+    return root
+
+
+def test_prose_paragraphs_keep_prose_and_skip_code_tables_and_short_text(prose_root):
+    paras = prose_paragraphs(prose_root)
+    assert len(paras) == 2
+    assert any(p.startswith("The first paragraph is plain English") for p in paras)
+    assert any(p.startswith("This module docstring paragraph") for p in paras)  # after the shebang and comment
+    assert not any("indented" in p or "|" in p or p == "Too short." for p in paras)
+
+
+def test_task_prompts_rotate_their_forms_are_seeded_and_unique(prose_root):
+    recs = build_task_prompts(40, seed=3, root=prose_root)
+    assert len(recs) == 40 and all(r["kind"] == "task" for r in recs)
+    assert [r["id"].split(".")[1] for r in recs[:8]] == ["math", "rewrite", "write", "explain"] * 2
+    assert len({r["id"] for r in recs}) == 40 and len({r["prompt"][0]["content"] for r in recs}) == 40
+    assert recs == build_task_prompts(40, seed=3, root=prose_root)
+    assert recs != build_task_prompts(40, seed=4, root=prose_root)
+    rewrites = [r["prompt"][0]["content"] for r in recs if ".rewrite." in r["id"]]
+    assert all(
+        p.endswith(prose_paragraphs(prose_root)[0]) or p.endswith(prose_paragraphs(prose_root)[1]) for p in rewrites
+    )
+    assert all("{" not in r["prompt"][0]["content"] for r in recs)  # every template field filled
+    assert all(k in MAX_NEW_TOKENS for k in {r["kind"] for r in recs})
+
+
+def test_task_prompts_without_prose_say_where_it_comes_from(tmp_path):
+    (tmp_path / "lib").mkdir()
+    with pytest.raises(ValueError, match="pydoc_data/topics.py"):
+        build_task_prompts(4, root=tmp_path / "lib")
+
+
+def _words8(text: str) -> set[tuple[str, ...]]:
+    w = text.lower().split()
+    return {tuple(w[i : i + 8]) for i in range(len(w) - 7)}
+
+
+def test_task_prompts_share_no_eight_word_run_with_the_chat_benchmark():
+    """The templates' topics are not the benchmark's; the inverse: a request that quotes a benchmark
+    prompt is caught."""
+    bench = set().union(*(_words8(m["content"]) for r in _jsonl("smollm2_chat.jsonl") for m in r["messages"]))
+    recs = build_task_prompts(1200, seed=5)  # the shipped run's selection
+    assert len(recs) == 1200
+    assert not [r["id"] for r in recs if _words8(r["prompt"][0]["content"]) & bench]
+    quoted = "Write a short dialogue between a customer and a waiter at a busy restaurant."
+    assert _words8(quoted) & bench
+
+
+def test_recipe_config_refuses_negative_tasks():
+    with pytest.raises(ValueError, match="n_tasks=-1"):
+        RecipeConfig(n_tasks=-1)

@@ -42,6 +42,7 @@ from ...runtime.gguf import resolve_target
 from ...runtime.weights import load_tokenizer
 from .distill import MAX_NEW_TOKENS, distill, encode, self_chat_queries, self_chat_records
 from .prompts import build_long_prompts, build_prompts, stdlib_files
+from .tasks import build_task_prompts
 
 MODEL = "smollm2"
 VARIANTS = {"eagle3": False, "eagle3.1": True}
@@ -59,6 +60,7 @@ class RecipeConfig:
     n_general: int = 300
     n_self_chat: int = 0  # chat questions SmolLM2 writes itself (distill.self_chat_queries)
     n_long: int = 0  # long-context requests: a stdlib module's source + a question (prompts.build_long_prompts)
+    n_tasks: int = 0  # everyday chat tasks: word problems, rewrites, writing, explanations (tasks.py)
     distill_batch: int = 32
     distill_dtype: str = "bfloat16"  # the answers' precision ("float32" or "bfloat16": ~2x the tokens/s)
     heldout_percent: int = 5
@@ -91,10 +93,10 @@ class RecipeConfig:
             raise ValueError(f"distill_share={self.distill_share} must lie in [0, 1)")
         if self.distill_dtype not in ("float32", "bfloat16"):
             raise ValueError(f"distill_dtype={self.distill_dtype!r}: use 'float32' or 'bfloat16'")
-        if min(self.n_code, self.n_general, self.n_self_chat, self.n_long) < 0:
+        if min(self.n_code, self.n_general, self.n_self_chat, self.n_long, self.n_tasks) < 0:
             raise ValueError(
                 f"n_code={self.n_code}, n_general={self.n_general}, n_self_chat={self.n_self_chat}, "
-                f"n_long={self.n_long} must be >= 0"
+                f"n_long={self.n_long}, n_tasks={self.n_tasks} must be >= 0"
             )
         from ...training import TrainConfig  # its checks, here before an hour of distillation
 
@@ -133,6 +135,12 @@ def stage_prompts(cfg: RecipeConfig, work: Path) -> list[dict]:
             path.write_text("".join(json.dumps(r) + "\n" for r in build_long_prompts(cfg.n_long, cfg.seed)))
         recs += read_jsonl(path)
         log(f"prompts: {sum(r['kind'] == 'long' for r in recs)} long-context requests -> {path}")
+    if cfg.n_tasks:  # a file of their own too
+        path = work / f"tasks-{cfg.n_tasks}-s{cfg.seed}.jsonl"
+        if not path.exists():
+            path.write_text("".join(json.dumps(r) + "\n" for r in build_task_prompts(cfg.n_tasks, cfg.seed)))
+        recs += read_jsonl(path)
+        log(f"prompts: {sum(r['kind'] == 'task' for r in recs)} everyday chat tasks -> {path}")
     return recs
 
 
@@ -226,12 +234,16 @@ def stdlib_code(tokens: int, tokenizer, seed: int, doc_tokens: int = 1024) -> li
 
 def stage_evaluate(cfg: RecipeConfig, work: Path, target: Path, records: list[dict]) -> dict:
     """Mean acceptance length of each drafter on held-out prompts (greedy, the default shape); with
-    self-chat questions, also on up to half as many held-out ones (``chat_tau``), and with long-context
+    self-chat questions, also on up to half as many held-out ones (``chat_tau``), with everyday tasks on
+    up to half as many (``task_tau``), and with long-context
     requests on up to a quarter as many (``long_tau``), each apart: the instructions' τ stays
     comparable across runs."""
     from ...runtime.engine import SpeculativeRuntime
 
-    held = [r for r in records if r["kind"] != "long" and heldout(r["id"], cfg.heldout_percent)][: cfg.eval_prompts]
+    held = [r for r in records if r["kind"] not in ("long", "task") and heldout(r["id"], cfg.heldout_percent)]
+    held = held[: cfg.eval_prompts]
+    held_tasks = [r for r in records if r["kind"] == "task" and heldout(r["id"], cfg.heldout_percent)]
+    held_tasks = held_tasks[: cfg.eval_prompts // 2]
     held_long = [r for r in records if r["kind"] == "long" and heldout(r["id"], cfg.heldout_percent)]
     held_long = held_long[: cfg.eval_prompts // 4]
     chats = self_chat_records(self_chat_path(cfg, work), cfg.n_self_chat, cfg.seed)[0] if cfg.n_self_chat else []
@@ -253,6 +265,9 @@ def stage_evaluate(cfg: RecipeConfig, work: Path, target: Path, records: list[di
         if held_chat:
             out[name] |= {"chat_tau": tau(held_chat), "chat_prompts": len(held_chat)}
             log(f"evaluate: {name} tau {out[name]['chat_tau']:.2f} on {len(held_chat)} held-out self-chat questions")
+        if held_tasks:
+            out[name] |= {"task_tau": tau(held_tasks), "task_prompts": len(held_tasks)}
+            log(f"evaluate: {name} tau {out[name]['task_tau']:.2f} on {len(held_tasks)} held-out everyday tasks")
         if held_long:
             out[name] |= {"long_tau": tau(held_long), "long_prompts": len(held_long)}
             log(f"evaluate: {name} tau {out[name]['long_tau']:.2f} on {len(held_long)} held-out long-context requests")
@@ -364,6 +379,12 @@ def main(argv: list[str] | None = None) -> int:
         help="long-context requests (a whole stdlib module's source and a question, ~2K tokens; 0: none)",
     )
     p.add_argument(
+        "--n-tasks",
+        type=int,
+        default=RecipeConfig.n_tasks,
+        help="everyday chat tasks from templates: word problems, rewrites, short writing, explanations (0: none)",
+    )
+    p.add_argument(
         "--long-seq-len",
         type=int,
         default=RecipeConfig.long_seq_len,
@@ -397,6 +418,7 @@ def main(argv: list[str] | None = None) -> int:
         n_general=args.n_general,
         n_self_chat=args.n_self_chat,
         n_long=args.n_long,
+        n_tasks=args.n_tasks,
         long_seq_len=args.long_seq_len,
         long_every=args.long_every,
         distill_dtype=args.distill_dtype,

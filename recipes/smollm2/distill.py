@@ -18,7 +18,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-MAX_NEW_TOKENS = {"complete": 160, "write": 256, "explain": 256, "fix": 256, "general": 256, "chat": 256, "long": 256}
+MAX_NEW_TOKENS = {
+    "complete": 160,
+    "write": 256,
+    "explain": 256,
+    "fix": 256,
+    "general": 256,
+    "chat": 256,
+    "long": 256,
+    "task": 256,
+}
 BATCH_DIVISOR = {"long": 4}  # long-context prompts (~2K tokens) go in batches of batch_size // 4
 QUERY_MAX_TOKENS = 48  # a sampled user question longer than this is dropped (truncated ones ramble)
 
