@@ -486,3 +486,25 @@ def test_task_prompts_share_no_eight_word_run_with_the_chat_benchmark():
 def test_recipe_config_refuses_negative_tasks():
     with pytest.raises(ValueError, match="n_tasks=-1"):
         RecipeConfig(n_tasks=-1)
+
+
+def test_revocab_counts_answer_tokens_only_and_skips_held_out_records(tmp_path):
+    """--revocab: the draft vocabulary is the most frequent ids of the training answers (not of the
+    prompts, not of held-out records); the inverse: counting whole records would pick the prompt ids."""
+    from tritonspec.recipes.smollm2.build import answer_vocab
+
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"vocab_size": 100}))
+    ids = [f"r{i}" for i in range(200)]
+    train = [i for i in ids if not heldout(i, 5)][:20]
+    held = [i for i in ids if heldout(i, 5)][:3]
+    assert held  # the inverse: a held-out record is there to be skipped
+    recs = [{"id": i, "prompt_len": 6, "input_ids": [90] * 6 + [k % 3 + 1] * 2} for k, i in enumerate(train)]
+    recs += [{"id": i, "prompt_len": 1, "input_ids": [50, 60, 60, 60, 60, 60, 60]} for i in held]
+    data = tmp_path / "distill.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    cfg = RecipeConfig(budget_minutes=1, draft_vocab_size=3, revocab=True)
+    path = answer_vocab(cfg, tmp_path, target, data)
+    assert json.loads(path.read_text()) == [1, 2, 3]
+    assert 90 in {t for r in recs for t in r["input_ids"]}  # prompts' 90 outnumbers every answer id

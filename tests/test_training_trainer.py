@@ -385,6 +385,58 @@ def test_warm_start_begins_from_the_given_drafter(target_dir, greedy_data, tmp_p
         build_drafter(tm, TrainConfig(init_from=str(tmp_path / "nope"), draft_vocab_size=64, **SMALL), greedy_data)
 
 
+def test_warm_start_with_a_new_draft_vocabulary_carries_the_shared_rows(target_dir, greedy_data, tmp_path):
+    """draft_vocab_file with init_from: the file's ids become the vocabulary (even of another size);
+    the lm_head rows of ids both vocabularies hold come from the warm drafter, the others from the
+    target's lm_head; every other weight is the warm drafter's. Bad files are refused by name."""
+    from tritonspec.kernels.cpu_linear import unpack
+
+    first = train_drafter(
+        target_dir, greedy_data, tmp_path / "a", TrainConfig(steps=4, draft_vocab_size=64, **SMALL), log=lambda m: None
+    ).out_dir
+    src = ts.Eagle3Drafter.from_pretrained(first)
+    tm = ts.TargetModel.from_pretrained(target_dir, dtype=torch.float32)
+    old = src.target_ids().tolist()
+    new = sorted(old[::2] + [i for i in range(tm.vocab_size) if i not in set(old)][:48])  # 32 kept, 48 new
+    vocab = tmp_path / "vocab.json"
+    vocab.write_text(json.dumps(new[::-1]))  # any order
+    d = build_drafter(
+        tm, TrainConfig(init_from=str(first), draft_vocab_size=80, draft_vocab_file=str(vocab), **SMALL), []
+    )
+    assert d.target_ids().tolist() == new and int(d.t2d.sum()) == 80
+    head = unpack(tm.lm_head).float()
+    for j, t in enumerate(new):
+        want = src.lm_head.weight[old.index(t)].float() if t in old else head[t]
+        assert torch.equal(d.lm_head.weight[j], want), (j, t)
+    assert sum(t in old for t in new) == 32  # the inverse: both kinds of row were checked
+    for k, v in src.state_dict().items():
+        if k not in ("lm_head.weight", "d2t", "t2d"):
+            assert torch.equal(d.state_dict()[k], v.float()), k
+    # a fresh drafter takes the file's vocabulary too, rows from the target
+    cold = build_drafter(tm, TrainConfig(draft_vocab_size=80, draft_vocab_file=str(vocab), **SMALL), greedy_data)
+    assert cold.target_ids().tolist() == new and torch.equal(cold.lm_head.weight, head[new])
+    res = train_drafter(
+        target_dir,
+        greedy_data,
+        tmp_path / "b",
+        TrainConfig(steps=3, init_from=str(first), draft_vocab_size=80, draft_vocab_file=str(vocab), **SMALL),
+        log=lambda m: None,
+    )
+    assert ts.Eagle3Drafter.from_pretrained(res.out_dir).target_ids().tolist() == new
+    for text, match in (
+        ("[1, 2]", "draft_vocab_size=80 needs that many distinct ids"),
+        (json.dumps([1] * 80), "holds 1 distinct ids in 80 entries"),
+        (json.dumps(list(range(79)) + [10**6]), "outside the target vocabulary"),
+        ('{"ids": 1}', "must hold a JSON list of integer"),
+        ("not json", "cannot read a JSON list"),
+    ):
+        vocab.write_text(text)
+        with pytest.raises(ValueError, match=match):
+            build_drafter(tm, TrainConfig(draft_vocab_size=80, draft_vocab_file=str(vocab), **SMALL), greedy_data)
+    with pytest.raises(ValueError, match="needs draft_vocab_size"):
+        TrainConfig(draft_vocab_file=str(vocab))
+
+
 def first_loss(out_dir) -> float:
     hist = json.loads((out_dir / "training_args.json").read_text())["history"]
     return hist[0]["loss"]

@@ -64,6 +64,11 @@ class TrainConfig:
     init_lm_head_from_target : start the draft lm_head from the target's rows of the draft vocabulary.
     init_from : warm start: a drafter directory (``Eagle3Drafter.from_pretrained``) whose weights and
         draft vocabulary (d2t/t2d) the run starts from; it must match this run's variant and shapes.
+    draft_vocab_file : a JSON list of the ``draft_vocab_size`` target ids the draft vocabulary covers
+        (e.g. the most frequent tokens of the answers a drafter will predict) instead of the data's
+        most frequent ids. With ``init_from`` it replaces the warm drafter's vocabulary: the lm_head
+        rows of the ids both hold carry over, the others start from the target's rows, and the warm
+        drafter's ``draft_vocab_size`` may differ from this run's.
     autocast : ``"bfloat16"`` runs the target's forward and the drafter's TTT forward under
         ``torch.autocast`` (matmuls in bfloat16, weights and optimizer state in float32; on a CPU with
         AMX a SmolLM2 step took 5.8 s instead of 8.5, one thread); None (default) = float32.
@@ -91,6 +96,7 @@ class TrainConfig:
     intermediate_size: int | None = None
     init_lm_head_from_target: bool = True
     init_from: str | None = None
+    draft_vocab_file: str | None = None
     regenerate_new_tokens: int = 0
     regenerate_prompt_tokens: int = 128
     regenerate_samples: int = 256
@@ -123,6 +129,10 @@ class TrainConfig:
             raise ValueError(f"save_format={self.save_format!r}: use 'eagle3' or 'speculators'")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be >= 1")
+        if self.draft_vocab_file is not None and self.draft_vocab_size is None:
+            raise ValueError(
+                f"draft_vocab_file={self.draft_vocab_file!r} needs draft_vocab_size (the number of ids it holds)"
+            )
 
 
 @dataclass
@@ -186,14 +196,17 @@ def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) 
         intermediate_size=cfg.intermediate_size,
     )
     c = d.config
-    if cfg.init_from is not None:
-        _warm_start(d, Path(cfg.init_from))
-    elif c.draft_vocab_size < c.vocab_size:
+    vocab = None if cfg.draft_vocab_file is None else read_draft_vocab(cfg.draft_vocab_file, c)
+    if vocab is not None:
+        d.set_draft_vocab(vocab)
+    elif cfg.init_from is None and c.draft_vocab_size < c.vocab_size:
         d.set_draft_vocab(draft_vocab_from_counts(seqs, c.vocab_size, c.draft_vocab_size))
-    d.to(target.device)
-    if cfg.init_lm_head_from_target and cfg.init_from is None:
-        with torch.no_grad():
+    if cfg.init_lm_head_from_target or (cfg.init_from is not None and vocab is not None):
+        with torch.no_grad():  # a warm start's rows replace these where its vocabulary holds the id
             d.lm_head.weight.copy_(unpack(target.lm_head).float()[d.target_ids()])
+    if cfg.init_from is not None:
+        _warm_start(d, Path(cfg.init_from), keep_vocab=vocab is None)
+    d.to(target.device)
     d.attach_target_embedding(target.embed.float(), target.drafter_info())
     return d
 
@@ -211,8 +224,30 @@ WARM_START_FIELDS = (
 )
 
 
-def _warm_start(d: Eagle3Drafter, src_dir: Path) -> None:
-    """Copy the weights and draft vocabulary of the drafter at ``src_dir`` into the fresh ``d``."""
+def read_draft_vocab(path: str | Path, config: Any) -> torch.Tensor:
+    """The sorted target ids of a ``draft_vocab_file`` (a JSON list), checked against ``config``."""
+    try:
+        ids = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"draft_vocab_file={str(path)!r}: cannot read a JSON list of token ids there ({e})") from e
+    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"draft_vocab_file={str(path)!r} must hold a JSON list of integer target token ids")
+    if len(set(ids)) != len(ids) or len(ids) != config.draft_vocab_size:
+        raise ValueError(
+            f"draft_vocab_file={str(path)!r} holds {len(set(ids))} distinct ids in {len(ids)} entries; "
+            f"draft_vocab_size={config.draft_vocab_size} needs that many distinct ids"
+        )
+    if ids and not (0 <= min(ids) and max(ids) < config.vocab_size):
+        raise ValueError(
+            f"draft_vocab_file={str(path)!r} has ids outside the target vocabulary [0, {config.vocab_size})"
+        )
+    return torch.tensor(sorted(ids), dtype=torch.int64)
+
+
+def _warm_start(d: Eagle3Drafter, src_dir: Path, keep_vocab: bool = True) -> None:
+    """Copy the weights and draft vocabulary of the drafter at ``src_dir`` into the fresh ``d``; with
+    ``keep_vocab=False``, ``d``'s own vocabulary stays and only the lm_head rows of the target ids
+    both vocabularies hold are copied."""
     try:
         src = Eagle3Drafter.from_pretrained(src_dir)
     except (OSError, ValueError) as e:
@@ -220,7 +255,9 @@ def _warm_start(d: Eagle3Drafter, src_dir: Path) -> None:
     diff = [
         f"{k} {getattr(src.config, k)} (run: {getattr(d.config, k)})"
         for k in WARM_START_FIELDS
-        if hasattr(d.config, k) and getattr(src.config, k) != getattr(d.config, k)
+        if hasattr(d.config, k)
+        and getattr(src.config, k) != getattr(d.config, k)
+        and (keep_vocab or k != "draft_vocab_size")
     ]
     if diff:
         raise ValueError(
@@ -228,7 +265,18 @@ def _warm_start(d: Eagle3Drafter, src_dir: Path) -> None:
             "of the same variant (fc_norm/norm_output) and shapes, or leave init_from unset"
         )
     state = {k: v.float() if v.is_floating_point() else v for k, v in src.state_dict().items()}
-    d.load_state_dict({k: state[k] for k in d.state_dict()}, strict=True)
+    if keep_vocab:
+        d.load_state_dict({k: state[k] for k in d.state_dict()}, strict=True)
+        return
+    own = d.state_dict()  # d's vocabulary (d2t, t2d) and its lm_head rows from the target stay
+    d.load_state_dict({k: own[k] if k in ("lm_head.weight", "d2t", "t2d") else state[k] for k in own}, strict=True)
+    src_row = torch.full((src.config.vocab_size,), -1, dtype=torch.int64)
+    src_row[src.target_ids()] = torch.arange(src.config.draft_vocab_size)
+    rows = src_row[d.target_ids().to(src_row.device)]
+    shared = rows >= 0
+    with torch.no_grad():
+        w = d.lm_head.weight
+        w[shared.to(w.device)] = state["lm_head.weight"][rows[shared]].to(w.device, w.dtype)
 
 
 def fingerprint(target: TargetModel, cfg: TrainConfig, windows: Windows) -> dict:
