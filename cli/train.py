@@ -46,6 +46,19 @@ A stopped run resumes from <out>/checkpoint.pt when rerun with the same settings
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--ttt-depth", type=int, default=7, help="unrolled training-time-test steps (default 7)")
     t.add_argument("--draft-vocab-size", type=int, default=None, help="default: the full target vocabulary")
+    t.add_argument(
+        "--draft-vocab-file",
+        default=None,
+        metavar="FILE",
+        help="a JSON list of the --draft-vocab-size target ids to draft (default: the data's most frequent ids)",
+    )
+    t.add_argument(
+        "--init-from",
+        default=None,
+        metavar="DIR",
+        help="warm start from this drafter's weights and vocabulary (same variant and shapes; with "
+        "--draft-vocab-file its vocabulary is replaced and the rows of shared ids carry over)",
+    )
     t.add_argument("--aux-layer-ids", default=None, help="comma-separated boundary ids (default 2,N//2,N-3)")
     t.add_argument(
         "--regenerate",
@@ -78,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     ids = tuple(int(x) for x in args.aux_layer_ids.split(",")) if args.aux_layer_ids else None
     cfg = TrainConfig(
         **flag_values(args, "steps batch_size seq_len long_seq_len long_every lr ttt_depth"),
-        **flag_values(args, "draft_vocab_size seed device"),
+        **flag_values(args, "draft_vocab_size draft_vocab_file init_from seed device"),
         fc_norm=flag,
         norm_output=flag,
         aux_layer_ids=ids,

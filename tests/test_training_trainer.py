@@ -423,6 +423,15 @@ def test_warm_start_with_a_new_draft_vocabulary_carries_the_shared_rows(target_d
         log=lambda m: None,
     )
     assert ts.Eagle3Drafter.from_pretrained(res.out_dir).target_ids().tolist() == new
+    data = tmp_path / "d.jsonl"  # the same from the CLI
+    data.write_text("".join(json.dumps({"input_ids": s}) + "\n" for s in greedy_data))
+    argv = ["train", "--target", str(target_dir), "--data", str(data), "--out", str(tmp_path / "cli"), "--steps", "2"]
+    argv += ["--seq-len", "24", "--batch-size", "2", "--ttt-depth", "2", "--draft-vocab-size", "80"]
+    assert main([*argv, "--draft-vocab-file", str(vocab), "--init-from", str(first)]) == 0
+    cli = ts.Eagle3Drafter.from_pretrained(tmp_path / "cli")
+    assert cli.target_ids().tolist() == new
+    args = json.loads((tmp_path / "cli" / "training_args.json").read_text())["train_config"]
+    assert args["init_from"] == str(first) and args["draft_vocab_file"] == str(vocab)
     for text, match in (
         ("[1, 2]", "draft_vocab_size=80 needs that many distinct ids"),
         (json.dumps([1] * 80), "holds 1 distinct ids in 80 entries"),
