@@ -432,6 +432,16 @@ def test_warm_start_with_a_new_draft_vocabulary_carries_the_shared_rows(target_d
     assert cli.target_ids().tolist() == new
     args = json.loads((tmp_path / "cli" / "training_args.json").read_text())["train_config"]
     assert args["init_from"] == str(first) and args["draft_vocab_file"] == str(vocab)
+    # a resumed run must have the same ids: the file's content is in the checkpoint fingerprint
+    from tritonspec.training import trainer as tr
+
+    windows = tr.Windows.cut(greedy_data, TrainConfig(draft_vocab_size=80, **SMALL))
+    cfg = TrainConfig(draft_vocab_size=80, draft_vocab_file=str(vocab), **SMALL)
+    fp = tr.fingerprint(tm, cfg, windows)
+    assert fp == tr.fingerprint(tm, cfg, windows) and "draft_vocab" in fp
+    vocab.write_text(json.dumps(new[1:] + [new[0] - 1 if new[0] else max(new) + 1]))
+    assert tr.fingerprint(tm, cfg, windows) != fp
+    assert "draft_vocab" not in tr.fingerprint(tm, TrainConfig(draft_vocab_size=80, **SMALL), windows)  # as before
     for text, match in (
         ("[1, 2]", "draft_vocab_size=80 needs that many distinct ids"),
         (json.dumps([1] * 80), "holds 1 distinct ids in 80 entries"),

@@ -201,7 +201,7 @@ def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) 
         d.set_draft_vocab(vocab)
     elif cfg.init_from is None and c.draft_vocab_size < c.vocab_size:
         d.set_draft_vocab(draft_vocab_from_counts(seqs, c.vocab_size, c.draft_vocab_size))
-    if cfg.init_lm_head_from_target or (cfg.init_from is not None and vocab is not None):
+    if (cfg.init_from is None and cfg.init_lm_head_from_target) or (cfg.init_from is not None and vocab is not None):
         with torch.no_grad():  # a warm start's rows replace these where its vocabulary holds the id
             d.lm_head.weight.copy_(unpack(target.lm_head).float()[d.target_ids()])
     if cfg.init_from is not None:
@@ -297,11 +297,14 @@ def fingerprint(target: TargetModel, cfg: TrainConfig, windows: Windows) -> dict
         "init_from",
         "seed",
     ) + (("long_seq_len", "long_every") if cfg.long_seq_len else ())  # off: a checkpoint from before them resumes
-    return {
+    out = {
         "target": {"vocab_size": target.vocab_size, "hidden_size": target.hidden_size, "num_layers": target.num_layers},
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k in keep},
         "data": data_hash,
     }
+    if cfg.draft_vocab_file is not None:  # its ids, not its name (a rerun may rewrite the file); unset: as before
+        out["draft_vocab"] = hashlib.sha256(Path(cfg.draft_vocab_file).read_bytes()).hexdigest()[:16]
+    return out
 
 
 class Progress:
