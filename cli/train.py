@@ -50,7 +50,8 @@ A stopped run resumes from <out>/checkpoint.pt when rerun with the same settings
         "--draft-vocab-file",
         default=None,
         metavar="FILE",
-        help="a JSON list of the --draft-vocab-size target ids to draft (default: the data's most frequent ids)",
+        help="a JSON list of the --draft-vocab-size target ids to draft (default: the data's most frequent ids, "
+        "or with --init-from that drafter's vocabulary)",
     )
     t.add_argument(
         "--init-from",

@@ -4,6 +4,8 @@ held-out split, and self-distillation that resumes (the real run: ``recipes/smol
 from __future__ import annotations
 
 import json
+from collections import Counter
+from string import Formatter
 
 import pytest
 
@@ -11,7 +13,22 @@ import tritonspec as ts
 from tritonspec.recipes.smollm2.build import RecipeConfig, heldout
 from tritonspec.recipes.smollm2.distill import MAX_NEW_TOKENS, distill
 from tritonspec.recipes.smollm2.prompts import KINDS, LONG_EXCLUDED, LONG_MAX_CHARS, build_long_prompts, build_prompts
-from tritonspec.recipes.smollm2.tasks import build_task_prompts, prose_paragraphs
+from tritonspec.recipes.smollm2.tasks import (
+    ACTIVITIES,
+    BUSINESSES,
+    CONCEPTS,
+    EVENTS,
+    EXPLAIN_FORMS,
+    MILESTONES,
+    PAIRS,
+    PRODUCTS,
+    REWRITE_FORMS,
+    THINGS,
+    TOPICS,
+    WRITE_FORMS,
+    build_task_prompts,
+    prose_paragraphs,
+)
 from tritonspec.runtime.tiny import tiny_random_pair
 
 SOURCE = '''
@@ -457,7 +474,15 @@ def test_task_prompts_rotate_their_forms_are_seeded_and_unique(prose_root):
     assert all(
         p.endswith(prose_paragraphs(prose_root)[0]) or p.endswith(prose_paragraphs(prose_root)[1]) for p in rewrites
     )
-    assert all("{" not in r["prompt"][0]["content"] for r in recs)  # every template field filled
+    # every template's fields are among those the builder fills (str.format would raise otherwise,
+    # but only for a template the seed happened to draw)
+    fields = {f for t in WRITE_FORMS + EXPLAIN_FORMS + REWRITE_FORMS for _, f, _, _ in Formatter().parse(t) if f}
+    assert fields == {"topic", "event", "milestone", "person", "person2", "product", "business", "job", "animal",
+                      "thing", "concept", "choice", "activity", "pair", "invention", "text"}  # fmt: skip
+    # each paragraph is rewritten once before any is reused
+    many = build_task_prompts(4 * 6, seed=3, root=prose_root)
+    texts = [r["prompt"][0]["content"] for r in many if ".rewrite." in r["id"]]
+    assert [any(t.endswith(p) for t in texts[:2]) for p in prose_paragraphs(prose_root)] == [True, True]
     assert all(k in MAX_NEW_TOKENS for k in {r["kind"] for r in recs})
 
 
@@ -465,6 +490,44 @@ def test_task_prompts_without_prose_say_where_it_comes_from(tmp_path):
     (tmp_path / "lib").mkdir()
     with pytest.raises(ValueError, match="pydoc_data/topics.py"):
         build_task_prompts(4, root=tmp_path / "lib")
+
+
+# words naming the chat benchmark's topics (perf/prompts/smollm2_chat.jsonl): no task topic list holds them
+BENCH_TOPIC_WORDS = (
+    "palindrome",
+    "linked list",
+    "rebase",
+    "fridge",
+    "refrigerator keeps",
+    "leap year",
+    "credit score",
+    "compound interest",
+    "season",
+    "noise-cancelling",
+    "bacteri",
+    "public-key",
+    "tide",
+    "landlord",
+    "autumn rain",
+    "water bottle",
+    "cover letter",
+    "limerick",
+    "lighthouse",
+    "teacher who",
+    "bike-repair",
+    "waiter",
+    "branches of government",
+    "planets",
+    "curie",
+    "kilimanjaro",
+    "first world war",
+    "crocodile",
+    "barrier reef",
+    "bones",
+    "guitar",
+    "ocean salty",
+    "train station",
+)
 
 
 def _words8(text: str) -> set[tuple[str, ...]]:
@@ -476,9 +539,14 @@ def test_task_prompts_share_no_eight_word_run_with_the_chat_benchmark():
     """The templates' topics are not the benchmark's; the inverse: a request that quotes a benchmark
     prompt is caught."""
     bench = set().union(*(_words8(m["content"]) for r in _jsonl("smollm2_chat.jsonl") for m in r["messages"]))
-    recs = build_task_prompts(1200, seed=5)  # the shipped run's selection
-    assert len(recs) == 1200
-    assert not [r["id"] for r in recs if _words8(r["prompt"][0]["content"]) & bench]
+    for seed in (0, 5):  # the default seed and the shipped run's
+        recs = build_task_prompts(1200, seed=seed)
+        assert len(recs) == 1200
+        assert not [r["id"] for r in recs if _words8(r["prompt"][0]["content"]) & bench]
+        lists = " | ".join(
+            TOPICS + EVENTS + MILESTONES + PRODUCTS + BUSINESSES + ACTIVITIES + THINGS + CONCEPTS + PAIRS
+        )
+        assert not [w for w in BENCH_TOPIC_WORDS if w in lists.lower()]
     quoted = "Write a short dialogue between a customer and a waiter at a busy restaurant."
     assert _words8(quoted) & bench
 
@@ -507,4 +575,5 @@ def test_revocab_counts_answer_tokens_only_and_skips_held_out_records(tmp_path):
     cfg = RecipeConfig(budget_minutes=1, draft_vocab_size=3, revocab=True)
     path = answer_vocab(cfg, tmp_path, target, data)
     assert json.loads(path.read_text()) == [1, 2, 3]
-    assert 90 in {t for r in recs for t in r["input_ids"]}  # prompts' 90 outnumbers every answer id
+    counts = Counter(t for r in recs for t in r["input_ids"])
+    assert counts[90] > max(counts[t] for t in (1, 2, 3))  # whole records would rank the prompts' 90 first

@@ -439,8 +439,16 @@ def test_warm_start_with_a_new_draft_vocabulary_carries_the_shared_rows(target_d
     cfg = TrainConfig(draft_vocab_size=80, draft_vocab_file=str(vocab), **SMALL)
     fp = tr.fingerprint(tm, cfg, windows)
     assert fp == tr.fingerprint(tm, cfg, windows) and "draft_vocab" in fp
+    vocab.write_text(json.dumps(new, indent=2))  # the same ids laid out otherwise: the same run
+    assert tr.fingerprint(tm, cfg, windows) == fp
+    out = tmp_path / "resumed"
+    out.mkdir()
+    tr._save_checkpoint(out / tr.CHECKPOINT, fp, d, torch.optim.AdamW(d.parameters()), 1, [])
     vocab.write_text(json.dumps(new[1:] + [new[0] - 1 if new[0] else max(new) + 1]))
     assert tr.fingerprint(tm, cfg, windows) != fp
+    only_vocab = r"incompatible with this run \(the draft vocabulary \(draft_vocab_file's ids\) differs\)"
+    with pytest.raises(ValueError, match=only_vocab):
+        train_drafter(target_dir, greedy_data, out, TrainConfig(**{**cfg.__dict__, "steps": 2}), log=lambda m: None)
     assert "draft_vocab" not in tr.fingerprint(tm, TrainConfig(draft_vocab_size=80, **SMALL), windows)  # as before
     for text, match in (
         ("[1, 2]", "draft_vocab_size=80 needs that many distinct ids"),

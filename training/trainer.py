@@ -61,7 +61,8 @@ class TrainConfig:
     aux_layer_ids : capture boundaries (0 = embeddings, N = last layer output); None = (2, N//2, N-3).
     regenerate_new_tokens : > 0 replaces the data by target continuations of this many tokens after
         prompts of ``regenerate_prompt_tokens`` cut from it (self-distillation; up to ``regenerate_samples``).
-    init_lm_head_from_target : start the draft lm_head from the target's rows of the draft vocabulary.
+    init_lm_head_from_target : start the draft lm_head from the target's rows of the draft vocabulary
+        (a warm start with ``draft_vocab_file`` always does so for the ids its drafter lacks).
     init_from : warm start: a drafter directory (``Eagle3Drafter.from_pretrained``) whose weights and
         draft vocabulary (d2t/t2d) the run starts from; it must match this run's variant and shapes.
     draft_vocab_file : a JSON list of the ``draft_vocab_size`` target ids the draft vocabulary covers
@@ -184,8 +185,9 @@ def shared_teachers(
 
 
 def build_drafter(target: TargetModel, cfg: TrainConfig, seqs: list[list[int]]) -> Eagle3Drafter:
-    """A fresh drafter for ``target`` with d2t/t2d from the token frequencies of ``seqs``, or, with
-    ``cfg.init_from``, the weights and draft vocabulary of that drafter (a warm start)."""
+    """A fresh drafter for ``target`` with d2t/t2d from ``cfg.draft_vocab_file`` or else the token
+    frequencies of ``seqs``, or, with ``cfg.init_from``, the weights and draft vocabulary of that
+    drafter (a warm start; with ``draft_vocab_file`` the file's vocabulary, rows carried over)."""
     d = Eagle3Drafter.for_target(
         target.config,
         fc_norm=cfg.fc_norm,
@@ -302,8 +304,9 @@ def fingerprint(target: TargetModel, cfg: TrainConfig, windows: Windows) -> dict
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items() if k in keep},
         "data": data_hash,
     }
-    if cfg.draft_vocab_file is not None:  # its ids, not its name (a rerun may rewrite the file); unset: as before
-        out["draft_vocab"] = hashlib.sha256(Path(cfg.draft_vocab_file).read_bytes()).hexdigest()[:16]
+    if cfg.draft_vocab_file is not None:  # its ids, not its name or layout (a rerun may rewrite the file)
+        ids = sorted(json.loads(Path(cfg.draft_vocab_file).read_text()))
+        out["draft_vocab"] = hashlib.sha256(json.dumps(ids).encode()).hexdigest()[:16]
     return out
 
 
@@ -727,4 +730,6 @@ def _diff(old: Any, new: dict) -> str:
                 out.append(f"{k}: checkpoint {(old.get(part) or {}).get(k)!r}, now {v!r}")
     if old.get("data") != new["data"]:
         out.append("the training data differs")
+    if old.get("draft_vocab") != new.get("draft_vocab"):
+        out.append("the draft vocabulary (draft_vocab_file's ids) differs")
     return "; ".join(out) or "unknown difference"

@@ -182,6 +182,7 @@ def stage_train(cfg: RecipeConfig, work: Path, target: Path, data: Path, budget_
     from ...training import TrainConfig, train_drafters
 
     runs = []
+    vocab = str(answer_vocab(cfg, work, target, data)) if cfg.revocab else None
     for name in cfg.variants:
         flag = VARIANTS[name]
         tc = TrainConfig(
@@ -199,7 +200,7 @@ def stage_train(cfg: RecipeConfig, work: Path, target: Path, data: Path, budget_
             checkpoint_every=50,
             init_from=None if cfg.warm_start is None else str(Path(cfg.warm_start) / f"{MODEL}-{name}"),
             autocast=cfg.autocast,
-            draft_vocab_file=str(answer_vocab(cfg, work, target, data)) if cfg.revocab else None,
+            draft_vocab_file=vocab,
         )
         runs.append((work / name, tc))
     train = work / "train.jsonl"  # held-out ids never train, whoever wrote the distilled file

@@ -14,10 +14,12 @@ things to be explained. ``build_task_prompts`` builds such requests from templat
   topic from the lists below;
 * ``explain``: how something works, why something happens, or two things compared.
 
-The topic lists are written here and never name a topic of the benchmark's chat set
-(``perf/prompts/smollm2_chat.jsonl``; ``tests/test_recipe_smollm2.py`` checks that no request
-shares an 8-word run with a benchmark prompt). Records are ``{"id": "task.<form>.<i>", "kind":
-"task", "prompt": [user message]}``.
+The request types are the common ones of chat-instruction sets, so they are also the benchmark
+chat set's types (``perf/prompts/smollm2_chat.jsonl``: word problems, rewrites, writing,
+explanations): e.g. both hold a speed-distance-time problem. The wording, the numbers and the topic
+lists are written here and avoid the benchmark's topics (``tests/test_recipe_smollm2.py`` checks
+that no request shares an 8-word run with a benchmark prompt, nor names one of its topics).
+Records are ``{"id": "task.<form>.<i>", "kind": "task", "prompt": [user message]}``.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ WRITE_FORMS = (
     "Write three taglines for {product}.",
     "Write a customer review of {product}.",
     "Write a short dialogue between {person} and {person2} about {topic}.",
-    "Write a short motivational message for {person} who is nervous about {event}.",
+    "Write a short motivational message for {person} who is nervous about {milestone}.",
     "Give me five creative names for {business}.",
     "Write a short advertisement for {business}.",
     "Write a job posting for {job} at {business}.",
@@ -64,11 +66,11 @@ EXPLAIN_FORMS = (
     "What are the pros and cons of {choice}?",
     "Give me five tips for {activity}.",
     "What should I know before {activity}?",
-    "How can I get better at {activity}?",
+    "What mistakes do beginners make when {activity}?",
     "Make a one-week plan for {activity}.",
     "What is the difference between {pair}?",
     "Compare {pair} in a short table.",
-    "What is the history of {thing}, in brief?",
+    "What is the history of {invention}, in brief?",
     "Why is {concept} important?",
 )
 REWRITE_FORMS = (
@@ -77,7 +79,7 @@ REWRITE_FORMS = (
     "Rewrite this text so that a twelve-year-old can understand it:\n\n{text}",
     "Rewrite this text in a more formal tone:\n\n{text}",
     "Rewrite this text in a friendly, casual tone:\n\n{text}",
-    "Make this text shorter without losing its meaning:\n\n{text}",
+    "Shorten this text to about half its length:\n\n{text}",
     "Turn this text into a bulleted list of its main points:\n\n{text}",
     "Translate this text into Spanish:\n\n{text}",
     "Translate this text into German:\n\n{text}",
@@ -89,7 +91,7 @@ REWRITE_FORMS = (
 MODULE_DOC = re.compile(r'(?:[ \t]*(?:#[^\n]*)?\n)*[rRuU]?("""|\'\'\')(.*?)\1', re.DOTALL)
 # fmt: off
 TOPICS = (
-    "a rainy morning in the city", "an old lighthouse keeper's last night", "friendship", "learning to ride a bike",
+    "a rainy morning in the city", "an old clockmaker's last night", "friendship", "learning to ride a bike",
     "a forgotten garden", "the first snow of winter", "a long train journey", "moving to a new country",
     "a street market at dusk", "a robot who wants to be a chef", "the smell of fresh bread", "a lost umbrella",
     "a mountain village", "the night sky in the desert", "a grandmother's recipe book", "a library after closing time",
@@ -102,9 +104,18 @@ TOPICS = (
 EVENTS = (
     "our team's summer picnic", "the opening of a new community garden", "a charity run next month",
     "my sister's graduation party", "a book club meeting on Thursday", "the launch of our new website",
-    "a neighbourhood clean-up day", "a farewell lunch for a colleague", "a board game night", "a job interview",
+    "a neighbourhood clean-up day", "a farewell lunch for a colleague", "a board game night",
     "a piano recital", "the annual science fair", "a wedding anniversary dinner", "a volunteer training session",
-    "a hackathon this weekend", "the first day at a new job", "a driving test", "a school reunion",
+    "a hackathon this weekend", "a school reunion",
+)
+MILESTONES = (
+    "a job interview", "a driving test", "the first day at a new job", "a final exam", "a first marathon",
+    "giving a wedding toast", "a dentist appointment", "moving abroad", "a big presentation at work",
+)
+INVENTIONS = (
+    "the bicycle", "the printing press", "paper money", "the telephone", "the light bulb", "the compass",
+    "the steam engine", "photography", "the refrigerator", "the internet", "the microscope", "the calendar",
+    "the sewing machine", "the radio", "eyeglasses", "the postal service", "the elevator", "chocolate bars",
 )
 PEOPLE = (
     "a colleague", "my manager", "a neighbour", "an old friend", "my teacher", "a new team member", "my cousin",
@@ -112,12 +123,12 @@ PEOPLE = (
 )
 PRODUCTS = (
     "a solar-powered phone charger", "a bamboo toothbrush", "a smart plant pot that waters itself",
-    "noise-free mechanical keyboard", "a foldable electric scooter", "handmade soy candles", "a travel pillow",
+    "a quiet mechanical keyboard", "a foldable electric scooter", "handmade soy candles", "a travel pillow",
     "a recipe app for busy parents", "wireless earbuds for runners", "an ergonomic office chair", "organic green tea",
     "a language-learning board game", "a waterproof hiking backpack", "a kitchen scale with a timer", "a desk lamp",
 )
 BUSINESSES = (
-    "a vegan food truck", "a dog-walking service", "a small bookshop", "a yoga studio", "a bicycle rental shop",
+    "a vegan food truck", "a dog-walking service", "a small bookshop", "a yoga studio", "a ceramics studio",
     "a tutoring service", "an online plant store", "a family-run bakery", "a photography studio", "a cleaning company",
     "a coffee roastery", "a second-hand clothing store", "a local gym", "a pet grooming salon", "a craft brewery",
 )
@@ -150,9 +161,9 @@ CHOICES = (
     "buying a used car", "freelancing", "public transport", "meal prepping", "social media for small businesses",
 )
 ACTIVITIES = (
-    "starting to run", "learning to cook", "saving money", "learning to draw", "public speaking",
+    "running", "learning to cook", "saving money", "learning to draw", "public speaking",
     "growing vegetables on a balcony", "studying for exams", "travelling on a budget", "learning to swim",
-    "starting a small business", "writing a novel", "keeping a journal", "learning the guitar",
+    "starting a small business", "writing a novel", "keeping a journal", "learning the drums",
     "hiking in the mountains", "making new friends in a new city", "taking better photos with a phone",
     "reducing screen time", "baking bread",
 )
@@ -187,7 +198,7 @@ def _math(rng: random.Random) -> str:
         p, q = rng.choice((20, 35, 48, 60, 80, 120)), rng.choice((10, 15, 20, 30, 40))
         return f"A jacket costs ${p}. The price goes up by {q}%. What is the new price?"
     if k == 2:
-        n, m, t = rng.randint(2, 5), rng.randint(2, 6), rng.randint(24, 90)
+        n, m, t = rng.randint(2, 5), rng.randint(2, 6), 2 * rng.randint(12, 45)
         return (
             f"{a} has {n} times as many {item} as {b}, and {b} has {m} more than half of {t}. "
             f"How many {item} does {a} have?"
@@ -258,13 +269,18 @@ def prose_paragraphs(root: Path | None = None, min_words: int = 35, max_words: i
                 continue  # code, tables and grammar rules
             p = re.sub(r"\*+|`+|\s+", lambda m: " " if m.group().isspace() else "", para).strip()
             words = p.split()
+            symbols = sum(not (c.isalnum() or c.isspace() or c in ".,;:'()-\"’!?") for c in p)
+            if symbols > 0.01 * len(p):
+                continue  # code-like: paths, escapes, braces
             if min_words <= len(words) <= max_words and p.endswith(".") and p[:1].isupper():
                 out.append(p)
     return sorted(set(out))
 
 
 def build_task_prompts(n: int, seed: int = 0, root: Path | None = None) -> list[dict]:
-    """``n`` everyday chat requests (module docstring), the four forms in rotation, seeded.
+    """``n`` everyday chat requests (module docstring), the four forms in rotation, seeded; a
+    ``ValueError`` when the templates give fewer distinct ones. Each prose paragraph is rewritten
+    once before any is reused.
 
     Examples
     --------
@@ -278,7 +294,7 @@ def build_task_prompts(n: int, seed: int = 0, root: Path | None = None) -> list[
     out: list[dict] = []
     seen: set[str] = set()
     forms = ("math", "rewrite", "write", "explain")
-    tries = 0
+    tries = n_rewrites = 0
     while len(out) < n and tries < 20 * n + 100:
         tries += 1
         form = forms[len(out) % len(forms)]
@@ -289,21 +305,26 @@ def build_task_prompts(n: int, seed: int = 0, root: Path | None = None) -> list[
                 raise ValueError(
                     "no prose paragraphs found for rewrite requests (pydoc_data/topics.py, stdlib docstrings)"
                 )
-            text = rng.choice(REWRITE_FORMS).format(text=paragraphs[(tries * 7919) % len(paragraphs)])
+            # each paragraph once (in a seeded order) until all are used: a held-out rewrite's text
+            # is then no training rewrite's
+            text = rng.choice(REWRITE_FORMS).format(text=paragraphs[n_rewrites % len(paragraphs)])
+            n_rewrites += 1
         elif form == "write":
             p1, p2 = rng.sample(PEOPLE, 2)
             text = rng.choice(WRITE_FORMS).format(
-                topic=rng.choice(TOPICS), event=rng.choice(EVENTS), person=p1, person2=p2,
-                product=rng.choice(PRODUCTS), business=rng.choice(BUSINESSES), job=rng.choice(JOBS),
+                topic=rng.choice(TOPICS), event=rng.choice(EVENTS), milestone=rng.choice(MILESTONES), person=p1,
+                person2=p2, product=rng.choice(PRODUCTS), business=rng.choice(BUSINESSES), job=rng.choice(JOBS),
                 animal=rng.choice(ANIMALS), thing=rng.choice(THINGS),
             )  # fmt: skip
         else:
             text = rng.choice(EXPLAIN_FORMS).format(
                 thing=rng.choice(THINGS), concept=rng.choice(CONCEPTS), choice=rng.choice(CHOICES),
-                activity=rng.choice(ACTIVITIES), pair=rng.choice(PAIRS),
+                activity=rng.choice(ACTIVITIES), pair=rng.choice(PAIRS), invention=rng.choice(INVENTIONS),
             )  # fmt: skip
         if text in seen:
             continue
         seen.add(text)
         out.append({"id": f"task.{form}.{len(out)}", "kind": "task", "prompt": [{"role": "user", "content": text}]})
+    if len(out) < n:
+        raise ValueError(f"n_tasks={n}: the templates give {len(out)} distinct requests; ask for at most that many")
     return out
