@@ -4,6 +4,7 @@ held-out split, and self-distillation that resumes (the real run: ``recipes/smol
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from string import Formatter
 
@@ -14,17 +15,8 @@ from tritonspec.recipes.smollm2.build import RecipeConfig, heldout
 from tritonspec.recipes.smollm2.distill import MAX_NEW_TOKENS, distill
 from tritonspec.recipes.smollm2.prompts import KINDS, LONG_EXCLUDED, LONG_MAX_CHARS, build_long_prompts, build_prompts
 from tritonspec.recipes.smollm2.tasks import (
-    ACTIVITIES,
-    BUSINESSES,
-    CONCEPTS,
-    EVENTS,
     EXPLAIN_FORMS,
-    MILESTONES,
-    PAIRS,
-    PRODUCTS,
     REWRITE_FORMS,
-    THINGS,
-    TOPICS,
     WRITE_FORMS,
     build_task_prompts,
     prose_paragraphs,
@@ -513,7 +505,7 @@ BENCH_TOPIC_WORDS = (
     "cover letter",
     "limerick",
     "lighthouse",
-    "teacher who",
+    "thank-you",
     "bike-repair",
     "waiter",
     "branches of government",
@@ -543,12 +535,11 @@ def test_task_prompts_share_no_eight_word_run_with_the_chat_benchmark():
         recs = build_task_prompts(1200, seed=seed)
         assert len(recs) == 1200
         assert not [r["id"] for r in recs if _words8(r["prompt"][0]["content"]) & bench]
-        lists = " | ".join(
-            TOPICS + EVENTS + MILESTONES + PRODUCTS + BUSINESSES + ACTIVITIES + THINGS + CONCEPTS + PAIRS
-        )
-        assert not [w for w in BENCH_TOPIC_WORDS if w in lists.lower()]
+        # the requests written here (a rewrite's text comes from Python's docs) name no benchmark topic
+        ours = [r["prompt"][0]["content"].lower() for r in recs if ".rewrite." not in r["id"]]
+        assert not {w for w in BENCH_TOPIC_WORDS for t in ours if re.search(rf"\b{re.escape(w)}", t)}
     quoted = "Write a short dialogue between a customer and a waiter at a busy restaurant."
-    assert _words8(quoted) & bench
+    assert _words8(quoted) & bench and re.search(r"\bwaiter", quoted.lower())  # both checks see a copied prompt
 
 
 def test_recipe_config_refuses_negative_tasks():

@@ -32,6 +32,7 @@ import json
 import random
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -261,12 +262,12 @@ def stage_evaluate(cfg: RecipeConfig, work: Path, target: Path, records: list[di
     comparable across runs."""
     from ...runtime.engine import SpeculativeRuntime
 
-    held = [r for r in records if r["kind"] not in ("long", "task") and heldout(r["id"], cfg.heldout_percent)]
-    held = held[: cfg.eval_prompts]
-    held_tasks = [r for r in records if r["kind"] == "task" and heldout(r["id"], cfg.heldout_percent)]
-    held_tasks = held_tasks[: cfg.eval_prompts // 2]
-    held_long = [r for r in records if r["kind"] == "long" and heldout(r["id"], cfg.heldout_percent)]
-    held_long = held_long[: cfg.eval_prompts // 4]
+    def held_out(keep: Callable[[str], bool], n: int) -> list[dict]:
+        return [r for r in records if keep(r["kind"]) and heldout(r["id"], cfg.heldout_percent)][:n]
+
+    held = held_out(lambda kind: kind not in ("long", "task"), cfg.eval_prompts)
+    held_tasks = held_out(lambda kind: kind == "task", cfg.eval_prompts // 2)
+    held_long = held_out(lambda kind: kind == "long", cfg.eval_prompts // 4)
     chats = self_chat_records(self_chat_path(cfg, work), cfg.n_self_chat, cfg.seed)[0] if cfg.n_self_chat else []
     held_chat = [r for r in chats if heldout(r["id"], cfg.heldout_percent)][: cfg.eval_prompts // 2]
     out = {}
