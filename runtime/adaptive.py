@@ -34,10 +34,10 @@ Where it runs: a batch-1 greedy request whose shape came from a tuned profile wi
 shape), with no drift observer. A long prompt takes its long-context row's ladder: that row's
 measured shapes and rates (attention over the long context included), the profile's acceptance,
 which λ̂ rescales; a row whose tuned shape is not the fastest of its measured trees (the tuner
-chose it by its lookup branch, some long-context rows) keeps it fixed, as larger batches do.
-Greedy output is the target's whatever the shape, so switching never changes tokens.
-``SpeculativeRuntime(adaptive_shape=False)`` or the CLI's ``--no-adaptive-shape`` turns it off;
-``SpecStats.shape_switches`` and ``rounds_per_shape`` say what it did.
+chose it by its lookup branch, some long-context rows) keeps it fixed, as larger batches do. Greedy output is the target's whatever the shape, so
+switching never changes tokens. ``SpeculativeRuntime(adaptive_shape=False)`` or the CLI's
+``--no-adaptive-shape`` turns it off; ``SpecStats.shape_switches`` and ``rounds_per_shape`` say
+what it did.
 
 Per round: a few host integer operations here, and in ``commit`` four tiny tensor ops whose
 result the round's one sync (``collect``) reads with the emitted tokens.
