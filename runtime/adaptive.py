@@ -30,11 +30,9 @@ records it when ``track_drafted`` is set), and a round whose accepted path ran o
 lookup branch past the tree is left out (what the tree alone would have accepted is unknown).
 
 Where it runs: a batch-1 greedy request whose shape came from a tuned profile with measured
-``costs`` and ``acceptance``, on eager rounds (a compiled or CUDA-graph round is one artifact per
-shape), with no drift observer. A long prompt takes its long-context row's ladder: that row's
-measured shapes and rates (attention over the long context included), the profile's acceptance,
-which λ̂ rescales; a row whose tuned shape is not the fastest of its measured trees (the tuner
-chose it by its lookup branch, some long-context rows) keeps it fixed, as larger batches do. Greedy output is the target's whatever the shape, so
+``costs`` and ``acceptance`` (the profile's short-context row: long-context rows and larger
+batches keep their measured shape), on eager rounds (a compiled or CUDA-graph round is one
+artifact per shape), with no drift observer. Greedy output is the target's whatever the shape, so
 switching never changes tokens. ``SpeculativeRuntime(adaptive_shape=False)`` or the CLI's
 ``--no-adaptive-shape`` turns it off; ``SpecStats.shape_switches`` and ``rounds_per_shape`` say
 what it did.

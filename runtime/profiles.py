@@ -340,7 +340,7 @@ def policy_from_profile(data: dict, source: str, device: torch.device | str, pat
     kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
     base = tables.pop(0)
     policy = ShapePolicy(source, spec.num_draft_tokens, kind, base, path=path)
-    b1 = next((r for r in data.get("shapes") or [] if _b1_greedy(r, 0)), None)
+    b1 = next((r for r in data.get("shapes") or [] if _short_b1_greedy(r)), None)
     ladder = shape_ladder(data, b1) if b1 is not None and b1.get("spec") else None
     if ladder is not None:
         policy.ladders[1, "greedy"] = ladder
@@ -348,17 +348,11 @@ def policy_from_profile(data: dict, source: str, device: torch.device | str, pat
         b1 = table.get((1, "greedy"), spec)
         budget = b1.num_draft_tokens if b1 is not None else 1  # plain decoding won batch 1: plain above it too
         policy.contexts[t] = ShapePolicy(source, budget, kind, table, path=path)
-        row = next((r for r in data.get("shapes") or [] if _b1_greedy(r, t)), None)
-        # the bucket's own measured rates calibrate the round times (attention over the long context
-        # included); the acceptance is the profile's, which each request's λ̂ rescales
-        ladder = shape_ladder(data, row) if row is not None and row.get("spec") else None
-        if ladder is not None:
-            policy.contexts[t].ladders[1, "greedy"] = ladder
     return policy
 
 
-def _b1_greedy(row: dict, context: int) -> bool:
-    return row["batch_size"] == 1 and row["sampling"] == "greedy" and row.get("context", 0) == context
+def _short_b1_greedy(row: dict) -> bool:
+    return row["batch_size"] == 1 and row["sampling"] == "greedy" and not row.get("context", 0)
 
 
 LADDER_MIN_RATE = 0.7  # a ladder keeps the shapes that measured >= this x the row's best (and beat plain)
@@ -370,9 +364,7 @@ def shape_ladder(data: dict, row: dict) -> ShapeLadder | None:
     measured there (its ``decode_tokens_per_s`` keys) at >= ``LADDER_MIN_RATE`` of the best and
     faster than plain decoding, each with the row's prompt-lookup settings, modelled with the
     profile's ``costs`` and ``acceptance`` and calibrated by the measured rates. None when the
-    profile lacks them (older profiles), fewer than two shapes qualify, or the row's tuned shape is
-    not the fastest of its measured trees (the tuner picked it with its lookup branch, which the
-    others were not measured with: some long-context rows); a warning, and None,
+    profile lacks them (older profiles) or fewer than two shapes qualify; a warning, and None,
     when they are malformed (the profile's shapes still apply, fixed)."""
     if not isinstance(data.get("costs"), dict) or not isinstance(data.get("acceptance"), dict):
         return None
@@ -389,11 +381,6 @@ def shape_ladder(data: dict, row: dict) -> ShapeLadder | None:
         floor = max(measured.get("plain", 0.0), LADDER_MIN_RATE * max(shaped.values()))
         shapes = [chosen]  # its rate: its shape's without the lookup branch, as every other rate here
         rate_of = [shaped.get((chosen.num_speculative_tokens, chosen.top_k, chosen.num_draft_tokens))]
-        if rate_of[0] is not None and rate_of[0] < max(shaped.values()):
-            # the tuner chose it by what only it was measured with (its lookup branch; some long-context
-            # rows): the ladder, which ranks trees by their rates without lookup, would leave the tuned
-            # shape at the profile's own acceptance. Keep it fixed.
-            return None
         for (d, k, n), rate in shaped.items():
             if rate < floor:
                 continue  # no hopeless shape (the model may misjudge it)

@@ -138,28 +138,20 @@ def _data(rows: list[dict], with_model: bool = True) -> dict:
 def test_a_profile_row_carries_its_measured_shapes_with_its_lookup():
     chosen = S(4, 2, 9, prompt_lookup_num_tokens=4)
     rates = {"plain": 10.0, "(4,2,9)": 20.0, "(2,1,3)": 18.0, "(1,1,2)": 13.0, "(5,1,6)": 9.0, "bogus": 30.0}
-    long_rates = {"plain": 8.0, "(4,2,9)": 11.0, "(2,1,3)": 12.0}  # at long context the small tree measured best
-    rows = [_row(chosen, rates), _row(SMALL, long_rates, context=50), _row(BIG, long_rates, context=90)]
-    policy = prof.policy_from_profile(_data(rows), "profile", "cpu")
+    policy = prof.policy_from_profile(_data([_row(chosen, rates), _row(SMALL, rates, context=50)]), "profile", "cpu")
     c = policy.choose(1, True)
     assert c.spec == chosen and c.ladder is not None
     # >= 0.7 x the best and faster than plain: (1,1,2) at 0.65x and (5,1,6) below plain are left out
     assert [s.label for s in c.ladder.shapes] == ["(4,2,9)+lookup4", "(2,1,3)+lookup4"]
-    long = policy.choose(1, True, context=60)  # a long-context row: its own measured shapes and lookup
-    assert long.spec == SMALL and [s.label for s in long.ladder.shapes] == ["(2,1,3)", "(4,2,9)"]
-    assert policy.choose(1, True, context=49).ladder is c.ladder  # below the threshold: the short row's
-    # the inverse: a row whose tuned shape is not its fastest measured tree (the tuner chose it by its
-    # lookup branch) keeps it fixed: at the profile's own acceptance the ladder would leave it at once
-    assert policy.choose(1, True, context=95).spec == BIG and policy.choose(1, True, context=95).ladder is None
+    assert policy.choose(1, True, context=60).ladder is None  # long-context rows keep their shape
     assert policy.choose(1, False).ladder is None and policy.choose(4, True).ladder is None
-    assert policy.choose(1, False, context=60).ladder is None and policy.choose(4, True, context=60).ladder is None
     assert policy.largest(4).num_draft_tokens >= 9  # the caches fit every ladder shape
 
 
 def _zero_costs(d: dict) -> None:  # an unmeasured chosen shape on a zero cost model: no round time
     d["costs"].update(verify_s=[0.0] * 5, draft_head_s={1: 0.0, 2: 0.0}, draft_step_s={1: 0.0, 2: 0.0})
     d["costs"].update(commit_s=[0.0, 0.0], plain_s=0.0)
-    del d["shapes"][0]["decode_tokens_per_s"]["(4,2,9)"]
+    d["shapes"][0]["decode_tokens_per_s"]["(4,2,9)"] = 0.0
 
 
 @pytest.mark.parametrize(
@@ -251,55 +243,6 @@ def test_a_request_switches_shape_and_keeps_the_targets_tokens(pair_with_profile
     assert sampled.stats.shape_switches == 0
     two = rt.generate(prompt * 2, max_new_tokens=12)
     assert two.stats.shape_switches == 0
-
-
-def test_a_long_context_request_switches_by_its_own_rows_ladder(tuned_dir):
-    """A profile with a long-context row (prompts >= 10 tokens): a long prompt adapts among that row's
-    shapes, a short one among the short row's; tokens stay plain decoding's."""
-    model, drafter = perm_pair("llama", vocab=24, seed=3, alpha=0.3)
-    rt0 = runtime(model, drafter)
-    key = dict(
-        target=prof.target_fingerprint(rt0.target),
-        drafter=prof.drafter_fingerprint(drafter),
-        device=prof.device_key("cpu"),
-        dtype="float32",
-        backend="torch",
-    )
-    rates, long_rates = {"(4,2,9)": 2.0, "(2,1,3)": 1.9}, {"(4,2,9)": 1.7, "(2,1,3)": 1.9}
-    rows = [
-        {"batch_size": 1, "sampling": "greedy", "spec": BIG, "decode_tokens_per_s": rates},
-        {"batch_size": 1, "sampling": "greedy", "spec": SMALL, "decode_tokens_per_s": long_rates, "context": 10},
-    ]
-    prof.write_profile(
-        tuned_dir,
-        key,
-        BIG,
-        predicted={},
-        measured_with={},
-        costs=asdict(costs()),
-        acceptance=asdict(acceptance()),
-        checks=[],
-        shapes=rows,
-    )
-    rt = runtime(model, drafter, max_batch_size=1)
-    lad = rt.shape_policy.contexts[10].ladders[1, "greedy"]
-    assert lad.shapes == (SMALL, BIG)
-    n = len(LAMBDAS)  # the long row's ladder now always prefers BIG
-    rt.shape_policy.contexts[10].ladders[1, "greedy"] = ShapeLadder(
-        (SMALL, BIG), ((2.0,) * n, (2.0,) * n), (1.0, 0.5), (1,) * n
-    )
-    rt.shape_policy.ladders[1, "greedy"] = ShapeLadder(  # and the short row's always prefers staying on BIG
-        (BIG, SMALL), ((2.0,) * n, (2.0,) * n), (0.5, 1.0), (0,) * n
-    )
-    long, short = random_prompts(24, [14], seed=4), random_prompts(24, [6], seed=4)
-    for prompt, start in ((long, SMALL), (short, BIG)):
-        plain = rt.generate(prompt, max_new_tokens=30, speculative=False).token_ids
-        out = rt.generate(prompt, max_new_tokens=30)
-        assert out.token_ids == plain and out.stats.spec == start
-        if start == SMALL:  # the long prompt switched to the long row's preferred shape
-            assert out.stats.shape_switches == 1 and out.stats.rounds_per_shape[BIG.label] >= 1
-        else:  # the short prompt never saw the long row's ladder
-            assert out.stats.shape_switches == 0 and list(out.stats.rounds_per_shape) == [BIG.label]
 
 
 def test_each_request_of_a_one_row_queue_starts_from_the_profile_shape(pair_with_profile):
@@ -394,15 +337,9 @@ def test_a_request_accepted_as_the_profile_predicts_keeps_the_tuned_shape(path):
     rounds exactly as the profile predicts never move a request off it; rounds far below or above do
     move it (the inverse: the ladder is not inert)."""
     policy = prof.policy_from_profile(prof.read_profile(path), "shipped profile", "cpu")
-    choices = [policy.choose(1, True, context) for context in (0, *policy.contexts)]
-    choices = [c for c in choices if c.ladder is not None]
-    if not choices:
+    choice = policy.choose(1, True)
+    if choice.ladder is None:
         pytest.skip(f"{path.name}: no ladder (no measured shapes, costs or acceptance)")
-    for choice in choices:  # the short-prompt row's, and each long-context row's
-        _keeps_the_tuned_shape_at_lambda_1(choice)
-
-
-def _keeps_the_tuned_shape_at_lambda_1(choice) -> None:
     lad = choice.ladder
     i, j1 = lad.shapes.index(choice.spec), LAMBDAS.index(1.0)
     assert lad.best[j1] == i
