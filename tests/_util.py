@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+from types import ModuleType
+
 import torch
 
 import tritonspec as ts
@@ -94,3 +98,12 @@ def perm_pair(
         d.lm_head.weight.zero_()
         d.lm_head.weight[:, :active] = E[inv][:, :active]
     return model, d
+
+
+def perf_module(name: str, as_name: str | None = None) -> ModuleType:
+    """``perf/<name>.py`` (a script, not a package module) loaded as a module."""
+    path = Path(__file__).resolve().parent.parent / "perf" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(as_name or name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

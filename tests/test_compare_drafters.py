@@ -3,7 +3,6 @@ and its input errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -11,16 +10,15 @@ import pytest
 
 import tritonspec as ts
 
+from _util import perf_module
+
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "demo"
 
 
 @pytest.fixture(scope="module")
 def cmp():
-    spec = importlib.util.spec_from_file_location("compare_drafters", ROOT / "perf" / "compare_drafters.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return perf_module("compare_drafters")
 
 
 @pytest.fixture

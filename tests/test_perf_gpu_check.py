@@ -3,22 +3,17 @@ checked without a GPU (the GPU run itself happens in a session that has one)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
+from _util import perf_module
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "perf" / "gpu_check.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return perf_module("gpu_check")
 
 
 def test_dry_run_prints_every_step_and_runs_nothing(gpu_check, capsys, tmp_path, monkeypatch):
@@ -171,9 +166,7 @@ def test_graph_table_reports_the_deterministic_cost(gpu_check):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU: perf/conftest.py's graph_time captures a CUDA graph")
 def test_graph_time_times_a_capturable_call_and_reports_one_that_is_not():
-    spec = importlib.util.spec_from_file_location("perf_conftest", ROOT / "perf" / "conftest.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = perf_module("conftest", "perf_conftest")
     x = torch.randn(1 << 20, device="cuda")
     ok = mod.graph_time(lambda: x.mul_(1.0), inner=10)
     assert ok["us_per_call_graph"] > 0 and "graph_error" not in ok
