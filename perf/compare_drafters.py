@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from tritonspec.recipes.smollm2.build import read_jsonl
+
 PROMPTS_DIR = Path(__file__).with_name("prompts")
 
 
@@ -86,7 +88,7 @@ def load_set(name: str, n: int, start: int = 0) -> list[Any]:
         raise SystemExit(
             f"--sets: {name!r} is neither 'humaneval', a set of {PROMPTS_DIR} (smollm2_<name>.jsonl) nor a JSONL file"
         )
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = read_jsonl(path)
     prompts = []
     for i, row in enumerate(rows[start : start + n]):
         if "messages" in row:
@@ -111,18 +113,15 @@ def compare(
     """One row per (shape, set, drafter): ``tau``, ``coverage``, ``prompts``, ``identical`` (see the module doc)."""
     from tritonspec import Eagle3Drafter, SpeculativeRuntime
 
-    first = None
-    runtimes = {}
-    for name, d in drafters.items():  # one target model, shared: loaded (and dequantized) once
-        if first is None:
-            first = runtimes[name] = SpeculativeRuntime.from_pretrained(
-                target, d, max_batch_size=1, adaptive_shape=False
-            )
-        else:  # loaded as from_pretrained loads it, so the drafter runs in the same weight dtype
-            drafter = Eagle3Drafter.from_pretrained(d, loaded_by_runtime=True)
-            runtimes[name] = SpeculativeRuntime(
-                first.target, drafter, first.tokenizer, max_batch_size=1, adaptive_shape=False
-            )
+    (name0, dir0), *others = drafters.items()
+    first = SpeculativeRuntime.from_pretrained(target, dir0, max_batch_size=1, adaptive_shape=False)
+    runtimes = {name0: first}
+    for name, d in others:  # the first one's target, shared: loaded (and dequantized) once
+        # loaded as from_pretrained loads it, so the drafter runs in the same weight dtype
+        drafter = Eagle3Drafter.from_pretrained(d, loaded_by_runtime=True)
+        runtimes[name] = SpeculativeRuntime(
+            first.target, drafter, first.tokenizer, max_batch_size=1, adaptive_shape=False
+        )
     vocab = {name: set(rt.drafter.target_ids().tolist()) for name, rt in runtimes.items()}
     rows = []
     for shape in shapes:
