@@ -450,12 +450,13 @@ def panels_default(dtype: torch.dtype = torch.float32) -> bool:
 
 def panels_pay(weight: torch.Tensor) -> bool:
     """Whether the panel layout (``weight_layout="panels"``, ``Eagle3Drafter.pack_for_cpu``) packs
-    ``weight``: ``packable_panels``, and where ``SIZE_FLOORS`` applies (Intel: MKL won on small,
-    cache-resident weights against the ``[N, K]`` kernel; the panel kernel is not measured against MKL on
-    them there) at least ``MIN_WEIGHT`` elements and ``MIN_K`` columns. Smaller weights stay ``[N, K]``."""
-    if not packable_panels(weight):
-        return False
-    return not SIZE_FLOORS or (weight.numel() >= MIN_WEIGHT and weight.shape[1] >= MIN_K)
+    ``weight``: ``packable_panels``, whatever its size. ``SIZE_FLOORS`` no longer applies here (it
+    still sends small *unpacked* weights to MKL): on the Intel Xeon with AMX (2026-12-06, one thread,
+    same process, the demo pair's 128-wide weights packed against left ``[N, K]`` on MKL), EAGLE-3.1
+    rounds took 0.71-0.81x the time at batch 1 and 4, greedy and sampled, plain steps 0.91-1.10x,
+    prompts 0.98x (``perf/CPU_DECODE.md``): MKL's small calls of 4-16 rows, the verify's, are what the
+    floors had kept, and they were measured against the ``[N, K]`` kernel only."""
+    return packable_panels(weight)
 
 
 def pack_f32(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K, 16]

@@ -35,7 +35,7 @@ pytestmark = [
 
 def _packed(d: ts.Eagle3Drafter) -> None:
     """Pack the drafter; skip where this CPU keeps a projection ``[N, K]`` (``cpu_linear.panels_pay``
-    declines small weights on Intel), where the operator must decline (the tests assert it ran)."""
+    declines it), where the operator must decline (the tests assert it ran)."""
     d.pack_for_cpu()
     if any(d._packed[1][n].dim() != 3 for n in ("qkv", "o", "gate_up", "down")):
         pytest.skip("this CPU keeps the test's small projections [N, K] (cpu_linear.panels_pay): the operator declines")

@@ -207,6 +207,27 @@ def test_panels_default_follows_where_it_was_measured(monkeypatch, isa, intel, f
             assert (resolve_layout("auto", cpu, dtype) == "panels") == want
 
 
+@pytest.mark.skipif(cl.available(torch.float32) is not None, reason="the CPU kernels do not run float32 here")
+@pytest.mark.parametrize("intel", [False, True])
+def test_panels_pay_packs_small_weights_on_every_cpu(monkeypatch, intel):
+    """Small, cache-resident weights (the demo's 128-wide projections, below ``MIN_WEIGHT`` / ``MIN_K``)
+    pack too, on Intel as elsewhere: the panel kernel's 4-16-row calls (a verify) beat MKL's there
+    (``panels_pay``). ``SIZE_FLOORS`` still sends a small *unpacked* weight to ``F.linear``. Inverse: a
+    weight ``pack_panels`` cannot take (N % 16 != 0) stays ``[N, K]``; and the demo target loaded with
+    the default layout on a CPU whose default is panels has every projection packed."""
+    monkeypatch.setattr(cl, "SIZE_FLOORS", intel)
+    small = torch.randn(128, 128)
+    assert small.numel() < cl.MIN_WEIGHT and cl.panels_pay(small)
+    assert not cl.panels_pay(torch.randn(120, 128))  # N % 16 != 0
+    if intel:  # an unpacked small weight under the floors: MKL, exactly
+        x = torch.randn(5, 128)
+        assert torch.equal(cl.linear(x, small), F.linear(x, small))
+    if ts.demo.available() and cl.panels_default():
+        t = ts.TargetModel.from_pretrained(ts.demo.demo_pair()[0])
+        assert t.weight_layout == "panels"
+        assert all(getattr(layer, n).dim() == 3 for layer in t.layers for n in ("wqkv", "wo", "gate_up", "down"))
+
+
 def test_layout_is_the_float32_default_and_checked():
     cpu = torch.device("cpu")
     assert resolve_layout("auto", cpu, torch.float32) == ("panels" if cl.panels_default() else "nk")
@@ -218,11 +239,10 @@ def test_layout_is_the_float32_default_and_checked():
 
 
 @pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
-def test_panels_target_matches_nk_and_saves_the_same_weights(tmp_path, monkeypatch):
+def test_panels_target_matches_nk_and_saves_the_same_weights(tmp_path):
     """The demo target in both layouts: every projection packed (the tied head as its own packed copy,
     the embedding kept for lookups), the same weights written back, logits equal to a matmul's last
     bits, and the same greedy tokens."""
-    monkeypatch.setattr(cl, "SIZE_FLOORS", False)  # Intel: the demo's small weights would stay [N, K]
     target, drafter = ts.demo.demo_pair()
     nk = ts.TargetModel.from_pretrained(target, weight_layout="nk")
     pn = ts.TargetModel.from_pretrained(target, weight_layout="panels")
@@ -252,9 +272,7 @@ def test_drafter_runs_packed_only_where_its_runtime_runs_the_kernel(monkeypatch)
     every drafter projection reaches the kernel as a packed weight; a runtime with
     ``cpu_linear="torch"`` sharing the same module keeps ``F.linear`` on its weights; the two give
     the same greedy tokens (verification is exact), and a weight changed in place is repacked (the
-    inverse: a stale copy would keep the old logits). Intel's size floors (``SIZE_FLOORS``: the demo's
-    small weights stay ``[N, K]`` there) are lifted so that every projection packs."""
-    monkeypatch.setattr(cl, "SIZE_FLOORS", False)
+    inverse: a stale copy would keep the old logits)."""
     target, drafter = ts.demo.demo_pair()
     tok = ts.runtime.engine.load_tokenizer(target)
     d = ts.Eagle3Drafter.from_pretrained(drafter)

@@ -153,12 +153,11 @@ def test_layout_is_the_bfloat16_default_without_amx():
 
 
 @pytest.mark.skipif(not ts.demo.available(), reason="the demo pair is not built")
-def test_bfloat16_panels_target_and_drafter_decode_losslessly(monkeypatch):
+def test_bfloat16_panels_target_and_drafter_decode_losslessly():
     """The demo pair in bfloat16: the target in panels (every projection packed, the same weights
     written back), the drafter packed at attach where its runtime packs; speculative greedy output
     equals plain greedy output in the same layout, and the nk target's head gives logits within
     bfloat16's rounding of the panels target's."""
-    monkeypatch.setattr(cl, "SIZE_FLOORS", False)  # Intel: the demo's small weights would stay [N, K]
     target, drafter = ts.demo.demo_pair()
     tok = ts.runtime.engine.load_tokenizer(target)
     nk = ts.TargetModel.from_pretrained(target, dtype=BF, weight_layout="nk")

@@ -94,13 +94,10 @@ def _native_ready() -> bool:
 
 @pytest.mark.skipif(not _native_ready(), reason="no native operator, or this CPU does not pack float32 drafters")
 @pytest.mark.parametrize("spec", ["chain", "tree+lookup"])
-def test_runtime_output_packing_and_the_callers_module(spec, monkeypatch):
+def test_runtime_output_packing_and_the_callers_module(spec):
     """Demo pair: the same greedy tokens as plain decoding and as float32 drafter weights; the decode
     weights are bfloat16 panels, the prompt's float32 ones; the native step ran on them; the caller's
-    drafter module is not repacked; the proposals moved (the rounding reaches the drafter). Intel's size
-    floors (``SIZE_FLOORS``: the demo's small weights stay ``[N, K]`` there, and the native step then
-    declines) are lifted so that every projection packs."""
-    monkeypatch.setattr(cl, "SIZE_FLOORS", False)
+    drafter module is not repacked; the proposals moved (the rounding reaches the drafter)."""
     cfg = {
         "chain": ts.SpecConfig.chain(4),
         "tree+lookup": ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6, prompt_lookup_num_tokens=4),

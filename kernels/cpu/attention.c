@@ -30,7 +30,11 @@
  * order per query, so the same bits as alone; TRITONSPEC_CPU_ATTENTION_SHARED=0 turns it off for A/B
  * runs). Demo verify (13 queries, 4 heads / 2 KV heads, D 32, 800 keys) 205 -> 157 us on one thread,
  * 114 -> 83 us on two; SmolLM2's (9 / 3, D 64) 2,500 keys 1.27 -> 1.12 ms, 300 keys 155 -> 146 us
- * (two threads; 2026-12-04, AVX2 Zen 3).
+ * (two threads; 2026-12-04, AVX2 Zen 3). In those shared blocks, acc += p v then runs for up to 8 (query,
+ * head) rows of a group at once (PV_WIDE: each V chunk loaded once for them, up to 16 independent FMA
+ * chains where one query's G heads x chunks were latency-bound), each chain still key after key: demo
+ * shape, 12 queries, 800 keys, 90-93 -> 84-88 us; SmolLM2's, 16 queries, 2,500 keys, 1.19-1.27 -> 1.13 ms
+ * (one thread, the operator alone, alternating builds; 2026-12-06, Xeon with AMX, a training run beside).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -98,6 +102,12 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
  * roundings whatever the block, the other keys or the other queries. ND = D / 16 for the
  * head dims specialised at compile time (16, 32, 64, 128), 0 for any other D. */
 #define CHAINS 8
+#define WIDE_CHAINS 16 /* the shared-prefix path's query groups: up to 16 accumulators of 16 lanes */
+#ifdef __AVX512F__
+#define MAX_GC 8 /* ... of up to 8 (query, head) rows */
+#else
+#define MAX_GC 1 /* AVX2 (avx2.h): 16 registers, and 16 emulated 16-lane chains would spill: query by query */
+#endif
 #define TASK(NAME, T, LOAD)                                                                                  \
     /* a query's state: qf (its G heads, float32), acc, m, l */                                              \
     static inline __attribute__((always_inline)) void NAME##_init(                                           \
@@ -113,11 +123,10 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
             l[g] = 0.0f;                                                                                      \
         }                                                                                                     \
     }                                                                                                         \
-    /* one block of n visible keys at slot[]: scores, the online softmax's update, acc += p v */              \
-    static inline __attribute__((always_inline)) void NAME##_block(                                          \
+    /* one block of n visible keys at slot[]: scores, the online softmax's update (s becomes p) */           \
+    static inline __attribute__((always_inline)) void NAME##_sm(                                             \
         float (*qf)[MAX_D], float (*acc)[MAX_D], float (*s)[BLOCK], float* m, float* l, const T* kb,          \
-        const T* vb, int64_t sks, int64_t svs, const int64_t* slot, int n, int G, int64_t D, int64_t nd,      \
-        float scale, const int ND) {                                                                          \
+        int64_t sks, const int64_t* slot, int n, int G, int64_t D, int64_t nd, float scale) {                 \
         switch (G) { /* scores: each K chunk loaded once for the G heads, 16 / G keys at a time */            \
         case 1: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 1); break;                               \
         case 2: NAME##_scores(qf, s, kb, slot, n, sks, D, nd, scale, 2); break;                               \
@@ -146,6 +155,13 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
                 for (int64_t c = 0; c < nd; c++)                                                              \
                     _mm512_store_ps(&acc[g][16 * c], _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), _mm512_set1_ps(alpha))); \
         }                                                                                                     \
+    }                                                                                                         \
+    /* one block of n visible keys at slot[]: scores, the online softmax's update, acc += p v */              \
+    static inline __attribute__((always_inline)) void NAME##_block(                                          \
+        float (*qf)[MAX_D], float (*acc)[MAX_D], float (*s)[BLOCK], float* m, float* l, const T* kb,          \
+        const T* vb, int64_t sks, int64_t svs, const int64_t* slot, int n, int G, int64_t D, int64_t nd,      \
+        float scale, const int ND) {                                                                          \
+        NAME##_sm(qf, acc, s, m, l, kb, sks, slot, n, G, D, nd, scale);                                       \
         switch (G) { /* acc += p v, key after key: each V chunk loaded once for the G heads */               \
         case 1: PV_HEADS(NAME, acc, s, 1); break;                                                             \
         case 2: PV_HEADS(NAME, acc, s, 2); break;                                                             \
@@ -206,11 +222,39 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
         for (int64_t i = 0; i < nq; i++)                                                                      \
             NAME##_init(q0row + i * sqq, sqh, G, D, nd, qf + i * G, acc + i * G, m + i * G, l + i * G);       \
         int64_t slot[BLOCK];                                                                                  \
+        const int n = BLOCK;                                                                                  \
+        /* queries whose acc += p v run side by side: their G heads each are GC = QN * G rows of acc and s,   \
+         * contiguous, over the same V rows (one load of a V chunk for all of them; QN * G * chunks           \
+         * independent FMA chains instead of G * chunks, whose latency bound a query alone) */                \
+        const int QN = G > MAX_GC ? 1 : MAX_GC / G;                                                           \
         for (int64_t b = 0; b < nfull; b++) {                                                                 \
             for (int i = 0; i < BLOCK; i++) slot[i] = b * BLOCK + i;                                          \
+            if (QN == 1) { /* query after query, scores, softmax and acc += p v each */                       \
+                for (int64_t i = 0; i < nq; i++)                                                              \
+                    NAME##_block(qf + i * G, acc + i * G, s + i * G, m + i * G, l + i * G, kb, vb, sks, svs,  \
+                                 slot, n, G, D, nd, scale, ND);                                               \
+                continue;                                                                                     \
+            }                                                                                                 \
             for (int64_t i = 0; i < nq; i++)                                                                  \
-                NAME##_block(qf + i * G, acc + i * G, s + i * G, m + i * G, l + i * G, kb, vb, sks, svs, slot, \
-                             BLOCK, G, D, nd, scale, ND);                                                     \
+                NAME##_sm(qf + i * G, acc + i * G, s + i * G, m + i * G, l + i * G, kb, sks, slot, n, G, D, nd, \
+                          scale);                                                                             \
+            for (int64_t i0 = 0; i0 < nq; i0 += QN) {                                                         \
+                const int gc = (int)((nq - i0 < QN ? nq - i0 : QN) * G);                                      \
+                float(*acc_)[MAX_D] = acc + i0 * G;                                                           \
+                float(*s_)[BLOCK] = s + i0 * G;                                                               \
+                switch (gc) {                                                                                 \
+                case 1: PV_WIDE(NAME, acc_, s_, 1); break;                                                    \
+                case 2: PV_WIDE(NAME, acc_, s_, 2); break;                                                    \
+                case 3: PV_WIDE(NAME, acc_, s_, 3); break;                                                    \
+                case 4: PV_WIDE(NAME, acc_, s_, 4); break;                                                    \
+                case 5: PV_WIDE(NAME, acc_, s_, 5); break;                                                    \
+                case 6: PV_WIDE(NAME, acc_, s_, 6); break;                                                    \
+                case 7: PV_WIDE(NAME, acc_, s_, 7); break;                                                    \
+                case 8: PV_WIDE(NAME, acc_, s_, 8); break;                                                    \
+                default: /* not reached: gc <= MAX_GC <= 8 here */                                            \
+                    for (int g = 0; g < gc; g++) PV_HEADS(NAME, acc_ + g, s_ + g, 1);                         \
+                }                                                                                             \
+            }                                                                                                 \
         }                                                                                                     \
         for (int64_t i = 0; i < nq; i++)                                                                      \
             NAME##_rest(qf + i * G, acc + i * G, s + i * G, m + i * G, l + i * G, kb, vb, sks, svs, P,        \
@@ -274,7 +318,7 @@ SCORES(task_bf16, uint16_t, load_bf16)
     static inline __attribute__((always_inline)) void NAME##_pvg(                                            \
         float (*acc)[MAX_D], float (*s)[BLOCK], const T* vb, const int64_t* slot, int n, int64_t svs,        \
         int64_t D, int64_t c0, const int NC, const int GC) {                                                  \
-        __m512 a[CHAINS];                                                                                     \
+        __m512 a[WIDE_CHAINS];                                                                                \
         for (int c = 0; c < NC; c++)                                                                          \
             for (int g = 0; g < GC; g++) a[c * GC + g] = _mm512_load_ps(&acc[g][16 * (c0 + c)]);              \
         for (int i = 0; i < n; i++) {                                                                         \
@@ -292,6 +336,16 @@ SCORES(task_bf16, uint16_t, load_bf16)
 #define PV_HEADS(NAME, ACC, SC, GC)                                                                          \
     do {                                                                                                      \
         const int nc_ = ND && ND < CHAINS / (GC) ? ND : CHAINS / (GC);                                        \
+        int64_t c0_ = 0;                                                                                      \
+        for (; c0_ + nc_ <= nd; c0_ += nc_) NAME##_pvg(ACC, SC, vb, slot, n, svs, D, c0_, nc_, GC);           \
+        for (; c0_ < nd; c0_++) NAME##_pvg(ACC, SC, vb, slot, n, svs, D, c0_, 1, GC);                         \
+    } while (0)
+
+/* PV_HEADS for the shared-prefix path's query groups (GC = queries x heads <= MAX_GC): WIDE_CHAINS / GC chunks
+ * at a time (the head dim's when fewer), so that more chains run side by side */
+#define PV_WIDE(NAME, ACC, SC, GC)                                                                           \
+    do {                                                                                                      \
+        const int nc_ = ND && ND < WIDE_CHAINS / (GC) ? ND : WIDE_CHAINS / (GC);                              \
         int64_t c0_ = 0;                                                                                      \
         for (; c0_ + nc_ <= nd; c0_ += nc_) NAME##_pvg(ACC, SC, vb, slot, n, svs, D, c0_, nc_, GC);           \
         for (; c0_ < nd; c0_++) NAME##_pvg(ACC, SC, vb, slot, n, svs, D, c0_, 1, GC);                         \
