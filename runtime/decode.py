@@ -188,6 +188,7 @@ class Decoder:
         self._kv_cap: int | None = None  # attention bound of a whole-cache round (``round(kv_cap=)``)
         self._cut_nodes: int | None = None  # draft nodes of the last eager CPU round that cut its lookup padding
         self.top1_chains = True  # a top-1 tree keeping every candidate is drafted as a chain (``draft``)
+        self.native_chains = True  # ... greedy, in one native call where it runs (Eagle3Drafter.native_chain)
         self.track_drafted = False  # commit records each row's accepted drafter nodes (adaptive shapes)
         self.drafted: list[int] = []  # per row, by collect when tracked: accepted drafter nodes, -1: lookup's path
 
@@ -550,9 +551,14 @@ class Decoder:
             # a top-1 tree that keeps every candidate is the chain of each depth's top token: the same
             # drafter steps on the same inputs (so the same tokens, bit for bit) without the tree's
             # frontier bookkeeping (~0.3 ms of small ops a round on a CPU)
-            pick = lambda s, lp: d.to_target_ids(lp.topk(1, dim=-1)[1][:, 0])  # noqa: E731  (the tree's top-1)
-            toks, _ = self.draft_chain(D, pick, whole_cache=whole_cache)
-            node_tokens = torch.cat([self.root[:, None], torch.stack(toks, 1)], 1)
+            chain = None
+            if self.sampling.greedy and self.native_chains:  # the loop below as one native call, same tokens
+                kv_len = self._kv_len(whole_cache, max(D - 1, 1))
+                chain = d.native_chain(self.ops, self.hn, self.carry, self.L, self.active, self.draft_cache, D, kv_len)
+            if chain is None:
+                pick = lambda s, lp: d.to_target_ids(lp.topk(1, dim=-1)[1][:, 0])  # noqa: E731  (the tree's top-1)
+                chain = torch.stack(self.draft_chain(D, pick, whole_cache=whole_cache)[0], 1)
+            node_tokens = torch.cat([self.root[:, None], chain], 1)
             return self._graft_lookup(spec, node_tokens, *self._chain_consts(B, N), whole_cache, timings, t0)
         lp = self.draft_logprobs(self.hn)  # [B, Vd]
         score, tk = lp.topk(K, dim=-1)  # [B, K] (ties over the vocabulary need no fixed order)

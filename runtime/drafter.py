@@ -440,6 +440,35 @@ class Eagle3Drafter(nn.Module):
         hn = ops.rms_norm(h, self.norm.weight, eps)
         return hn, (hn if c.norm_output else h)
 
+    def native_chain(
+        self,
+        ops: Any,
+        hn: torch.Tensor,  # [B, H] the catch-up's normed state (depth 1's logits)
+        carry: torch.Tensor,  # [B, H] its carried state
+        prefix_lens: torch.Tensor,  # [B] int64: the committed lengths L
+        active: torch.Tensor,  # [B] bool: rows that write K/V
+        cache: KVCache,
+        n: int,
+        kv_len: int | None,
+    ) -> torch.Tensor | None:  # [B, n] int64 target ids
+        """The greedy top-1 chain of ``n`` tokens as one native operator (``kernels.cpu_drafter.draft_chain``):
+        the tokens ``Decoder.draft_chain`` picks with the tree's top-1 (greedy log q, ``topk``), bit for bit.
+        None where a decode step would not run natively (``step``: packed CPU weights, ``native_step``, the
+        torch backend) or the operator declines; the caller then runs its Python loop."""
+        packed = self._cpu_weights(ops)
+        if packed is None or not self.native_step or type(ops) is not TorchOps or self.embed_tokens is None:
+            return None
+        c, m = self.config, self.midlayer
+        rope = self.rope()
+        norms = (
+            m.input_layernorm.weight, m.hidden_norm.weight, m.post_attention_layernorm.weight, self.norm.weight
+        )  # fmt: skip
+        return cpu_drafter.draft_chain(
+            hn, carry, packed["head"], self.d2t, prefix_lens, active, self.embed_tokens.weight, norms, packed,
+            rope.cos, rope.sin, cache.k, cache.v, c.rms_norm_eps, c.head_dim**-0.5, kv_len, c.num_attention_heads,
+            c.num_key_value_heads, c.head_dim, c.norm_before_residual, c.norm_output, n,
+        )  # fmt: skip
+
     def logits(self, hn: torch.Tensor, ops: Any = None) -> torch.Tensor:
         """Draft-vocabulary logits ``[..., V_d]`` (float32) from the normed hidden state; ``ops``:
         the backend whose ``linear`` runs the head (default ``F.linear``)."""

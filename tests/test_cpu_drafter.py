@@ -225,3 +225,49 @@ def test_decoding_runs_the_operator_with_the_python_steps_drafts(spec, monkeypat
     assert native.token_ids == python.token_ids
     assert native.stats.mean_acceptance_length == python.stats.mean_acceptance_length
     assert native.stats.mean_acceptance_length > 1.3
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("shape", ["chain", "chain+lookup"])
+def test_native_chain_drafts_the_python_loops_tokens(variant, shape, monkeypatch):
+    """A greedy top-1 chain drafted by one native call (``Eagle3Drafter.native_chain``) is the Python loop's
+    chain, round by round, for both variants (``norm_output`` off and on) and three rows of ragged prompts
+    that finish at different rounds (idle rows write nowhere): the same drafts, so the same tokens and τ.
+    Inverse: the operator ran in every round of the first pass and in none of the second."""
+    from tritonspec.runtime.decode import Decoder
+
+    cfg = {
+        "chain": ts.SpecConfig.chain(5),
+        "chain+lookup": ts.SpecConfig(
+            num_speculative_tokens=4, top_k=1, num_draft_tokens=5, prompt_lookup_num_tokens=4
+        ),
+    }[shape]
+    rt = runtime(*ts.demo_pair(variant), spec=cfg, max_batch_size=4, max_seq_len=256)
+    if not rt.decoder.drafter.packs_on(rt.decoder.ops):
+        pytest.skip("this runtime's drafter does not run packed (dtype or CPU)")
+    prompts = ["import os\n\ndef walk(top):\n", "class Stack:\n    def __init__(self):\n        self.items = []\n", "x"]
+    stops = ["\n\n", "def ", "return"]  # rows stop at different rounds
+    native, python = [], []
+    real_native, real_loop = cpu_drafter.draft_chain, Decoder.draft_chain
+
+    def spy_native(*a, **k):
+        out = real_native(*a, **k)
+        native.append(None if out is None else out.clone())
+        return out
+
+    def spy_loop(self, n, pick, **k):
+        toks, lps = real_loop(self, n, pick, **k)
+        python.append(torch.stack(toks, 1).clone())
+        return toks, lps
+
+    monkeypatch.setattr(cpu_drafter, "draft_chain", spy_native)
+    monkeypatch.setattr(Decoder, "draft_chain", spy_loop)
+    a = rt.generate(prompts, max_new_tokens=30, stop=stops)
+    assert native and all(x is not None for x in native) and not python  # the operator drafted every chain
+    rounds = len(native)
+    rt.decoder.native_chains = False
+    b = rt.generate(prompts, max_new_tokens=30, stop=stops)
+    assert len(native) == rounds and len(python) == rounds  # the loop drafted every chain this time
+    assert all(torch.equal(x, y) for x, y in zip(native, python))
+    assert a.token_ids == b.token_ids and a.stats.mean_acceptance_length == b.stats.mean_acceptance_length
+    assert len({len(t) for t in a.token_ids}) > 1  # the rows did finish apart

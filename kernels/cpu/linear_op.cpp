@@ -1,5 +1,5 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
-// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax and .drafter_step: the kernels of linear.c, attention.c,
+// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .drafter_step and .draft_chain: the kernels of linear.c, attention.c,
 // norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
@@ -12,7 +12,12 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/arange.h>
+#include <ATen/ops/log_softmax.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/topk.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -465,6 +470,49 @@ std::tuple<at::Tensor, at::Tensor> drafter_step(
   return {hn, h};
 }
 
+// Decoder.draft's greedy top-1 chain (runtime/decode.py: draft_chain with the tree's top-1 pick) as one operator:
+// n draft tokens [B, n] (target ids) from the last catch-up state hn0, carry0 [B, H]. At depth s: log q =
+// log_softmax(float(head hn)), the top-1 draft id (at::topk, as the Python pick), its target id (id + d2t[id]);
+// then, below depth n, one drafter_step on that token at position L + s (slot L + s, or -1 for an idle row),
+// seeing the chain so far (mask columns 0..s of width max(n - 1, 1)), whose hn (norm_output) or h feeds the next.
+// The calls of the Python loop with the same arguments in the same order: the same tokens, bit for bit, without
+// its ~15 Python-level calls a depth.
+at::Tensor draft_chain(const at::Tensor& hn0, const at::Tensor& carry0, const at::Tensor& head_w, const at::Tensor& d2t,
+                       const at::Tensor& L, const at::Tensor& active, const at::Tensor& embed, const at::Tensor& in_norm,
+                       const at::Tensor& hidden_norm, const at::Tensor& qkv_w, const at::Tensor& o_w,
+                       const at::Tensor& post_norm, const at::Tensor& gate_up_w, const at::Tensor& down_w,
+                       const at::Tensor& final_norm, const at::Tensor& cos_table, const at::Tensor& sin_table,
+                       const at::Tensor& k_cache, const at::Tensor& v_cache, double eps, double scale, int64_t kv_len,
+                       int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool norm_before_residual,
+                       bool norm_output, int64_t n) {
+  TORCH_CHECK(hn0.dim() == 2 && carry0.sizes() == hn0.sizes() && L.dim() == 1 && L.size(0) == hn0.size(0) &&
+                  active.sizes() == L.sizes() && active.scalar_type() == at::kBool && n >= 1,
+              "tritonspec_cpu::draft_chain: hn0 and carry0 [B, H], L and active [B] (bool), n >= 1");
+  TORCH_CHECK(head_w.dim() == 3, "tritonspec_cpu::draft_chain: the head packed into panels (cpu_linear.pack_panels)");
+  const int64_t B = hn0.size(0), width = std::max<int64_t>(n - 1, 1);
+  const std::optional<at::Tensor> none;
+  at::Tensor fmask = at::zeros({B, 1, width}, L.options().dtype(at::kBool));
+  const at::Tensor col = at::arange(width, L.options());
+  at::Tensor hid = carry0.unsqueeze(1);  // [B, 1, H]
+  at::Tensor lp = at::log_softmax(linear(hn0, head_w, none, -1).to(at::kFloat), -1);  // [B, Vd]
+  at::Tensor toks = at::empty({B, n}, L.options());
+  for (int64_t s = 0; s < n; s++) {
+    const at::Tensor idx = std::get<1>(at::topk(lp, 1, -1)).select(1, 0);  // [B] draft ids
+    const at::Tensor tok = idx.add(d2t.index_select(0, idx));              // [B] target ids
+    toks.select(1, s).copy_(tok);
+    if (s == n - 1) break;
+    fmask = fmask.bitwise_or(col.eq(s));  // the chain so far, this token included
+    const at::Tensor positions = L.add(s).unsqueeze(1);
+    const at::Tensor slots = at::where(active.unsqueeze(1), positions, -1);  // idle rows write nowhere
+    auto out = drafter_step(hid, tok.unsqueeze(1), embed, in_norm, hidden_norm, qkv_w, o_w, post_norm, gate_up_w, down_w,
+                            final_norm, cos_table, sin_table, positions, slots, k_cache, v_cache, L, fmask, eps, scale,
+                            kv_len, num_heads, num_kv_heads, head_dim, norm_before_residual);
+    hid = norm_output ? std::get<0>(out) : std::get<1>(out);
+    lp = at::log_softmax(linear(std::get<0>(out).select(1, 0), head_w, none, -1).to(at::kFloat), -1);
+  }
+  return toks;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tritonspec_cpu, m) {
@@ -489,6 +537,11 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
         "Tensor positions, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor prefix_lens, Tensor tree_mask, "
         "float eps, float scale, int kv_len, int num_heads, int num_kv_heads, int head_dim, bool norm_before_residual) "
         "-> (Tensor, Tensor)");
+  m.def("draft_chain(Tensor hn0, Tensor carry0, Tensor head, Tensor d2t, Tensor L, Tensor active, Tensor embed, "
+        "Tensor in_norm, Tensor hidden_norm, Tensor qkv, Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, "
+        "Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, float scale, "
+        "int kv_len, int num_heads, int num_kv_heads, int head_dim, bool norm_before_residual, bool norm_output, int n) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
@@ -503,6 +556,7 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("graft_chain", &graft_chain);
   m.impl("kv_compact", &kv_compact);
   m.impl("drafter_step", &drafter_step);
+  m.impl("draft_chain", &draft_chain);
   m.impl("row_hash", &row_hash);
   m.impl("argmax", &argmax);
   m.impl("verify_chain", &verify_chain);
