@@ -83,14 +83,16 @@ MAX_ROWS = 256
 # kernel. Decode rounds are not prompts: their calls stay on the kernel up to MAX_ROWS rows, so a
 # verify row rounds like a decode step. bfloat16 keeps MAX_ROWS (MKL has no fast bfloat16 path on
 # AVX2), AVX-512 CPUs too (not measured there); deterministic mode does not use this dispatch.
-# Weights with fewer elements or columns run F.linear in the default mode: small ones sit in cache,
-# so streaming speed buys nothing, and the kernel's per-call cost (~7 us from Python) and its
-# per-output horizontal sum over a short K lose to MKL there (the demo target, hidden size 128:
-# plain decoding 17% slower through the kernel). SmolLM2's projections (K = 576, 1536; at least
-# 576 x 576) are above both. Deterministic mode runs the kernel for every weight. The floors apply on
-# Intel CPUs only (``SIZE_FLOORS``): on AMD (EPYC Zen 3, 2026-12-02) MKL's small calls are slower
-# than the kernel and the demo pair decoded faster without them (1 thread, 8 prompts, two runs:
-# plain +11 % / +4 %, EAGLE-3.1 +14 % / +33 %, the same tokens).
+# Unpacked ``[N, K]`` weights with fewer elements or columns run F.linear in the default mode: small
+# ones sit in cache, so streaming speed buys nothing, and the ``[N, K]`` kernel's per-call cost (~7 us
+# from Python) and its per-output horizontal sum over a short K lose to MKL there (the demo target,
+# hidden size 128: plain decoding 17% slower through it). SmolLM2's projections (K = 576, 1536; at
+# least 576 x 576) are above both. Weights packed into panels (the float32 default layout on AVX-512
+# and AVX2 CPUs, ``panels_pay``) run the panel kernel whatever their size, on Intel too since
+# 2026-12-06. Deterministic mode runs the kernel for every weight. The floors apply on Intel CPUs only
+# (``SIZE_FLOORS``): on AMD (EPYC Zen 3, 2026-12-02) MKL's small calls are slower than the kernel and
+# the demo pair decoded faster without them (1 thread, 8 prompts, two runs: plain +11 % / +4 %,
+# EAGLE-3.1 +14 % / +33 %, the same tokens).
 MIN_WEIGHT = 1 << 18
 MIN_K = 256
 # Calls with fewer multiply-adds run on one thread (waking a second costs more than it saves; the
