@@ -332,24 +332,18 @@ SCORES(task_bf16, uint16_t, load_bf16)
         for (int c = 0; c < NC; c++)                                                                          \
             for (int g = 0; g < GC; g++) _mm512_store_ps(&acc[g][16 * (c0 + c)], a[c * GC + g]);              \
     }
-/* every chunk for the GC heads from ACC / SC on, CHAINS / GC chunks at a time (the head dim's when fewer) */
-#define PV_HEADS(NAME, ACC, SC, GC)                                                                          \
+/* every chunk for the GC heads from ACC / SC on, NCH / GC chunks at a time (the head dim's when fewer) */
+#define PV_CHUNKS(NAME, ACC, SC, GC, NCH)                                                                    \
     do {                                                                                                      \
-        const int nc_ = ND && ND < CHAINS / (GC) ? ND : CHAINS / (GC);                                        \
+        const int nc_ = ND && ND < (NCH) / (GC) ? ND : (NCH) / (GC);                                          \
         int64_t c0_ = 0;                                                                                      \
         for (; c0_ + nc_ <= nd; c0_ += nc_) NAME##_pvg(ACC, SC, vb, slot, n, svs, D, c0_, nc_, GC);           \
         for (; c0_ < nd; c0_++) NAME##_pvg(ACC, SC, vb, slot, n, svs, D, c0_, 1, GC);                         \
     } while (0)
-
-/* PV_HEADS for the shared-prefix path's query groups (GC = queries x heads <= MAX_GC): WIDE_CHAINS / GC chunks
- * at a time (the head dim's when fewer), so that more chains run side by side */
-#define PV_WIDE(NAME, ACC, SC, GC)                                                                           \
-    do {                                                                                                      \
-        const int nc_ = ND && ND < WIDE_CHAINS / (GC) ? ND : WIDE_CHAINS / (GC);                              \
-        int64_t c0_ = 0;                                                                                      \
-        for (; c0_ + nc_ <= nd; c0_ += nc_) NAME##_pvg(ACC, SC, vb, slot, n, svs, D, c0_, nc_, GC);           \
-        for (; c0_ < nd; c0_++) NAME##_pvg(ACC, SC, vb, slot, n, svs, D, c0_, 1, GC);                         \
-    } while (0)
+/* a query's G heads: CHAINS accumulators at most */
+#define PV_HEADS(NAME, ACC, SC, GC) PV_CHUNKS(NAME, ACC, SC, GC, CHAINS)
+/* the shared-prefix path's query groups (GC = queries x heads <= MAX_GC): WIDE_CHAINS, so more chains run side by side */
+#define PV_WIDE(NAME, ACC, SC, GC) PV_CHUNKS(NAME, ACC, SC, GC, WIDE_CHAINS)
 
 PVG(task_f32, float, load_f32)
 PVG(task_bf16, uint16_t, load_bf16)
