@@ -19,7 +19,8 @@ bit (``tests/test_cpu_drafter.py``).
 head's logits, ``log_softmax``, the top-1 id and its target id, then that ``drafter_step``, all from C++.
 ``Decoder.draft`` drafts its top-1 chains with it (``Eagle3Drafter.native_chain``): on the demo pair a 7-token
 chain's Python loop spent ~65 us of interpreter time a depth besides the ops (2026-12-06, Intel Xeon, one
-thread: the round's draft 1.57 -> 0.99 ms under a profiler, decode 2.03x -> 2.21x over plain).
+thread, a distillation running beside: the round's draft 1.57 -> 0.99 ms under a profiler, EAGLE-3.1 decode
+2.03x -> 2.21x over plain in one process; ``perf/CPU_DECODE.md``).
 
 ``drafter_step`` returns None where it does not apply (a projection not packed into panels, dtypes
 that differ, head shapes the attention kernel declines, no native operator, a traced call); the caller

@@ -454,10 +454,11 @@ def panels_pay(weight: torch.Tensor) -> bool:
     """Whether the panel layout (``weight_layout="panels"``, ``Eagle3Drafter.pack_for_cpu``) packs
     ``weight``: ``packable_panels``, whatever its size. ``SIZE_FLOORS`` no longer applies here (it
     still sends small *unpacked* weights to MKL): on the Intel Xeon with AMX (2026-12-06, one thread,
-    same process, the demo pair's 128-wide weights packed against left ``[N, K]`` on MKL), EAGLE-3.1
-    rounds took 0.71-0.81x the time at batch 1 and 4, greedy and sampled, plain steps 0.91-1.10x,
-    prompts 0.98x (``perf/CPU_DECODE.md``): MKL's small calls of 4-16 rows, the verify's, are what the
-    floors had kept, and they were measured against the ``[N, K]`` kernel only."""
+    same process, the demo pair's 128-wide weights packed against left ``[N, K]`` on MKL; with the native
+    chain, which needs packed weights), EAGLE-3.1's decoding took 0.68-0.82x the time on the standard,
+    long and perturbed sets at batch 1 and 4, greedy and sampled, plain decoding 0.92-1.04x
+    (``perf/CPU_DECODE.md``): the floors had been measured on one-row calls against the ``[N, K]``
+    kernel, not on a verify's 4-16 rows against the panels."""
     return packable_panels(weight)
 
 
