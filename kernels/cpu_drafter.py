@@ -56,10 +56,37 @@ def supported(
 ) -> bool:
     """Whether the operator takes these tensors with the results of the Python step (the checks each
     kernel's Python launcher makes before it runs the kernel instead of a reference)."""
-    dt = hidden.dtype
-    if dt not in _lib.DTYPES or hidden.dim() != 3 or k_cache.dtype != dt or v_cache.dtype != dt:
+    heads = (num_heads, num_kv_heads, head_dim)
+    if hidden.dim() != 3 or not _weights_ok(hidden, packed, norms, k_cache, v_cache, prefix_lens, *heads):
         return False
-    if any(packed[n].dim() != 3 or not _lib.dtypes_match(hidden, packed[n]) for n in _PROJECTIONS):
+    return (
+        slots.dtype == torch.int64
+        and slots.is_contiguous()
+        and slots.shape == hidden.shape[:2]
+        and positions.shape == hidden.shape[:2]
+        and tokens.shape == hidden.shape[:2]
+        and tree_mask.dtype == torch.bool
+        and tree_mask.dim() == 3
+    )
+
+
+def _weights_ok(
+    x: torch.Tensor,  # [B, ...] the step's input: its dtype and row count
+    packed: dict[str, torch.Tensor],
+    norms: tuple[torch.Tensor, ...],
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> bool:
+    """``supported``'s checks that do not depend on one step's tokens, positions, slots and mask: the dtypes,
+    the packed projections, the norms, the head shapes, the caches' layout, ``prefix_lens``, autograd off."""
+    dt = x.dtype
+    if dt not in _lib.DTYPES or k_cache.dtype != dt or v_cache.dtype != dt:
+        return False
+    if any(packed[n].dim() != 3 or not _lib.dtypes_match(x, packed[n]) for n in _PROJECTIONS):
         return False  # panels of the drafter's dtype, or weight-only bfloat16 ones
     if any(w.dtype != dt or w.dim() != 1 or not w.is_contiguous() for w in norms):
         return False
@@ -68,20 +95,9 @@ def supported(
         return False
     if d % 2 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (num_kv_heads, d):
         return False
-    if any(c.stride(3) != 1 or c.stride(2) != d for c in (k_cache, v_cache)) or k_cache.shape[0] < hidden.shape[0]:
+    if any(c.stride(3) != 1 or c.stride(2) != d for c in (k_cache, v_cache)) or k_cache.shape[0] < x.shape[0]:
         return False
-    return (
-        slots.dtype == torch.int64
-        and slots.is_contiguous()
-        and slots.shape == hidden.shape[:2]
-        and positions.shape == hidden.shape[:2]
-        and tokens.shape == hidden.shape[:2]
-        and prefix_lens.dtype == torch.int64
-        and prefix_lens.is_contiguous()
-        and tree_mask.dtype == torch.bool
-        and tree_mask.dim() == 3
-        and not torch.is_grad_enabled()
-    )
+    return prefix_lens.dtype == torch.int64 and prefix_lens.is_contiguous() and not torch.is_grad_enabled()
 
 
 def drafter_step(
@@ -150,19 +166,16 @@ def draft_chain(
     per depth s, ``log_softmax`` of the head's logits, the top-1 id (``topk``), its target id, and below
     depth n one ``drafter_step`` on it at position ``L + s`` seeing the chain so far: the calls
     ``Decoder.draft_chain`` makes with the tree's top-1 pick, in the same order, so the same tokens. None
-    where ``drafter_step`` would decline (``supported``), the head is not packed, or the call is traced."""
+    where ``drafter_step`` would decline (``supported``'s checks of the weights, caches and heads), the head is
+    not packed, or the call is traced."""
     if _tracing(hn) or not _lib._native_ready() or hn.dim() != 2:
         return None
     if head.dim() != 3 or not _lib.dtypes_match(hn, head) or carry.shape != hn.shape:
         return None
     if d2t.dtype != torch.int64 or active.dtype != torch.bool or active.shape != prefix_lens.shape:
         return None
-    B = hn.shape[0]
-    probe = torch.zeros(B, 1, dtype=torch.int64)  # the shapes and dtypes of one step's tokens, positions, slots
-    width = max(n - 1, 1)
-    mask = torch.zeros(B, 1, width, dtype=torch.bool)
-    heads = (num_heads, num_kv_heads, head_dim)
-    if not supported(carry[:, None], probe, probe, packed, norms, k_cache, v_cache, probe, prefix_lens, mask, *heads):
+    # each step's tokens, positions, slots and mask are built by the operator in the shapes supported() wants
+    if not _weights_ok(hn, packed, norms, k_cache, v_cache, prefix_lens, num_heads, num_kv_heads, head_dim):
         return None
     n_in, n_hid, n_post, n_out = norms
     return torch.ops.tritonspec_cpu.draft_chain(

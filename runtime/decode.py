@@ -551,14 +551,7 @@ class Decoder:
             # a top-1 tree that keeps every candidate is the chain of each depth's top token: the same
             # drafter steps on the same inputs (so the same tokens, bit for bit) without the tree's
             # frontier bookkeeping (~0.3 ms of small ops a round on a CPU)
-            chain = None
-            if self.sampling.greedy and self.native_chains:  # the loop below as one native call, same tokens
-                kv_len = self._kv_len(whole_cache, max(D - 1, 1))
-                chain = d.native_chain(self.ops, self.hn, self.carry, self.L, self.active, self.draft_cache, D, kv_len)
-            if chain is None:
-                pick = lambda s, lp: d.to_target_ids(lp.topk(1, dim=-1)[1][:, 0])  # noqa: E731  (the tree's top-1)
-                chain = torch.stack(self.draft_chain(D, pick, whole_cache=whole_cache)[0], 1)
-            node_tokens = torch.cat([self.root[:, None], chain], 1)
+            node_tokens = torch.cat([self.root[:, None], self._top1_chain(D, whole_cache)], 1)
             return self._graft_lookup(spec, node_tokens, *self._chain_consts(B, N), whole_cache, timings, t0)
         lp = self.draft_logprobs(self.hn)  # [B, Vd]
         score, tk = lp.topk(K, dim=-1)  # [B, K] (ties over the vocabulary need no fixed order)
@@ -707,6 +700,18 @@ class Decoder:
             hn, hid = self.drafter_step(hid, tok[:, None], positions, slots, fmask, kv_len)
             lp = self.draft_logprobs(hn[:, 0])
         return toks, lps
+
+    def _top1_chain(self, n: int, whole_cache: bool) -> torch.Tensor:  # [B, n] target ids
+        """The tree's top-1 pick drafted as a chain of ``n``: greedy, in one native call where it runs
+        (``Eagle3Drafter.native_chain``, ``native_chains``), else ``draft_chain``'s loop; the same tokens."""
+        d = self.drafter
+        if self.sampling.greedy and self.native_chains:
+            kv_len = self._kv_len(whole_cache, max(n - 1, 1))  # draft_chain's bound for the chain's width
+            chain = d.native_chain(self.ops, self.hn, self.carry, self.L, self.active, self.draft_cache, n, kv_len)
+            if chain is not None:
+                return chain
+        pick = lambda s, lp: d.to_target_ids(lp.topk(1, dim=-1)[1][:, 0])  # noqa: E731  (the tree's top-1)
+        return torch.stack(self.draft_chain(n, pick, whole_cache=whole_cache)[0], 1)
 
     def _draft_sampled_chain(self, n: int, whole_cache: bool, timings: dict[str, float] | None) -> DraftTree:
         """A chain of ``n`` tokens, each drawn from the drafter's processed distribution q by the

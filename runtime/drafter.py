@@ -25,6 +25,7 @@ import math
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -388,14 +389,11 @@ class Eagle3Drafter(nn.Module):
         ops.begin_forward()
         packed = self._cpu_weights(ops, meta.prefill)
         if packed is not None and self.native_step and not meta.prefill and type(ops) is TorchOps:
-            rope = self.rope()
-            norms = (
-                m.input_layernorm.weight, m.hidden_norm.weight, m.post_attention_layernorm.weight, self.norm.weight
-            )  # fmt: skip
+            a = self._native_args(packed)
             out = cpu_drafter.drafter_step(
-                hidden, tokens, self.embed_tokens.weight, norms, packed, rope.cos, rope.sin, meta.positions,
-                meta.slots, cache.k, cache.v, meta.prefix_lens, meta.tree_mask, eps, c.head_dim**-0.5, meta.kv_len,
-                c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.norm_before_residual,
+                hidden, tokens, a.embed, a.norms, packed, a.cos, a.sin, meta.positions, meta.slots, cache.k,
+                cache.v, meta.prefix_lens, meta.tree_mask, a.eps, a.scale, meta.kv_len, *a.heads,
+                c.norm_before_residual,
             )  # fmt: skip
             if out is not None:
                 hn, h = out
@@ -458,15 +456,22 @@ class Eagle3Drafter(nn.Module):
         packed = self._cpu_weights(ops)
         if packed is None or not self.native_step or type(ops) is not TorchOps or self.embed_tokens is None:
             return None
+        c, a = self.config, self._native_args(packed)
+        return cpu_drafter.draft_chain(
+            hn, carry, packed["head"], self.d2t, prefix_lens, active, a.embed, a.norms, packed, a.cos, a.sin,
+            cache.k, cache.v, a.eps, a.scale, kv_len, *a.heads, c.norm_before_residual, c.norm_output, n,
+        )  # fmt: skip
+
+    def _native_args(self, packed: dict[str, torch.Tensor]) -> SimpleNamespace:
+        """The drafter's part of the native operators' arguments (``step``'s ``drafter_step``, ``native_chain``'s
+        ``draft_chain``): the embedding, the four norms' weights, the rope tables, eps, the attention scale and
+        the head counts."""
         c, m = self.config, self.midlayer
         rope = self.rope()
-        norms = (
-            m.input_layernorm.weight, m.hidden_norm.weight, m.post_attention_layernorm.weight, self.norm.weight
-        )  # fmt: skip
-        return cpu_drafter.draft_chain(
-            hn, carry, packed["head"], self.d2t, prefix_lens, active, self.embed_tokens.weight, norms, packed,
-            rope.cos, rope.sin, cache.k, cache.v, c.rms_norm_eps, c.head_dim**-0.5, kv_len, c.num_attention_heads,
-            c.num_key_value_heads, c.head_dim, c.norm_before_residual, c.norm_output, n,
+        norms = (m.input_layernorm.weight, m.hidden_norm.weight, m.post_attention_layernorm.weight, self.norm.weight)
+        return SimpleNamespace(
+            embed=self.embed_tokens.weight, norms=norms, cos=rope.cos, sin=rope.sin, eps=c.rms_norm_eps,
+            scale=c.head_dim**-0.5, heads=(c.num_attention_heads, c.num_key_value_heads, c.head_dim),
         )  # fmt: skip
 
     def logits(self, hn: torch.Tensor, ops: Any = None) -> torch.Tensor:
