@@ -286,6 +286,7 @@ def native_op() -> str | None:
         torch.library.register_fake("tritonspec_cpu::linear")(_fake)
         torch.library.register_fake("tritonspec_cpu::tree_attention")(_fake_attention)
         torch.library.register_fake("tritonspec_cpu::rms_norm")(_fake_norm)
+        torch.library.register_fake("tritonspec_cpu::aux_gather")(_fake_aux_gather)
     except (CpuLinearUnavailable, OSError, RuntimeError) as e:
         return str(e)
     return None
@@ -360,6 +361,10 @@ def _fake(x, weight, bias=None, threads=-1):
 
 def _fake_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len, threads=-1):
     return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+
+def _fake_aux_gather(aux, index, weight, eps):
+    return aux.new_empty((index.shape[0], aux.shape[1]))
 
 
 def _fake_norm(x, weight, eps, residual=None, threads=-1):

@@ -130,3 +130,35 @@ def rms_norm(
         y, s = _cpu_norm_op(x, weight, float(eps), residual)
         return y if residual is None else (y, s)
     return _launch(x, weight, eps, residual, None)
+
+
+def aux_gather(
+    aux: torch.Tensor,  # [n_src, n_aux*H]
+    index: torch.Tensor,  # [n] int64, negative = padding row
+    fc_norm_weight: torch.Tensor | None,  # [n_aux, H], or None: plain gather
+    eps: float,
+) -> torch.Tensor | None:  # [n, n_aux*H], or None: the caller runs the reference
+    """``kernels.aux_gather.aux_gather_reference`` as one native operator (``tritonspec_cpu::aux_gather``): each
+    gathered H-wide chunk through this module's kernel (the bits of ``cpu_rms_norm`` on that chunk), padding
+    rows zero. EAGLE-3.1's decode-round gather was ~8 PyTorch ops (~140 us a round of the demo pair, one thread).
+    None where the native operator is not built or the tensors are not ones it takes (the reference then runs);
+    an opaque operator while a graph is traced.
+
+    Example
+    -------
+    >>> aux, w = torch.randn(5, 3 * 64), torch.rand(3, 64)
+    >>> out = aux_gather(aux, torch.tensor([4, -1, 0]), w, 1e-6)  # doctest: +SKIP
+    >>> bool(out[1].eq(0).all())  # doctest: +SKIP
+    True
+    """
+    if not _lib._native_ready() or aux.dim() != 2 or aux.dtype not in _DTYPES or aux.stride(1) != 1:
+        return None
+    if index.dtype != torch.int64 or index.dim() != 1 or index.device.type != "cpu" or aux.device.type != "cpu":
+        return None
+    if fc_norm_weight is not None:
+        w = fc_norm_weight
+        if w.dtype != aux.dtype or w.dim() != 2 or not w.is_contiguous() or w.numel() != aux.shape[1]:
+            return None
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (aux, fc_norm_weight)):
+        return None
+    return torch.ops.tritonspec_cpu.aux_gather(aux, index, fc_norm_weight, float(eps))

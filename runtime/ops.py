@@ -210,7 +210,14 @@ class TorchOps:
                 return out
         return rms_norm_reference(x, weight, eps, residual)
 
-    aux_gather = staticmethod(aux_gather_reference)
+    def aux_gather(self, aux, index, fc_norm_weight, eps):
+        """``kernels.aux_gather.aux_gather_reference``; on the CPU, ``kernels.cpu_norm.aux_gather`` where the CPU
+        kernels run (the ``cpu_linear`` switch): one native call, each chunk's RMSNorm by ``cpu_norm``'s kernel."""
+        if aux.is_cpu and self._cpu_kernel(aux.dtype):
+            out = _cpu_norm.aux_gather(aux, index, fc_norm_weight, eps)
+            if out is not None:
+                return out
+        return aux_gather_reference(aux, index, fc_norm_weight, eps)
 
     def kv_write(self, k_cache, v_cache, slots, k, v, layer=None):
         """``kernels.kv_write.kv_write_reference``; eager CPU calls where the CPU kernels run copy the

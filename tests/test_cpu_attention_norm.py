@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tritonspec.kernels import cpu_attention as ca
 from tritonspec.kernels import cpu_linear as cl
 from tritonspec.kernels import cpu_norm as cn
+from tritonspec.kernels.aux_gather import aux_gather_reference
 from tritonspec.kernels.rms_norm import rms_norm_reference
 from tritonspec.kernels.tree_attention import tree_attention_reference
 from tritonspec.runtime.ops import TorchOps
@@ -285,6 +286,54 @@ def test_norm_bad_inputs_are_named():
     with pytest.raises(ValueError, match="cpu_rms_norm takes"):
         cn.cpu_rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6)
     assert cn.rms_norm(torch.randn(2, 8).half(), torch.randn(8).half(), 1e-6) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@settings(max_examples=25, deadline=None)
+@given(
+    n_src=st.integers(1, 9), n_aux=st.integers(1, 3), h=st.sampled_from([1, 7, 32, 99, 128]),
+    seed=st.integers(0, 10**6), index=st.lists(st.integers(-3, 8), min_size=1, max_size=12), norm=st.booleans(),
+)  # fmt: skip
+def test_aux_gather_is_the_norm_kernel_per_chunk(dtype, n_src, n_aux, h, seed, index, norm):
+    """The native fc_norm gather: each gathered chunk is cpu_rms_norm's output on it bit for bit (so within the
+    reference's rounding), negative indices give zero rows, a plain gather is the reference's copy."""
+    if cl.native_op() is not None:
+        pytest.skip(f"native operator not built: {cl.native_op()}")
+    g = torch.Generator().manual_seed(seed)
+    aux = (torch.randn(n_src, n_aux * h, generator=g) * 3).to(dtype)
+    w = torch.randn(n_aux, h, generator=g).to(dtype) if norm else None
+    idx = torch.tensor([i % n_src if i >= 0 else i for i in index])
+    out = cn.aux_gather(aux, idx, w, 1e-6)
+    assert out is not None and out.shape == (len(index), n_aux * h)
+    rows = aux.index_select(0, idx.clamp(min=0)).view(len(index), n_aux, h)
+    if norm:
+        want = torch.stack([cn.cpu_rms_norm(rows[:, c], w[c], 1e-6) for c in range(n_aux)], 1)
+    else:
+        want = rows
+    want = torch.where((idx >= 0)[:, None], want.reshape(len(index), -1), torch.zeros((), dtype=dtype))
+    assert torch.equal(out, want)
+    assert _close(out.float(), aux_gather_reference(aux, idx, w, 1e-6).float(), dtype)
+
+
+def test_aux_gather_inverse_and_routing(monkeypatch):
+    """A wrong weight chunk is seen (the comparison is not vacuous); TorchOps routes through the operator only
+    where the CPU kernels run, and an out-of-range index is an error naming it."""
+    if cl.native_op() is not None:
+        pytest.skip(f"native operator not built: {cl.native_op()}")
+    g = torch.Generator().manual_seed(3)
+    aux, w, idx = torch.randn(4, 3 * 16, generator=g), torch.randn(3, 16, generator=g), torch.tensor([3, -1, 0])
+    swapped = w[[1, 0, 2]].contiguous()
+    assert not torch.equal(cn.aux_gather(aux, idx, w, 1e-6), cn.aux_gather(aux, idx, swapped, 1e-6))
+    with pytest.raises(RuntimeError, match="index 4 outside"):
+        cn.aux_gather(aux, torch.tensor([4]), w, 1e-6)
+    calls = []
+    real = cn.aux_gather
+    monkeypatch.setattr(cn, "aux_gather", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        on = TorchOps().aux_gather(aux, idx, w, 1e-6)
+        off = TorchOps(cpu_linear="torch").aux_gather(aux, idx, w, 1e-6)
+    assert calls == [1] and torch.equal(on, real(aux, idx, w, 1e-6))
+    assert torch.equal(off, aux_gather_reference(aux, idx, w, 1e-6))
 
 
 # ------------------------------------------------------------------------------------------- runtime

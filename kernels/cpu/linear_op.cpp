@@ -1,10 +1,12 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
-// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .drafter_step and .draft_chain: the kernels of linear.c, attention.c,
+// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .aux_gather, .drafter_step and
+// .draft_chain: the kernels of linear.c, attention.c,
 // norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
 // there; otherwise the ctypes path runs the same kernels.
 #include <algorithm>
+#include <initializer_list>
 #include <tuple>
 
 #include <ATen/Parallel.h>
@@ -219,6 +221,58 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
   return {y, s};
 }
 
+// EAGLE-3.1's fc_norm gather (kernels/aux_gather.py): out[i] = the n_aux H-wide chunks of aux[index[i]], chunk c
+// through norm.c's RMSNorm with weight[c] (cpu_norm's kernel on that chunk, the same bits), zeros where index[i]
+// is negative (-1: padding); a plain gather without weight. aux [n_src, n_aux * H] (unit stride along the row), weight [n_aux, H].
+at::Tensor aux_gather(const at::Tensor& aux, const at::Tensor& index, const std::optional<at::Tensor>& weight,
+                      double eps) {
+  TORCH_CHECK((aux.scalar_type() == at::kFloat || aux.scalar_type() == at::kBFloat16) && aux.dim() == 2 &&
+                  aux.stride(1) == 1,
+              "tritonspec_cpu::aux_gather: aux must be float32 or bfloat16 [n_src, n_aux * H], unit stride along rows");
+  TORCH_CHECK(index.scalar_type() == at::kLong && index.dim() == 1, "tritonspec_cpu::aux_gather: index must be int64 [n]");
+  const int64_t n = index.size(0), C = aux.size(1), src = aux.size(0);
+  int64_t n_aux = 1, H = C;
+  if (weight) {
+    TORCH_CHECK(weight->scalar_type() == aux.scalar_type() && weight->dim() == 2 && weight->is_contiguous() &&
+                    weight->size(0) * weight->size(1) == C,
+                "tritonspec_cpu::aux_gather: weight must be a contiguous [n_aux, H] tensor of aux's dtype with "
+                "n_aux * H = ", C);
+    n_aux = weight->size(0);
+    H = weight->size(1);
+  }
+  const at::Tensor ic = index.contiguous();
+  const int64_t* idx = ic.const_data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; i++)
+    TORCH_CHECK(idx[i] < src, "tritonspec_cpu::aux_gather: index ", idx[i], " outside [-1, ", src, ")");
+  at::Tensor out = at::empty({n, C}, aux.options());
+  const int64_t es = aux.element_size(), ld = aux.stride(0);
+  char* o = static_cast<char*>(out.data_ptr());
+  const char* a = static_cast<const char*>(aux.const_data_ptr());
+  for (int64_t i = 0; i < n; i++) {
+    char* row = o + i * C * es;
+    if (idx[i] < 0) {
+      std::fill(row, row + C * es, char(0));
+      continue;
+    }
+    const char* in = a + idx[i] * ld * es;
+    if (!weight) {
+      std::copy(in, in + C * es, row);
+      continue;
+    }
+    for (int64_t c = 0; c < n_aux; c++) {
+      if (aux.scalar_type() == at::kFloat)
+        tritonspec_rms_norm_f32(reinterpret_cast<const float*>(in) + c * H, H, nullptr, 0,
+                                weight->const_data_ptr<float>() + c * H, 1, H, float(eps),
+                                reinterpret_cast<float*>(row) + c * H, nullptr, 1);
+      else
+        tritonspec_rms_norm_bf16(reinterpret_cast<const uint16_t*>(in) + c * H, H, nullptr, 0,
+                                 reinterpret_cast<const uint16_t*>(weight->const_data_ptr<c10::BFloat16>()) + c * H, 1,
+                                 H, float(eps), reinterpret_cast<uint16_t*>(row) + c * H, nullptr, 1);
+    }
+  }
+  return out;
+}
+
 // rope_kv.c: y = x * cos + rotate_half(x) * sin, rounded as PyTorch's eager ops (x [B, Q, H, D], unit stride along
 // D; cos, sin [B, Q, D] or [B, Q, 1, D], unit stride along D). Returns [B, Q, H, D] contiguous.
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
@@ -423,6 +477,142 @@ at::Tensor argmax(const at::Tensor& x) {
   return out;
 }
 
+// ---- the float32 drafter step on raw buffers (drafter_step and draft_chain's fast path) ----
+// The same kernels as the wrappers above (linear.c, norm.c, rope_kv.c, attention.c), called on one work buffer
+// allocated once per operator call instead of ~30 ATen tensors a step: the same calls with the same arguments
+// on the same values, so the same bits. Elementwise ops keep ATen's results: SiLU is at::silu_out on the shapes
+// and strides the ATen path gives it; the product, the residual add and the embedding copy are single IEEE
+// operations (or copies), the same in any loop.
+
+// float32 activations against panels [N/16, K, 16] of float32 or (weight-only) bfloat16: y [M, N] contiguous
+void lin_raw(const float* x, int64_t M, int64_t ldx, const at::Tensor& w, float* y) {
+  const int64_t N = w.size(0) * 16, K = w.size(1);
+  const int nt = M * N * K >= kSmall ? at::get_num_threads() : 1;
+  if (w.scalar_type() == at::kBFloat16) {
+    const int rc = tritonspec_linear_f32_bf16_panels(
+        x, M, ldx, reinterpret_cast<const uint16_t*>(w.const_data_ptr<c10::BFloat16>()), N, K, nullptr, y, N, nt);
+    TORCH_CHECK(rc == 0, "tritonspec_cpu: the weight-only bfloat16 kernel failed");
+  } else {
+    tritonspec_linear_f32_panels(x, M, ldx, w.const_data_ptr<float>(), N, K, nullptr, y, N, nt);
+  }
+}
+
+// Whether the raw path takes a step on these: float32 activations, embedding, norms, rope tables and caches;
+// projections packed into panels of float32 or bfloat16 (what the ATen path's checks also want, dtype aside).
+bool raw_ok(const at::Tensor& x, const at::Tensor& embed, std::initializer_list<const at::Tensor*> f32,
+            std::initializer_list<const at::Tensor*> panels) {
+  if (x.scalar_type() != at::kFloat || embed.scalar_type() != at::kFloat || embed.dim() != 2 || !embed.is_contiguous())
+    return false;
+  for (const at::Tensor* t : f32)
+    if (t->scalar_type() != at::kFloat || !t->is_contiguous()) return false;
+  for (const at::Tensor* w : panels)
+    if (w->dim() != 3 || w->size(2) != 16 || !w->is_contiguous() ||
+        (w->scalar_type() != at::kFloat && w->scalar_type() != at::kBFloat16))
+      return false;
+  return true;
+}
+
+struct RawStep {  // one step's weights, caches and shapes
+  const at::Tensor &embed, &in_norm, &hidden_norm, &qkv_w, &o_w, &post_norm, &gate_up_w, &down_w, &final_norm;
+  const at::Tensor &cos_table, &sin_table, &k_cache, &v_cache;
+  double eps, scale;
+  int64_t kv_len, num_heads, num_kv_heads, head_dim;
+  bool norm_before_residual;
+};
+
+struct RawBufs {  // the work buffer of R = B * Q rows; gu/act/gate as tensors for at::silu_out
+  at::Tensor buf, gu, act, gate;
+  float *en, *vn, *z, *qkv, *qr, *kr, *o, *o2, *x, *r, *down;
+  int64_t H, I, W, hq, hkv;
+  RawBufs(const RawStep& p, int64_t B, int64_t Q) {
+    H = p.final_norm.size(0);
+    I = p.down_w.size(1);
+    hq = p.num_heads * p.head_dim;
+    hkv = p.num_kv_heads * p.head_dim;
+    W = hq + 2 * hkv;
+    const int64_t R = B * Q;
+    const int64_t sizes[] = {H, H, 2 * H, W, hq, hkv, hq, H, H, H, H};
+    int64_t total = 0;
+    for (int64_t s : sizes) total += R * s;
+    buf = at::empty({total}, p.final_norm.options());
+    float* at_ = buf.mutable_data_ptr<float>();
+    float** ptrs[] = {&en, &vn, &z, &qkv, &qr, &kr, &o, &o2, &x, &r, &down};
+    for (int i = 0; i < 11; i++) {
+      *ptrs[i] = at_;
+      at_ += R * sizes[i];
+    }
+    gu = at::empty({B, Q, 2 * I}, buf.options());  // the gate/up projection, its gate half a strided view
+    act = at::empty({B, Q, I}, buf.options());
+    gate = gu.narrow(-1, 0, I);
+  }
+};
+
+// One float32 drafter step over R = B x Q rows (Eagle3Drafter.step's math, drafter_step's order of calls):
+// hidden [R, H] rows at stride H, tokens, positions and slots [R] int64, prefix_lens [B], the mask [B, Q, T]
+// at strides (smb, smq, smt); writes h and hn [R, H]. hidden may be h or hn of the previous step (read before
+// they are written).
+void raw_step(const RawStep& p, RawBufs& w, const float* hidden, const int64_t* tokens, const int64_t* positions,
+              const int64_t* slots, const int64_t* prefix_lens, const uint8_t* mask, int64_t smb, int64_t smq,
+              int64_t smt, int64_t T, int64_t B, int64_t Q, float* h, float* hn) {
+  const int64_t R = B * Q, H = w.H, I = w.I, W = w.W, D = p.head_dim, V = p.embed.size(0);
+  const int64_t npos = p.cos_table.size(0);
+  const float eps = float(p.eps);
+  const int nt = at::get_num_threads();
+  const float* E = p.embed.const_data_ptr<float>();
+  for (int64_t i = 0; i < R; i++) {
+    TORCH_CHECK(tokens[i] >= 0 && tokens[i] < V, "tritonspec_cpu: token id ", tokens[i], " outside the embedding [0, ",
+                V, ")");
+    TORCH_CHECK(positions[i] >= 0 && positions[i] < npos, "tritonspec_cpu: position ", positions[i],
+                " outside the rope table [0, ", npos, ")");
+  }
+  float* e = w.o2;  // the embedding rows, before o2 is needed
+  for (int64_t i = 0; i < R; i++) std::copy(E + tokens[i] * H, E + (tokens[i] + 1) * H, e + i * H);
+  tritonspec_rms_norm_f32(e, H, nullptr, 0, p.in_norm.const_data_ptr<float>(), R, H, eps, w.en, nullptr, nt);
+  tritonspec_rms_norm_f32(hidden, H, nullptr, 0, p.hidden_norm.const_data_ptr<float>(), R, H, eps, w.vn, nullptr, nt);
+  for (int64_t i = 0; i < R; i++) {  // z = [e; v]: embedding first, hidden second
+    std::copy(w.en + i * H, w.en + (i + 1) * H, w.z + i * 2 * H);
+    std::copy(w.vn + i * H, w.vn + (i + 1) * H, w.z + i * 2 * H + H);
+  }
+  TORCH_CHECK(p.qkv_w.size(0) * 16 == W, "tritonspec_cpu::drafter_step: the qkv weight has ", p.qkv_w.size(0) * 16,
+              " outputs for ", p.num_heads, " + 2 x ", p.num_kv_heads, " heads of ", D);
+  lin_raw(w.z, R, 2 * H, p.qkv_w, w.qkv);
+  const float* ct = p.cos_table.const_data_ptr<float>();
+  const float* st = p.sin_table.const_data_ptr<float>();
+  for (int64_t i = 0; i < R; i++) {  // rope on q and k: the table rows at each row's position
+    const float* c = ct + positions[i] * D;
+    const float* s = st + positions[i] * D;
+    tritonspec_rope_f32(w.qkv + i * W, 1, 1, p.num_heads, D, 0, 0, D, c, s, 0, 0, w.qr + i * w.hq);
+    tritonspec_rope_f32(w.qkv + i * W + w.hq, 1, 1, p.num_kv_heads, D, 0, 0, D, c, s, 0, 0, w.kr + i * w.hkv);
+  }
+  const int64_t S = p.k_cache.size(1), es = p.k_cache.element_size();
+  int64_t bad = tritonspec_kv_write(static_cast<char*>(p.k_cache.data_ptr()), p.k_cache.stride(0), p.k_cache.stride(1),
+                                    S, reinterpret_cast<const char*>(w.kr), Q * w.hkv, w.hkv, slots, B, Q, w.hkv * es,
+                                    es);
+  bad += tritonspec_kv_write(static_cast<char*>(p.v_cache.data_ptr()), p.v_cache.stride(0), p.v_cache.stride(1), S,
+                             reinterpret_cast<const char*>(w.qkv + w.hq + w.hkv), Q * W, W, slots, B, Q, w.hkv * es, es);
+  TORCH_CHECK(bad == 0, "tritonspec_cpu::kv_write: ", bad, " slot(s) outside [-1, ", S, ")");
+  const int64_t Sv = std::min<int64_t>(p.kv_len >= 0 ? p.kv_len : S, S);
+  const at::Tensor &kc = p.k_cache, &vc = p.v_cache;
+  const int rc = tritonspec_tree_attention_f32(
+      w.qr, B, Q, p.num_heads, D, Q * w.hq, w.hq, D, kc.const_data_ptr<float>(), vc.const_data_ptr<float>(),
+      p.num_kv_heads, kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), prefix_lens,
+      mask, smb, smq, smt, T, Sv, float(p.scale), w.o, nt);
+  TORCH_CHECK(rc != -2, "tritonspec_cpu::tree_attention: out of memory for the shared-prefix scratch");
+  TORCH_CHECK(rc == 0, "tritonspec_cpu::tree_attention: unsupported head shape");
+  lin_raw(w.o, R, w.hq, p.o_w, w.o2);
+  tritonspec_rms_norm_f32(w.o2, H, p.norm_before_residual ? w.vn : hidden, H, p.post_norm.const_data_ptr<float>(), R,
+                          H, eps, w.x, w.r, nt);
+  float* gu = w.gu.mutable_data_ptr<float>();
+  lin_raw(w.x, R, H, p.gate_up_w, gu);
+  at::silu_out(w.act, w.gate);
+  float* act = w.act.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < R; i++)
+    for (int64_t j = 0; j < I; j++) act[i * I + j] *= gu[i * 2 * I + I + j];
+  lin_raw(act, R, I, p.down_w, w.down);
+  for (int64_t i = 0; i < R * H; i++) h[i] = w.r[i] + w.down[i];
+  tritonspec_rms_norm_f32(h, H, nullptr, 0, p.final_norm.const_data_ptr<float>(), R, H, eps, hn, nullptr, nt);
+}
+
 // One EAGLE-3 drafter step (runtime/drafter.py Eagle3Drafter.step, decode rounds: not a prompt's causal forward)
 // as one operator: the same wrappers and ATen calls the Python step makes, in the same order with the same
 // arguments, so the same bits, without ~20 Python-level dispatches (~0.3 ms a step on the demo drafter).
@@ -443,6 +633,25 @@ std::tuple<at::Tensor, at::Tensor> drafter_step(
   const int64_t B = hidden.size(0), Q = hidden.size(1), D = head_dim;
   const int64_t hq = num_heads * D, hkv = num_kv_heads * D;
   const std::optional<at::Tensor> none;
+  if (raw_ok(hidden, embed, {&in_norm, &hidden_norm, &post_norm, &final_norm, &cos_table, &sin_table},
+             {&qkv_w, &o_w, &gate_up_w, &down_w}) &&
+      k_cache.scalar_type() == at::kFloat && embed.size(1) == hidden.size(2) && tree_mask.scalar_type() == at::kBool &&
+      tree_mask.dim() == 3 && tree_mask.size(0) == B && tree_mask.size(1) == Q && tokens.scalar_type() == at::kLong &&
+      positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && slots.sizes() == tokens.sizes() &&
+      prefix_lens.scalar_type() == at::kLong && prefix_lens.numel() == B) {  // float32: the same calls on raw buffers
+    const RawStep p{embed,     in_norm,   hidden_norm, qkv_w,   o_w,    post_norm, gate_up_w,
+                    down_w,    final_norm, cos_table,  sin_table, k_cache, v_cache,  eps,
+                    scale,     kv_len,    num_heads,   num_kv_heads, head_dim, norm_before_residual};
+    RawBufs w(p, B, Q);
+    const at::Tensor hc = hidden.contiguous(), tc = tokens.contiguous(), pc = positions.contiguous();
+    const at::Tensor sc = slots.contiguous(), lc = prefix_lens.contiguous();
+    at::Tensor h = at::empty(hidden.sizes(), hidden.options()), hn = at::empty(hidden.sizes(), hidden.options());
+    raw_step(p, w, hc.const_data_ptr<float>(), tc.const_data_ptr<int64_t>(), pc.const_data_ptr<int64_t>(),
+             sc.const_data_ptr<int64_t>(), lc.const_data_ptr<int64_t>(), cbytes(tree_mask), tree_mask.stride(0),
+             tree_mask.stride(1), tree_mask.stride(2), tree_mask.size(2), B, Q, h.mutable_data_ptr<float>(),
+             hn.mutable_data_ptr<float>());
+    return {hn, h};
+  }
   at::Tensor e = at::embedding(embed, tokens).to(hidden.scalar_type());
   e = std::get<0>(rms_norm(e, in_norm, eps, none, -1));
   at::Tensor v = std::get<0>(rms_norm(hidden, hidden_norm, eps, none, -1));
@@ -470,6 +679,54 @@ std::tuple<at::Tensor, at::Tensor> drafter_step(
   return {hn, h};
 }
 
+// draft_chain's float32 path: the same chain on raw buffers. Each depth's pick is the first largest logit of the
+// head (argmax of log_softmax's input: the same token as the top-1 of log q wherever that top-1 is unique;
+// log_softmax only subtracts one constant per row), a NaN first if any (at::topk ranks NaN above numbers).
+at::Tensor draft_chain_raw(const at::Tensor& hn0, const at::Tensor& carry0, const at::Tensor& head_w,
+                           const at::Tensor& d2t, const at::Tensor& L, const at::Tensor& active, const RawStep& p,
+                           bool norm_output, int64_t n) {
+  const int64_t B = hn0.size(0), H = hn0.size(1), width = std::max<int64_t>(n - 1, 1), Vd = head_w.size(0) * 16;
+  TORCH_CHECK(head_w.size(1) == H && d2t.numel() == Vd, "tritonspec_cpu::draft_chain: the head [", Vd, ", ",
+              head_w.size(1), "] and d2t [", d2t.numel(), "] do not fit hidden ", H);
+  RawBufs w(p, B, 1);
+  at::Tensor toks = at::empty({B, n}, L.options());
+  at::Tensor fmask = at::zeros({B, 1, width}, L.options().dtype(at::kBool));
+  // logits [B, Vd], h and hn [B, H]; the step's token, position and slot [B] (int64)
+  at::Tensor fbuf = at::empty({B * (Vd + 2 * H)}, hn0.options());
+  at::Tensor ibuf = at::empty({3 * B}, L.options());
+  float* logits = fbuf.mutable_data_ptr<float>();
+  float *h = logits + B * Vd, *hn = h + B * H;
+  int64_t *tok = ibuf.mutable_data_ptr<int64_t>(), *pos = tok + B, *slot = pos + B;
+  int64_t* out = toks.mutable_data_ptr<int64_t>();
+  uint8_t* fm = bytes(fmask);
+  const int64_t* l = L.const_data_ptr<int64_t>();
+  const bool* act = active.const_data_ptr<bool>();
+  const int64_t* d2 = d2t.const_data_ptr<int64_t>();
+  const at::Tensor hc = hn0.contiguous(), cc = carry0.contiguous();
+  const float* hid = cc.const_data_ptr<float>();
+  lin_raw(hc.const_data_ptr<float>(), B, H, head_w, logits);
+  for (int64_t s = 0; s < n; s++) {
+    for (int64_t b = 0; b < B; b++) {
+      const float* row = logits + b * Vd;
+      int64_t best = 0;
+      for (int64_t j = 1; j < Vd && row[best] == row[best]; j++)  // stops at a NaN
+        if (row[j] > row[best] || row[j] != row[j]) best = j;
+      tok[b] = best + d2[best];
+      out[b * n + s] = tok[b];
+    }
+    if (s == n - 1) break;
+    for (int64_t b = 0; b < B; b++) {
+      fm[b * width + s] = 1;  // the chain so far, this token included
+      pos[b] = l[b] + s;
+      slot[b] = act[b] ? pos[b] : -1;  // idle rows write nowhere
+    }
+    raw_step(p, w, hid, tok, pos, slot, l, fm, width, width, 1, width, B, 1, h, hn);
+    hid = norm_output ? hn : h;
+    lin_raw(hn, B, H, head_w, logits);
+  }
+  return toks;
+}
+
 // Decoder.draft's greedy top-1 chain (runtime/decode.py: draft_chain with the tree's top-1 pick) as one operator:
 // n draft tokens [B, n] (target ids) from the last catch-up state hn0, carry0 [B, H]. At depth s: log q =
 // log_softmax(float(head hn)), the top-1 draft id (at::topk, as the Python pick), its target id (id + d2t[id]);
@@ -491,6 +748,15 @@ at::Tensor draft_chain(const at::Tensor& hn0, const at::Tensor& carry0, const at
   TORCH_CHECK(head_w.dim() == 3, "tritonspec_cpu::draft_chain: the head packed into panels (cpu_linear.pack_panels)");
   const int64_t B = hn0.size(0), width = std::max<int64_t>(n - 1, 1);
   const std::optional<at::Tensor> none;
+  if (raw_ok(hn0, embed, {&carry0, &in_norm, &hidden_norm, &post_norm, &final_norm, &cos_table, &sin_table},
+             {&head_w, &qkv_w, &o_w, &gate_up_w, &down_w}) &&
+      k_cache.scalar_type() == at::kFloat && embed.size(1) == hn0.size(1) && d2t.is_contiguous() && L.is_contiguous() &&
+      active.is_contiguous() && d2t.scalar_type() == at::kLong && L.scalar_type() == at::kLong)
+    return draft_chain_raw(hn0, carry0, head_w, d2t, L, active,
+                           RawStep{embed, in_norm, hidden_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, final_norm,
+                                   cos_table, sin_table, k_cache, v_cache, eps, scale, kv_len, num_heads,
+                                   num_kv_heads, head_dim, norm_before_residual},
+                           norm_output, n);
   at::Tensor fmask = at::zeros({B, 1, width}, L.options().dtype(at::kBool));
   const at::Tensor col = at::arange(width, L.options());
   at::Tensor hid = carry0.unsqueeze(1);  // [B, 1, H]
@@ -530,6 +796,7 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("row_hash(Tensor key, Tensor counter, int n, int vocab) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
+  m.def("aux_gather(Tensor aux, Tensor index, Tensor? weight, float eps) -> Tensor");
   m.def("verify_chain(Tensor tokens, Tensor probs, Tensor draft_probs, Tensor uniforms, Tensor exp_noise) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("drafter_step(Tensor hidden, Tensor tokens, Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, "
@@ -559,5 +826,6 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("draft_chain", &draft_chain);
   m.impl("row_hash", &row_hash);
   m.impl("argmax", &argmax);
+  m.impl("aux_gather", &aux_gather);
   m.impl("verify_chain", &verify_chain);
 }
