@@ -192,3 +192,51 @@ def draft_chain(
         -1 if kv_len is None else int(kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual, norm_output,
         int(n),
     )  # fmt: skip
+
+
+def catch_up(
+    aux: torch.Tensor,  # [B * N, n_aux * H_t] the verify's captured target features, row b * N + node
+    nodes: torch.Tensor,  # [B, W] int64: the accepted path's node ids, -1 past it
+    emitted: torch.Tensor,  # [B, W] int64: the tokens at those nodes (-1 past the path)
+    num: torch.Tensor,  # [B] int64: accepted draft tokens
+    active: torch.Tensor,  # [B] bool
+    prefix_lens: torch.Tensor,  # [B] int64 (L before the commit)
+    N: int,  # tree nodes per row
+    qc: int,  # columns re-encoded: > 0 that many, else up to the longest accepted path
+    fc: torch.Tensor,  # the fc projection packed into panels
+    fc_norm: torch.Tensor | None,  # [n_aux, H_t] (EAGLE-3.1's fc_norm) or None
+    fc_in_norm: torch.Tensor | None,  # [n_aux * H_t] (norm_before_fc) or None
+    embed: torch.Tensor,
+    norms: tuple[torch.Tensor, ...],  # as drafter_step's
+    packed: dict[str, torch.Tensor],  # as drafter_step's
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    hn_out: torch.Tensor,  # [B, H] written: each row's hn at its last accepted position
+    carry_out: torch.Tensor,  # [B, H] written: its carried state
+    eps: float,
+    scale: float,
+    kv_len: int | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    norm_before_residual: bool,
+    norm_output: bool,
+) -> bool:  # False: nothing written, run the Python catch-up
+    """``Decoder._catch_up`` of a decode round as one native call (``tritonspec_cpu::catch_up``): the path's
+    features gathered and fused (``Eagle3Drafter.combine``), one drafter step over them and each row's state at
+    its last accepted position, from C++ on raw buffers (float32 activations): the calls the Python catch-up
+    makes, so the same bits (``tests/test_cpu_drafter.py``). Demo pair, one thread: ~0.26 -> ~0.09 ms a round."""
+    if _tracing(aux) or not _lib._native_ready():
+        return False
+    if not _weights_ok(aux.view(nodes.shape[0], -1), packed, norms, k_cache, v_cache, prefix_lens, num_heads,
+                       num_kv_heads, head_dim):  # fmt: skip
+        return False
+    n_in, n_hid, n_post, n_out = norms
+    return torch.ops.tritonspec_cpu.catch_up(
+        aux, nodes, emitted, num, active, prefix_lens, int(N), int(qc), fc, fc_norm, fc_in_norm, embed, n_in, n_hid,
+        packed["qkv"], packed["o"], n_post, packed["gate_up"], packed["down"], n_out, cos, sin, k_cache, v_cache,
+        hn_out, carry_out, float(eps), float(scale), -1 if kv_len is None else int(kv_len), num_heads, num_kv_heads,
+        head_dim, norm_before_residual, norm_output,
+    )  # fmt: skip

@@ -189,6 +189,7 @@ class Decoder:
         self._cut_nodes: int | None = None  # draft nodes of the last eager CPU round that cut its lookup padding
         self.top1_chains = True  # a top-1 tree keeping every candidate is drafted as a chain (``draft``)
         self.native_chains = True  # ... greedy, in one native call where it runs (Eagle3Drafter.native_chain)
+        self.native_catch_ups = True  # commit's catch-up in one native call where it runs (_native_catch_up)
         self.track_drafted = False  # commit records each row's accepted drafter nodes (adaptive shapes)
         self.drafted: list[int] = []  # per row, by collect when tracked: accepted drafter nodes, -1: lookup's path
 
@@ -509,6 +510,21 @@ class Decoder:
         if self.observer is not None:  # depth 1 of the next round is this catch-up's last position
             self.observer.on_catch_up(last, start + n_valid)
 
+    def _native_catch_up(self, tree: DraftTree, v: Verification, whole_cache: bool) -> bool:
+        """``commit``'s catch-up in one native call (``Eagle3Drafter.native_catch_up``) where it runs: eager CPU
+        rounds, no observer, the native drafter step. The columns re-encoded are ``commit``'s: up to the longest
+        accepted path where the drafter's kernels compute each row alone, else all of them."""
+        if self.observer is not None or not self.native_catch_ups or v.aux.device.type != "cpu":
+            return False
+        B, N = tree.tokens.shape
+        # the operator runs only on packed projections with the CPU kernels: a row-invariant drafter
+        # (_row_invariant_drafter), so commit's rule is up to the longest path unless whole_cache
+        qc = v.nodes.shape[1] if whole_cache else -1
+        return self.drafter.native_catch_up(
+            self.ops, v.aux.reshape(B * N, -1), v.nodes, v.emitted, v.num, self.active, self.L, N, qc,
+            self.draft_cache, self.bufs.hn[:B], self.bufs.carry[:B], self._kv_len(whole_cache, tree.max_depth + 1),
+        )  # fmt: skip
+
     def _drafter_ops(self) -> Ops:
         return self.ops if self.observer is None else self.observer.wrap(self.ops)
 
@@ -805,7 +821,7 @@ class Decoder:
             self.ops.kv_compact(
                 self.target.k_cache, self.target.v_cache, self.L, torch.where(self.active[:, None], v.nodes, -1)
             )  # idle rows move nothing
-        if self.speculative:
+        if self.speculative and not self._native_catch_up(tree, v, whole_cache):
             index = torch.where(v.nodes >= 0, torch.arange(B, device=self.device)[:, None] * N + v.nodes, -1)
             n_valid = torch.where(self.active, v.num + 1, 0)
             emitted = v.emitted

@@ -23,7 +23,7 @@ import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -120,6 +120,8 @@ class Eagle3Drafter(nn.Module):
         self._rope: Rope | None = None
         self._packed: tuple | None = None  # pack_for_cpu: (sources' versions, {name: packed weight})
         self._round_pack: tuple | None = None  # packed_for_round: (ops, what _cpu_weights gave for them)
+        self._round_memo: dict[str, Any] | None = None  # packed_for_round: values fixed for the round (_memo)
+        self._fc_norm_stack: tuple | None = None  # _stacked_fc_norm: (the weights' storage and versions, the stack)
         # pack_for_cpu's weight dtype: None = the drafter's; torch.bfloat16 for a float32 drafter = weight-only
         # bfloat16 panels (kernels.cpu_linear.weight_only_bf16), set by SpeculativeRuntime(drafter_weight_dtype=)
         self.cpu_weight_dtype: torch.dtype | None = None
@@ -324,18 +326,45 @@ class Eagle3Drafter(nn.Module):
         (steps, heads, the catch-up's fc), and the check walked the module at ~40 us a call (0.36 ms of
         a 9 ms demo round, 2026-12-04). Weights do not change inside a round; one changed between
         rounds is repacked at the next round's entry, as before."""
-        prev = self._round_pack
-        self._round_pack = None
+        prev, prev_memo = self._round_pack, self._round_memo
+        self._round_pack = self._round_memo = None
         try:
             self._round_pack = (ops, self._cpu_weights(ops))
+            self._round_memo = {}
             yield
         finally:
-            self._round_pack = prev
+            self._round_pack, self._round_memo = prev, prev_memo
+
+    def _memo(self, key: str, make: Callable[[], Any]) -> Any:
+        """``make()``, kept for the rest of the round inside ``packed_for_round`` (autograd off): the stacked
+        fc_norm weights and the native operators' arguments were ~25 us of module walks a round (demo pair,
+        2026-12-06). Outside a round, or with autograd on (training), made at every call."""
+        memo = self._round_memo
+        if memo is None or torch.is_grad_enabled():
+            return make()
+        out = memo.get(key)
+        if out is None:
+            out = memo[key] = make()
+        return out
 
     # ------------------------------------------------------------------ math
     def fc_norm_weight(self) -> torch.Tensor | None:
-        """``[n_aux, H_t]`` stacked fc_norm weights, or None when fc_norm is off."""
-        return torch.stack([n.weight for n in self.fc_norm]) if self.config.fc_norm else None
+        """``[n_aux, H_t]`` stacked fc_norm weights, or None when fc_norm is off (``_memo``: once a round)."""
+        if not self.config.fc_norm:
+            return None
+        return self._memo("fc_norm", self._stacked_fc_norm)
+
+    def _stacked_fc_norm(self) -> torch.Tensor:
+        """The stack, kept between rounds while no weight changed (the same storage, the same version
+        counter: an in-place update or a replaced tensor makes a new one); made afresh with autograd on."""
+        ws = [n.weight for n in self.fc_norm]
+        if torch.is_grad_enabled():
+            return torch.stack(ws)
+        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
+        cached = self._fc_norm_stack
+        if cached is None or cached[0] != key:
+            cached = self._fc_norm_stack = (key, torch.stack(ws))
+        return cached[1]
 
     def combine(self, ops: Any, aux: torch.Tensor, index: torch.Tensor, prompt: bool = False) -> torch.Tensor:
         """``fc(norms(aux[index]))``: aux ``[n_src, n_aux*H_t]``, index ``[n]`` (-1 = zero row) -> ``[n, H]``;
@@ -462,10 +491,46 @@ class Eagle3Drafter(nn.Module):
             cache.k, cache.v, a.eps, a.scale, kv_len, *a.heads, c.norm_before_residual, c.norm_output, n,
         )  # fmt: skip
 
+    def native_catch_up(
+        self,
+        ops: Any,
+        aux: torch.Tensor,  # [B * N, n_aux * H_t]
+        nodes: torch.Tensor,  # [B, W] int64
+        emitted: torch.Tensor,  # [B, W] int64
+        num: torch.Tensor,  # [B] int64
+        active: torch.Tensor,  # [B] bool
+        prefix_lens: torch.Tensor,  # [B] int64
+        N: int,
+        qc: int,
+        cache: KVCache,
+        hn_out: torch.Tensor,  # [B, H]
+        carry_out: torch.Tensor,  # [B, H]
+        kv_len: int | None,
+    ) -> bool:
+        """A decode round's catch-up (``Decoder._catch_up``: ``combine`` then ``step`` over the accepted path,
+        each row's state at its last position written to ``hn_out``/``carry_out``) as one native operator
+        (``kernels.cpu_drafter.catch_up``), the same bits. False where ``step`` would not run natively or the
+        operator declines: the caller then runs the Python catch-up."""
+        packed = self._cpu_weights(ops)
+        if packed is None or "fc" not in packed or not self.native_step or type(ops) is not TorchOps:
+            return False
+        if self.embed_tokens is None:
+            return False
+        c, a = self.config, self._native_args(packed)
+        fc_in = self.input_norm.weight if c.norm_before_fc else None
+        return cpu_drafter.catch_up(
+            aux, nodes, emitted, num, active, prefix_lens, N, qc, packed["fc"], self.fc_norm_weight(), fc_in, a.embed,
+            a.norms, packed, a.cos, a.sin, cache.k, cache.v, hn_out, carry_out, a.eps, a.scale, kv_len, *a.heads,
+            c.norm_before_residual, c.norm_output,
+        )  # fmt: skip
+
     def _native_args(self, packed: dict[str, torch.Tensor]) -> SimpleNamespace:
         """The drafter's part of the native operators' arguments (``step``'s ``drafter_step``, ``native_chain``'s
         ``draft_chain``): the embedding, the four norms' weights, the rope tables, eps, the attention scale and
         the head counts."""
+        return self._memo("native_args", self._make_native_args)
+
+    def _make_native_args(self) -> SimpleNamespace:
         c, m = self.config, self.midlayer
         rope = self.rope()
         norms = (m.input_layernorm.weight, m.hidden_norm.weight, m.post_attention_layernorm.weight, self.norm.weight)

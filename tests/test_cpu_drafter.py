@@ -195,6 +195,7 @@ def test_decoding_runs_the_operator_with_the_python_steps_drafts(spec, monkeypat
         "sampled": ts.SpecConfig.chain(3),
     }[spec]
     rt = runtime(*ts.demo_pair("eagle3.1"), spec=cfg, max_batch_size=4, max_seq_len=256)
+    rt.decoder.native_catch_ups = False  # the catch-ups' multi-row steps through this operator (not catch_up's)
     d = rt.decoder.drafter
     if not d.packs_on(rt.decoder.ops):
         pytest.skip("this runtime's drafter does not run packed (dtype or CPU)")
@@ -271,3 +272,55 @@ def test_native_chain_drafts_the_python_loops_tokens(variant, shape, monkeypatch
     assert all(torch.equal(x, y) for x, y in zip(native, python))
     assert a.token_ids == b.token_ids and a.stats.mean_acceptance_length == b.stats.mean_acceptance_length
     assert len({len(t) for t in a.token_ids}) > 1  # the rows did finish apart
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("spec", ["chain+lookup", "tree"])
+def test_native_catch_up_is_the_python_catch_up(variant, spec, monkeypatch):
+    """A decode round's catch-up as one native call (``Decoder._native_catch_up``) leaves the drafter's state
+    (hn, carry) and its K/V cache as the Python catch-up does, bit for bit, round after round: both variants
+    (fc_norm and norm_output off and on), a chain with a lookup branch and a top-2 tree, three ragged rows that
+    finish apart (idle rows re-encode nothing). Inverse: the operator ran in every round of the first pass and
+    in none of the second, and a state shifted by one position is seen."""
+    from tritonspec.runtime.decode import Decoder
+
+    cfg = {
+        "chain+lookup": ts.SpecConfig(
+            num_speculative_tokens=4, top_k=1, num_draft_tokens=5, prompt_lookup_num_tokens=4
+        ),
+        "tree": ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6),
+    }[spec]
+    rt = runtime(*ts.demo_pair(variant), spec=cfg, max_batch_size=4, max_seq_len=256)
+    if not rt.decoder.drafter.packs_on(rt.decoder.ops):
+        pytest.skip("this runtime's drafter does not run packed (dtype or CPU)")
+    prompts = ["import os\n\ndef walk(top):\n", "class Stack:\n    def __init__(self):\n        self.items = []\n", "x"]
+    stops = ["\n\n", "def ", "return"]
+    states: dict[bool, list[tuple[torch.Tensor, ...]]] = {True: [], False: []}
+    ran: list[bool] = []
+    real_commit, real_native = Decoder.commit, Decoder._native_catch_up
+
+    def spy_commit(self, tree, v, **k):
+        real_commit(self, tree, v, **k)
+        B = tree.tokens.shape[0]
+        cache = self.draft_cache  # each row's committed slots (past them: stale drafts, never read)
+        kv = [c[b, : int(self.L[b])].clone() for b in range(B) for c in (cache.k, cache.v)]
+        states[self.native_catch_ups].append((self.bufs.hn[:B].clone(), self.bufs.carry[:B].clone(), *kv))
+
+    def spy_native(self, *a):
+        out = real_native(self, *a)
+        ran.append(out)
+        return out
+
+    monkeypatch.setattr(Decoder, "commit", spy_commit)
+    monkeypatch.setattr(Decoder, "_native_catch_up", spy_native)
+    a = rt.generate(prompts, max_new_tokens=30, stop=stops)
+    assert ran and all(ran)
+    rt.decoder.native_catch_ups = False
+    b = rt.generate(prompts, max_new_tokens=30, stop=stops)
+    assert not any(ran[len(states[True]) :])
+    assert len(states[True]) == len(states[False]) > 3
+    for x, y in zip(states[True], states[False]):
+        assert all(torch.equal(p, q) for p, q in zip(x, y))
+    assert a.token_ids == b.token_ids and len({len(t) for t in a.token_ids}) > 1
+    hn0, hn1 = states[True][1][0], states[False][2][0]
+    assert not torch.equal(hn0, hn1)  # the comparison sees another round's state

@@ -291,3 +291,22 @@ def test_catch_up_of_a_prompt_runs_one_row_beyond_the_kv(monkeypatch):
         observed = rt.generate([prompts[0]], max_new_tokens=12)
     assert observed.token_ids[0] == plain.token_ids[0]
     assert [keep for prefill, keep, _ in seen if prefill] == [None]
+
+
+def test_stacked_fc_norm_weights_follow_every_change():
+    """``fc_norm_weight`` keeps its stack between rounds only while the weights are unchanged: an in-place
+    update, a loaded state dict or a replaced parameter shows at once; with autograd on it is a fresh stack
+    that carries gradients to each norm."""
+    d = ts.Eagle3Drafter.from_pretrained(ts.demo_pair("eagle3.1")[1])
+    with torch.no_grad():
+        a = d.fc_norm_weight().clone()
+        assert d.fc_norm_weight() is d.fc_norm_weight()  # kept
+        d.fc_norm[1].weight.add_(1.0)
+        assert torch.equal(d.fc_norm_weight()[1], a[1] + 1) and torch.equal(d.fc_norm_weight()[0], a[0])
+        d.load_state_dict({k: v * 0 if k.startswith("fc_norm.2") else v for k, v in d.state_dict().items()})
+        assert not d.fc_norm_weight()[2].any()
+        d.fc_norm[0].weight = torch.nn.Parameter(torch.full_like(a[0], 3.0))
+        assert d.fc_norm_weight()[0].eq(3.0).all()
+    w = d.fc_norm_weight()
+    w.sum().backward()
+    assert all(n.weight.grad is not None and n.weight.grad.eq(1).all() for n in d.fc_norm)

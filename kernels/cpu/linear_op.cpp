@@ -1,12 +1,13 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
-// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .aux_gather, .drafter_step and
-// .draft_chain: the kernels of linear.c, attention.c,
+// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .aux_gather, .drafter_step,
+// .draft_chain and .catch_up: the kernels of linear.c, attention.c,
 // norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
 // there; otherwise the ctypes path runs the same kernels.
 #include <algorithm>
 #include <initializer_list>
+#include <vector>
 #include <tuple>
 
 #include <ATen/Parallel.h>
@@ -14,6 +15,7 @@
 #include <ATen/ops/cat.h>
 #include <ATen/ops/embedding.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/log_softmax.h>
 #include <ATen/ops/silu.h>
@@ -727,6 +729,89 @@ at::Tensor draft_chain_raw(const at::Tensor& hn0, const at::Tensor& carry0, cons
   return toks;
 }
 
+// Decoder.commit's drafter catch-up of a decode round (runtime/decode.py _catch_up, float32) as one operator: the
+// accepted path's target features gathered and fused (fc_norm per chunk, the optional input norm, fc), one drafter
+// step over them, and each row's state at its last accepted position. index[b, j] = b * N + nodes[b, j] (-1: none),
+// n_valid[b] = active[b] ? num[b] + 1 : 0, the first q columns with q = qc > 0 ? qc : max(1, max_b n_valid[b]);
+// tokens max(emitted, 0) at positions L + j (slot -1 from n_valid on), a causal mask; hn_out[b] and carry_out[b]
+// (norm_output: hn, else h) at column max(n_valid[b] - 1, 0). The Python path's calls on the same values, so the
+// same bits. Returns false, touching nothing, where the raw float32 path does not apply (the caller then runs it).
+bool catch_up(const at::Tensor& aux, const at::Tensor& nodes, const at::Tensor& emitted, const at::Tensor& num,
+              const at::Tensor& active, const at::Tensor& L, int64_t N, int64_t qc, const at::Tensor& fc_w,
+              const std::optional<at::Tensor>& fc_norm, const std::optional<at::Tensor>& fc_in_norm,
+              const at::Tensor& embed, const at::Tensor& in_norm, const at::Tensor& hidden_norm, const at::Tensor& qkv_w,
+              const at::Tensor& o_w, const at::Tensor& post_norm, const at::Tensor& gate_up_w, const at::Tensor& down_w,
+              const at::Tensor& final_norm, const at::Tensor& cos_table, const at::Tensor& sin_table,
+              const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& hn_out, const at::Tensor& carry_out,
+              double eps, double scale, int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+              bool norm_before_residual, bool norm_output) {
+  const int64_t B = nodes.dim() == 2 ? nodes.size(0) : -1, W = nodes.dim() == 2 ? nodes.size(1) : 0;
+  const int64_t H = final_norm.size(0), C = aux.dim() == 2 ? aux.size(1) : -1;
+  if (!raw_ok(aux, embed, {&in_norm, &hidden_norm, &post_norm, &final_norm, &cos_table, &sin_table},
+              {&fc_w, &qkv_w, &o_w, &gate_up_w, &down_w}) ||
+      k_cache.scalar_type() != at::kFloat || v_cache.scalar_type() != at::kFloat || embed.size(1) != H ||
+      !aux.is_contiguous() || B < 1 || W < 1 || fc_w.size(1) != C || fc_w.size(0) * 16 != H)
+    return false;
+  for (const at::Tensor* t : {&nodes, &emitted, &num, &L})
+    if (t->scalar_type() != at::kLong || !t->is_contiguous()) return false;
+  if (emitted.sizes() != nodes.sizes() || num.numel() != B || L.numel() != B || active.numel() != B ||
+      active.scalar_type() != at::kBool || !active.is_contiguous())
+    return false;
+  for (const at::Tensor* t : {&hn_out, &carry_out})
+    if (t->scalar_type() != at::kFloat || t->dim() != 2 || t->size(0) != B || t->size(1) != H || t->stride(1) != 1)
+      return false;
+  if (fc_norm && (fc_norm->scalar_type() != at::kFloat || !fc_norm->is_contiguous() || fc_norm->dim() != 2 ||
+                  fc_norm->numel() != C))
+    return false;
+  if (fc_in_norm && (fc_in_norm->scalar_type() != at::kFloat || fc_in_norm->numel() != C)) return false;
+  const int64_t* nd = nodes.const_data_ptr<int64_t>();
+  const int64_t* em = emitted.const_data_ptr<int64_t>();
+  const int64_t* nm = num.const_data_ptr<int64_t>();
+  const int64_t* l = L.const_data_ptr<int64_t>();
+  const bool* act = active.const_data_ptr<bool>();
+  std::vector<int64_t> nvalid(B);
+  int64_t q = 1;
+  for (int64_t b = 0; b < B; b++) {
+    nvalid[b] = act[b] ? nm[b] + 1 : 0;
+    q = std::max(q, nvalid[b]);
+  }
+  q = std::min(qc > 0 ? qc : q, W);
+  const int64_t R = B * q;
+  std::vector<int64_t> index(R), tokens(R), positions(R), slots(R);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t j = 0; j < q; j++) {
+      const int64_t i = b * q + j, node = nd[b * W + j];
+      index[i] = node >= 0 ? b * N + node : -1;
+      tokens[i] = std::max<int64_t>(em[b * W + j], 0);
+      positions[i] = l[b] + j;
+      slots[i] = j < nvalid[b] ? positions[i] : -1;
+    }
+  const at::Tensor idx = at::from_blob(index.data(), {R}, L.options());
+  at::Tensor x = aux_gather(aux, idx, fc_norm, eps);
+  if (fc_in_norm) x = std::get<0>(rms_norm(x, *fc_in_norm, eps, std::nullopt, -1));
+  const RawStep p{embed,      in_norm,   hidden_norm, qkv_w,   o_w,     post_norm, gate_up_w,
+                  down_w,     final_norm, cos_table,  sin_table, k_cache, v_cache,  eps,
+                  scale,      kv_len,    num_heads,   num_kv_heads, head_dim, norm_before_residual};
+  RawBufs w(p, B, q);
+  at::Tensor out = at::empty({3 * R * H}, hn_out.options());  // g, h, hn [R, H]
+  float *g = out.mutable_data_ptr<float>(), *h = g + R * H, *hn = h + R * H;
+  lin_raw(x.const_data_ptr<float>(), R, C, fc_w, g);
+  std::vector<uint8_t> mask(B * q * q);
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t i = 0; i < q; i++)
+      for (int64_t j = 0; j < q; j++) mask[(b * q + i) * q + j] = j <= i;
+  raw_step(p, w, g, tokens.data(), positions.data(), slots.data(), l, mask.data(), q * q, q, 1, q, B, q, h, hn);
+  float* ho = hn_out.mutable_data_ptr<float>();
+  float* co = carry_out.mutable_data_ptr<float>();
+  for (int64_t b = 0; b < B; b++) {
+    const int64_t last = b * q + std::max<int64_t>(nvalid[b] - 1, 0);
+    std::copy(hn + last * H, hn + (last + 1) * H, ho + b * hn_out.stride(0));
+    const float* c = norm_output ? hn : h;
+    std::copy(c + last * H, c + (last + 1) * H, co + b * carry_out.stride(0));
+  }
+  return true;
+}
+
 // Decoder.draft's greedy top-1 chain (runtime/decode.py: draft_chain with the tree's top-1 pick) as one operator:
 // n draft tokens [B, n] (target ids) from the last catch-up state hn0, carry0 [B, H]. At depth s: log q =
 // log_softmax(float(head hn)), the top-1 draft id (at::topk, as the Python pick), its target id (id + d2t[id]);
@@ -797,6 +882,12 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
   m.def("row_hash(Tensor key, Tensor counter, int n, int vocab) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("aux_gather(Tensor aux, Tensor index, Tensor? weight, float eps) -> Tensor");
+  m.def("catch_up(Tensor aux, Tensor nodes, Tensor emitted, Tensor num, Tensor active, Tensor L, int N, int qc, "
+        "Tensor fc, Tensor? fc_norm, Tensor? fc_in_norm, Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, "
+        "Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, Tensor final_norm, Tensor cos, Tensor sin, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) hn_out, Tensor(d!) carry_out, float eps, float scale, "
+        "int kv_len, int num_heads, int num_kv_heads, int head_dim, bool norm_before_residual, bool norm_output) "
+        "-> bool");
   m.def("verify_chain(Tensor tokens, Tensor probs, Tensor draft_probs, Tensor uniforms, Tensor exp_noise) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("drafter_step(Tensor hidden, Tensor tokens, Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, "
@@ -827,5 +918,6 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("row_hash", &row_hash);
   m.impl("argmax", &argmax);
   m.impl("aux_gather", &aux_gather);
+  m.impl("catch_up", &catch_up);
   m.impl("verify_chain", &verify_chain);
 }
