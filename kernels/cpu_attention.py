@@ -32,6 +32,34 @@ MAX_HEAD_DIM = 256  # attention.c's MAX_D
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+def set_transposed_scores(on: bool) -> bool:
+    """Turn the shared-prefix path's transposed scores on or off (``kernels/cpu/attention.c`` ``scores_t``: a
+    verify's queries over a full prefix block score it from the block transposed once, 16 keys in the lanes,
+    instead of a lane-sum tree per key); returns the previous setting. Both ways compute the same bits, so this
+    only changes speed: it is here for side-by-side measurements (``TRITONSPEC_CPU_ATTENTION_KT=0`` starts a
+    process with it off). AVX2 CPUs run the shared blocks query by query and never use it.
+
+    Example
+    -------
+    >>> old = set_transposed_scores(False)  # doctest: +SKIP
+    >>> _ = set_transposed_scores(old)  # doctest: +SKIP
+    """
+    _lib.native_op()
+    old = bool(_lib._library().tritonspec_attention_kt(int(on)))
+    for lib in _lib._native_libs:
+        lib.tritonspec_attention_kt(int(on))
+    return old
+
+
+def transposed_blocks() -> int:
+    """How many prefix blocks the transposed scores ran on so far in this process (``set_transposed_scores``),
+    through ctypes and the native operator together: for tests that must see the path taken."""
+    _lib.native_op()
+    return int(_lib._library().tritonspec_attention_kt_blocks()) + sum(
+        int(lib.tritonspec_attention_kt_blocks()) for lib in _lib._native_libs
+    )
+
+
 def cpu_tree_attention_reference(
     q: torch.Tensor,  # [B, Q, Hq, D]
     k_cache: torch.Tensor,  # [B_max, S, Hkv, D]

@@ -232,6 +232,10 @@ def _library() -> ctypes.CDLL:
     lib.tritonspec_panels_tall_rows.restype = ctypes.c_int
     lib.tritonspec_panels_tall_calls.argtypes = []
     lib.tritonspec_panels_tall_calls.restype = ctypes.c_int64
+    lib.tritonspec_attention_kt.argtypes = [ctypes.c_int]
+    lib.tritonspec_attention_kt.restype = ctypes.c_int
+    lib.tritonspec_attention_kt_blocks.argtypes = []
+    lib.tritonspec_attention_kt_blocks.restype = ctypes.c_int64
     for name in ("tritonspec_tree_attention_f32", "tritonspec_tree_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, *[i64] * 7, p, p, *[i64] * 5, ctypes.c_float, p]
@@ -282,6 +286,10 @@ def native_op() -> str | None:
         native.tritonspec_panels_tall_rows.restype = ctypes.c_int
         native.tritonspec_panels_tall_calls.argtypes = []
         native.tritonspec_panels_tall_calls.restype = ctypes.c_int64
+        native.tritonspec_attention_kt.argtypes = [ctypes.c_int]
+        native.tritonspec_attention_kt.restype = ctypes.c_int
+        native.tritonspec_attention_kt_blocks.argtypes = []
+        native.tritonspec_attention_kt_blocks.restype = ctypes.c_int64
         _native_libs.append(native)
         torch.library.register_fake("tritonspec_cpu::linear")(_fake)
         torch.library.register_fake("tritonspec_cpu::tree_attention")(_fake_attention)

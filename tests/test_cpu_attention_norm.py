@@ -237,6 +237,35 @@ def test_shared_prefix_path_is_each_query_alone(dtype, B, Q, heads, prefixes, th
         assert _close(full, ref, dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("Q, heads, prefix", [(12, (4, 2, 32), 800), (7, (9, 3, 64), 130), (16, (4, 1, 48), 64)])
+def test_transposed_scores_are_the_lane_sum_scores(dtype, Q, heads, prefix):
+    """The shared-prefix path's transposed scores (``set_transposed_scores``; AVX-512) give the bits of the
+    lane-sum path they replace: head dims 32, 64 and 48 (a masked last chunk), bfloat16 storage, rows with
+    different prefixes. Inverse: the transposed blocks counter moves only while they are on."""
+    if cl.native_op() is not None:
+        pytest.skip(f"native operator not built: {cl.native_op()}")
+    Hq, Hkv, D = heads
+    g = torch.Generator().manual_seed(Q)
+    S = prefix + Q + 4
+    q = torch.randn(2, Q, Hq, D, generator=g).to(dtype)
+    kc, vc = torch.randn(2, S, Hkv, D, generator=g).to(dtype), torch.randn(2, S, Hkv, D, generator=g).to(dtype)
+    pl, tm = torch.tensor([prefix, prefix // 2 + 64]), torch.rand(2, Q, Q, generator=g) < 0.6
+    before = ca.transposed_blocks()
+    on = ca.cpu_tree_attention(q, kc, vc, pl, tm, D**-0.5, threads=1)
+    ran = ca.transposed_blocks() - before
+    old = ca.set_transposed_scores(False)
+    try:
+        off = ca.cpu_tree_attention(q, kc, vc, pl, tm, D**-0.5, threads=2)
+        assert ca.transposed_blocks() == before + ran
+    finally:
+        ca.set_transposed_scores(old)
+    assert torch.equal(on, off)
+    if cl.isa() == "avx512":  # AVX2 runs the shared blocks query by query
+        assert ran >= prefix // 64
+    assert not torch.equal(on[:, :, 0], on[:, :, 1])  # the heads differ: the comparison is not vacuous
+
+
 def test_attention_bad_inputs_are_named():
     q, k = torch.randn(1, 2, 4, 16), torch.randn(1, 9, 3, 16)
     with pytest.raises(ValueError, match="Hq a multiple of Hkv"):

@@ -35,6 +35,12 @@
  * chains where one query's G heads x chunks were latency-bound), each chain still key after key: demo
  * shape, 12 queries, 800 keys, 90-93 -> 84-88 us; SmolLM2's, 16 queries, 2,500 keys, 1.19-1.27 -> 1.13 ms
  * (one thread, the operator alone, alternating builds; 2026-12-06, Xeon with AMX, a training run beside).
+ * There (AVX-512, groups of at least KT_MIN_ROWS (query, head) rows) the scores come from the block transposed
+ * once per KV head (transpose16: 16 keys in the lanes, scores_t): each (head, key) is still the fmadd chain over
+ * the chunks from zero and the tree of _mm512_reduce_add_ps, now across 16 vectors instead of shuffles inside
+ * one, so the same bits; the lane-sum tree's ~2 shuffles per (query, head, key) are gone. Same shapes, one
+ * thread, the operator alone, on and off in one process (2026-12-06, Xeon): demo 12 queries 800 keys 116 ->
+ * 83 us, 300 keys 53 -> 43 us; SmolLM2's 16 queries 700 keys 357 -> 325 us (set_transposed_scores, for A/B).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -50,6 +56,25 @@
 #define MAX_G 16   /* query heads per KV head */
 #define MAX_D 256  /* head dim */
 #define SMALL_WORK (1 << 17) /* multiply-adds below which one thread runs the call */
+
+/* The transposed scores of the shared-prefix path (scores_t): on unless TRITONSPEC_CPU_ATTENTION_KT=0 at the first
+ * call, or turned off by tritonspec_attention_kt(0) (kernels/cpu_attention.py set_transposed_scores, for
+ * side-by-side runs). Both ways give the same bits. */
+static int kt_on = -1;
+static inline int kt_enabled(void) {
+    if (kt_on < 0) {
+        const char* e = getenv("TRITONSPEC_CPU_ATTENTION_KT");
+        kt_on = !(e && e[0] == '0');
+    }
+    return kt_on;
+}
+int tritonspec_attention_kt(int on) { /* returns the previous setting */
+    const int prev = kt_enabled();
+    kt_on = on != 0;
+    return prev;
+}
+static int64_t kt_blocks = 0; /* blocks scored transposed (kernels/cpu_attention.py transposed_blocks: tests see the path) */
+int64_t tritonspec_attention_kt_blocks(void) { return kt_blocks; }
 
 /* the prefix slots a query of a row with prefix length P sees in a cache of S slots */
 static inline int64_t visible_prefix(int64_t P, int64_t S) { return P < S ? (P > 0 ? P : 0) : S; }
@@ -91,6 +116,32 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
     *j_ = j;
     *t_ = t;
     return n;
+}
+
+/* The online softmax's update of one block for the G heads (s: the block's n scores, which become p = exp(s - m)):
+ * block max (exact in any order), rescale, exp, sum. */
+static inline __attribute__((always_inline)) void softmax_update(float (*acc)[MAX_D], float (*s)[BLOCK], float* m,
+                                                             float* l, int n, int G, int64_t nd) {
+    for (int g = 0; g < G; g++) {
+        __m512 mx = _mm512_set1_ps(-INFINITY);
+        for (int i0 = 0; i0 < n; i0 += 16)
+            mx = _mm512_mask_max_ps(mx, tail_mask(n - i0), mx, _mm512_loadu_ps(&s[g][i0]));
+        const float bm = _mm512_reduce_max_ps(mx);
+        const float mn = bm > m[g] ? bm : m[g];
+        const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mn);
+        m[g] = mn;
+        __m512 sum = _mm512_setzero_ps();
+        for (int i0 = 0; i0 < n; i0 += 16) {
+            __mmask16 mk = tail_mask(n - i0);
+            __m512 p = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&s[g][i0]), _mm512_set1_ps(mn))));
+            _mm512_storeu_ps(&s[g][i0], p);
+            sum = _mm512_add_ps(sum, p);
+        }
+        l[g] = l[g] * alpha + _mm512_reduce_add_ps(sum);
+        if (alpha != 1.0f)
+            for (int64_t c = 0; c < nd; c++)
+                _mm512_store_ps(&acc[g][16 * c], _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), _mm512_set1_ps(alpha)));
+    }
 }
 
 /* One task: query row (b, q), KV head kh, its G query heads; T = element type (float or uint16_t).
@@ -135,26 +186,7 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
         default: /* one head at a time, 16 keys per hsum16 */                                                 \
             for (int g = 0; g < G; g++) NAME##_scores(qf + g, s + g, kb, slot, n, sks, D, nd, scale, 1);      \
         }                                                                                                     \
-        for (int g = 0; g < G; g++) { /* online softmax: block max (exact in any order), rescale, exp, sum */ \
-            __m512 mx = _mm512_set1_ps(-INFINITY);                                                            \
-            for (int i0 = 0; i0 < n; i0 += 16)                                                                \
-                mx = _mm512_mask_max_ps(mx, tail_mask(n - i0), mx, _mm512_loadu_ps(&s[g][i0]));               \
-            const float bm = _mm512_reduce_max_ps(mx);                                                        \
-            const float mn = bm > m[g] ? bm : m[g];                                                           \
-            const float alpha = m[g] == -INFINITY ? 0.0f : expf(m[g] - mn);                                   \
-            m[g] = mn;                                                                                        \
-            __m512 sum = _mm512_setzero_ps();                                                                 \
-            for (int i0 = 0; i0 < n; i0 += 16) {                                                              \
-                __mmask16 mk = tail_mask(n - i0);                                                             \
-                __m512 p = _mm512_maskz_mov_ps(mk, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(&s[g][i0]), _mm512_set1_ps(mn)))); \
-                _mm512_storeu_ps(&s[g][i0], p);                                                               \
-                sum = _mm512_add_ps(sum, p);                                                                  \
-            }                                                                                                 \
-            l[g] = l[g] * alpha + _mm512_reduce_add_ps(sum);                                                  \
-            if (alpha != 1.0f)                                                                                \
-                for (int64_t c = 0; c < nd; c++)                                                              \
-                    _mm512_store_ps(&acc[g][16 * c], _mm512_mul_ps(_mm512_load_ps(&acc[g][16 * c]), _mm512_set1_ps(alpha))); \
-        }                                                                                                     \
+        softmax_update(acc, s, m, l, n, G, nd);                                                               \
     }                                                                                                         \
     /* one block of n visible keys at slot[]: scores, the online softmax's update, acc += p v */              \
     static inline __attribute__((always_inline)) void NAME##_block(                                          \
@@ -211,7 +243,8 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
     static inline __attribute__((always_inline)) void NAME##_multi_body(                                     \
         const T* q0row, int64_t sqq, int64_t sqh, int64_t nq, const T* kb, const T* vb, int64_t sks,         \
         int64_t svs, int64_t P, const uint8_t* m0row, int64_t smq, int64_t smt, int64_t T_, int64_t S,       \
-        int64_t nfull, int G, int64_t D, float scale, float* st, float* outf, const int ND) {                 \
+        int64_t nfull, int G, int64_t D, float scale, float* st, float (*kt)[BLOCK], float* outf,            \
+        const int ND) {                                                                                       \
         const int64_t nd = ND ? ND : (D + 15) / 16;                                                           \
         if (ND) D = 16 * ND;                                                                                  \
         float(*qf)[MAX_D] = (float(*)[MAX_D])st;                                                              \
@@ -235,9 +268,18 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
                                  slot, n, G, D, nd, scale, ND);                                               \
                 continue;                                                                                     \
             }                                                                                                 \
-            for (int64_t i = 0; i < nq; i++)                                                                  \
-                NAME##_sm(qf + i * G, acc + i * G, s + i * G, m + i * G, l + i * G, kb, sks, slot, n, G, D, nd, \
-                          scale);                                                                             \
+            if (KT_ON(nq * G)) { /* many (query, head) rows: scores from the transposed block */             \
+                NAME##_keys_t(kt, kb, slot, sks, D, nd);                                                      \
+                _Pragma("omp atomic")                                                                         \
+                kt_blocks++;                                                                                  \
+                for (int64_t i = 0; i < nq; i++) {                                                            \
+                    KT_SCORES(qf + i * G, s + i * G, kt, G, nd, scale);                                       \
+                    softmax_update(acc + i * G, s + i * G, m + i * G, l + i * G, n, G, nd);                   \
+                }                                                                                             \
+            } else                                                                                            \
+                for (int64_t i = 0; i < nq; i++)                                                              \
+                    NAME##_sm(qf + i * G, acc + i * G, s + i * G, m + i * G, l + i * G, kb, sks, slot, n, G, D, \
+                              nd, scale);                                                                     \
             for (int64_t i0 = 0; i0 < nq; i0 += QN) {                                                         \
                 const int gc = (int)((nq - i0 < QN ? nq - i0 : QN) * G);                                      \
                 float(*acc_)[MAX_D] = acc + i0 * G;                                                           \
@@ -274,13 +316,13 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
     static void NAME##_multi(const T* q0row, int64_t sqq, int64_t sqh, int64_t nq, const T* kb, const T* vb,  \
                              int64_t sks, int64_t svs, int64_t P, const uint8_t* m0row, int64_t smq,          \
                              int64_t smt, int64_t T_, int64_t S, int64_t nfull, int G, int64_t D, float scale, \
-                             float* st, float* outf /* [nq, G, D] float32 */) {                               \
+                             float* st, float (*kt)[BLOCK], float* outf /* [nq, G, D] float32 */) {           \
         switch (D) {                                                                                          \
-        case 32: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, outf, 2); break; \
-        case 64: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, outf, 4); break; \
-        case 128: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, outf, 8); break; \
-        case 16: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, outf, 1); break; \
-        default: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, outf, 0); \
+        case 32: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, kt, outf, 2); break; \
+        case 64: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, kt, outf, 4); break; \
+        case 128: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, kt, outf, 8); break; \
+        case 16: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, kt, outf, 1); break; \
+        default: NAME##_multi_body(q0row, sqq, sqh, nq, kb, vb, sks, svs, P, m0row, smq, smt, T_, S, nfull, G, D, scale, st, kt, outf, 0); \
         }                                                                                                     \
     }
 
@@ -311,6 +353,80 @@ static inline int next_block(int64_t* slot, int64_t* j_, int64_t* t_, int64_t pr
 
 SCORES(task_f32, float, load_f32)
 SCORES(task_bf16, uint16_t, load_bf16)
+
+#ifdef __AVX512F__
+/* r[0..15] (16 rows of 16 floats) transposed in registers: r[j] becomes column j (64 shuffles). */
+static inline __attribute__((always_inline)) void transpose16(__m512* r) {
+    __m512 t[16], u[16];
+    for (int i = 0; i < 8; i++) { /* lane L: r[2i][4L], r[2i+1][4L], r[2i][4L+1], r[2i+1][4L+1] (lo); +2, +3 (hi) */
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) { /* u[4g + k], lane L: column 4L + k of rows 4g..4g+3 */
+        u[4 * g] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int k = 0; k < 4; k++) { /* t[k]: columns k, 8+k of rows 0-7; t[4+k]: 4+k, 12+k; t[8+k], t[12+k]: rows 8-15 */
+        t[k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0x88);
+        t[4 + k] = _mm512_shuffle_f32x4(u[k], u[4 + k], 0xDD);
+        t[8 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0x88);
+        t[12 + k] = _mm512_shuffle_f32x4(u[8 + k], u[12 + k], 0xDD);
+    }
+    for (int k = 0; k < 4; k++) {
+        r[k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0x88);
+        r[8 + k] = _mm512_shuffle_f32x4(t[k], t[8 + k], 0xDD);
+        r[4 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0x88);
+        r[12 + k] = _mm512_shuffle_f32x4(t[4 + k], t[12 + k], 0xDD);
+    }
+}
+
+/* kt[d][i] = the block's key i (slot[i], i < BLOCK: a full block) at dim d as float32, for d < 16 nd (zeros past D,
+ * as the masked loads of NAME##_scores give them) */
+#define KEYS_T(NAME, T, LOAD)                                                                                 \
+    static inline __attribute__((always_inline)) void NAME##_keys_t(float (*kt)[BLOCK], const T* kb,          \
+                                                                    const int64_t* slot, int64_t sks,         \
+                                                                    int64_t D, int64_t nd) {                  \
+        for (int i0 = 0; i0 < BLOCK; i0 += 16)                                                                \
+            for (int64_t c = 0; c < nd; c++) {                                                                \
+                __m512 r[16];                                                                                 \
+                for (int i = 0; i < 16; i++) r[i] = LOAD(kb + slot[i0 + i] * sks + 16 * c, tail_mask(D - 16 * c)); \
+                transpose16(r);                                                                               \
+                for (int e = 0; e < 16; e++) _mm512_store_ps(&kt[16 * c + e][i0], r[e]);                      \
+            }                                                                                                 \
+    }
+KEYS_T(task_f32, float, load_f32)
+KEYS_T(task_bf16, uint16_t, load_bf16)
+
+/* NAME##_scores' values from the transposed block, 16 keys in the lanes: per (head, key) the same fmadd chain
+ * over the chunks from zero (lane e of chunk c: q[16c + e] * k[16c + e]), the same tree as hsum16 (e + e+8,
+ * + e+4, + e+2, + e+1) across the 16 vectors, times scale. No shuffles per query: the transposition is paid
+ * once per block and KV head for the group's queries. */
+static inline __attribute__((always_inline)) void scores_t(float (*qf)[MAX_D], float (*s)[BLOCK],
+                                                           float (*kt)[BLOCK], int G, int64_t nd, float scale) {
+    for (int g = 0; g < G; g++)
+        for (int i0 = 0; i0 < BLOCK; i0 += 16) {
+            __m512 a[16];
+            for (int e = 0; e < 16; e++) a[e] = _mm512_setzero_ps();
+            for (int64_t c = 0; c < nd; c++)
+                for (int e = 0; e < 16; e++)
+                    a[e] = _mm512_fmadd_ps(_mm512_set1_ps(qf[g][16 * c + e]), _mm512_load_ps(&kt[16 * c + e][i0]), a[e]);
+            for (int e = 0; e < 8; e++) a[e] = _mm512_add_ps(a[e], a[e + 8]);
+            for (int e = 0; e < 4; e++) a[e] = _mm512_add_ps(a[e], a[e + 4]);
+            for (int e = 0; e < 2; e++) a[e] = _mm512_add_ps(a[e], a[e + 2]);
+            _mm512_store_ps(&s[g][i0], _mm512_mul_ps(_mm512_add_ps(a[0], a[1]), _mm512_set1_ps(scale)));
+        }
+}
+#define KT_MIN_ROWS 8 /* (query, head) rows of a group from which the transposed scores pay for the transposition */
+#define KT_ON(rows) (kt_enabled() && (rows) >= KT_MIN_ROWS)
+#define KT_SCORES scores_t
+#else /* AVX2: query by query (MAX_GC 1), this branch never runs */
+#define KT_ON(rows) 0
+#define KT_SCORES(...) ((void)0)
+#define task_f32_keys_t(...) ((void)0)
+#define task_bf16_keys_t(...) ((void)0)
+#endif
 
 /* acc[g][16 c] += p_i v_i for the GC heads g and the NC chunks c0..c0+NC-1, key after key in order: a
  * V chunk is loaded once and used by the GC heads (the same roundings as one chain at a time). */
@@ -377,7 +493,9 @@ TASK(task_bf16, uint16_t, load_bf16)
             const int64_t qg = (Q + ng - 1) / ng;                                                             \
             ng = (Q + qg - 1) / qg;                                                                           \
             /* one scratch per thread, not per task: the query states, then the group's output [qg, G, D] */      \
-            const size_t state = (size_t)qg * G * (2 * MAX_D + BLOCK + 2), bytes = (state + (size_t)qg * G * D) * 4; \
+            const size_t state = (size_t)qg * G * (2 * MAX_D + BLOCK + 2);                                    \
+            const size_t kt_at = (state + (size_t)qg * G * D + 15) / 16 * 16; /* the transposed block, aligned */ \
+            const size_t bytes = (kt_at + (size_t)MAX_D * BLOCK) * 4;                                          \
             int failed = 0;                                                                                   \
             _Pragma("omp parallel num_threads(threads)")                                                      \
             {                                                                                                 \
@@ -394,7 +512,8 @@ TASK(task_bf16, uint16_t, load_bf16)
                     float* o = st + state;                                                                    \
                     TASKFN##_multi(q + b * sqb + q0 * sqq + kh * G * sqh, sqq, sqh, nq, k + b * skb + kh * skh, \
                                    v + b * svb + kh * svh, sks, svs, P, tree_mask + b * smb + q0 * smq, smq, smt, \
-                                   T_, S, visible_prefix(P, S) / BLOCK, G, D, scale, st, o);                  \
+                                   T_, S, visible_prefix(P, S) / BLOCK, G, D, scale, st,                      \
+                                   (float(*)[BLOCK])(st + kt_at), o);                                         \
                     for (int64_t i = 0; i < nq; i++) {                                                        \
                         T* dst = out + ((b * Q + q0 + i) * Hq + kh * G) * D;                                  \
                         for (int64_t e = 0; e < G * D; e++) dst[e] = STORE(o[i * G * D + e]);                 \
