@@ -240,3 +240,49 @@ def catch_up(
         hn_out, carry_out, float(eps), float(scale), -1 if kv_len is None else int(kv_len), num_heads, num_kv_heads,
         head_dim, norm_before_residual, norm_output,
     )  # fmt: skip
+
+
+def draft_tree(
+    hn: torch.Tensor,  # [B, H] the last catch-up state's normed hidden
+    carry: torch.Tensor,  # [B, H] its carried state
+    head: torch.Tensor,  # the draft head packed into panels
+    d2t: torch.Tensor,  # [Vd] int64
+    prefix_lens: torch.Tensor,  # [B] int64 (L)
+    active: torch.Tensor,  # [B] bool
+    root: torch.Tensor,  # [B] int64: each row's root token
+    embed: torch.Tensor,
+    norms: tuple[torch.Tensor, ...],
+    packed: dict[str, torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    eps: float,
+    scale: float,
+    kv_len: int | None,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    norm_before_residual: bool,
+    norm_output: bool,
+    K: int,
+    D: int,
+    N: int,
+) -> tuple[torch.Tensor, ...] | None:  # (node_tokens, parents, depth, mask), or None: run the Python expansion
+    """``Decoder.draft``'s greedy EAGLE-2 expansion for ``top_k = K > 1`` as one native call
+    (``tritonspec_cpu::draft_tree``): per depth the frontier's drafter step (raw buffers), ``log_softmax`` and
+    ``topk`` of the head, cumulative scores, the stable sort that picks the next frontier; then the rerank and
+    ``build_tree``. The Python expansion's calls on the same values, so the same tree (``tests/test_cpu_drafter.py``).
+    None where the operator declines (not float32, weights not packed) or the call is traced."""
+    if _tracing(hn) or not _lib._native_ready() or hn.dim() != 2 or head.dim() != 3:
+        return None
+    if not _weights_ok(hn, packed, norms, k_cache, v_cache, prefix_lens, num_heads, num_kv_heads, head_dim):
+        return None
+    n_in, n_hid, n_post, n_out = norms
+    out = torch.ops.tritonspec_cpu.draft_tree(
+        hn, carry, head, d2t, prefix_lens, active, root, embed, n_in, n_hid, packed["qkv"], packed["o"], n_post,
+        packed["gate_up"], packed["down"], n_out, cos, sin, k_cache, v_cache, float(eps), float(scale),
+        -1 if kv_len is None else int(kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual, norm_output,
+        int(K), int(D), int(N),
+    )  # fmt: skip
+    return None if out[0].numel() == 0 else out

@@ -569,6 +569,14 @@ class Decoder:
             # frontier bookkeeping (~0.3 ms of small ops a round on a CPU)
             node_tokens = torch.cat([self.root[:, None], self._top1_chain(D, whole_cache)], 1)
             return self._graft_lookup(spec, node_tokens, *self._chain_consts(B, N), whole_cache, timings, t0)
+        if K > 1 and self.sampling.greedy and self.native_chains and self.observer is None:
+            width = max((D - 1) * K, 1)
+            out = d.native_tree(
+                self.ops, self.hn, self.carry, self.L, self.active, self.root, self.draft_cache, K, D, N,
+                self._kv_len(whole_cache, width),
+            )  # fmt: skip
+            if out is not None:  # the expansion below, as one native call
+                return self._graft_lookup(spec, *out, whole_cache, timings, t0)
         lp = self.draft_logprobs(self.hn)  # [B, Vd]
         score, tk = lp.topk(K, dim=-1)  # [B, K] (ties over the vocabulary need no fixed order)
         tok = d.to_target_ids(tk)

@@ -491,6 +491,32 @@ class Eagle3Drafter(nn.Module):
             cache.k, cache.v, a.eps, a.scale, kv_len, *a.heads, c.norm_before_residual, c.norm_output, n,
         )  # fmt: skip
 
+    def native_tree(
+        self,
+        ops: Any,
+        hn: torch.Tensor,  # [B, H]
+        carry: torch.Tensor,  # [B, H]
+        prefix_lens: torch.Tensor,  # [B] int64
+        active: torch.Tensor,  # [B] bool
+        root: torch.Tensor,  # [B] int64
+        cache: KVCache,
+        K: int,
+        D: int,
+        N: int,
+        kv_len: int | None,
+    ) -> tuple[torch.Tensor, ...] | None:  # (node_tokens, parents, depth, mask)
+        """The greedy EAGLE-2 tree of ``top_k = K > 1`` as one native operator (``kernels.cpu_drafter.draft_tree``):
+        the tree ``Decoder.draft`` expands in Python, the same one. None where a decode step would not run
+        natively (``native_chain``'s conditions) or the operator declines."""
+        packed = self._cpu_weights(ops)
+        if packed is None or not self.native_step or type(ops) is not TorchOps or self.embed_tokens is None:
+            return None
+        c, a = self.config, self._native_args(packed)
+        return cpu_drafter.draft_tree(
+            hn, carry, packed["head"], self.d2t, prefix_lens, active, root, a.embed, a.norms, packed, a.cos, a.sin,
+            cache.k, cache.v, a.eps, a.scale, kv_len, *a.heads, c.norm_before_residual, c.norm_output, K, D, N,
+        )  # fmt: skip
+
     def native_catch_up(
         self,
         ops: Any,

@@ -324,3 +324,46 @@ def test_native_catch_up_is_the_python_catch_up(variant, spec, monkeypatch):
     assert a.token_ids == b.token_ids and len({len(t) for t in a.token_ids}) > 1
     hn0, hn1 = states[True][1][0], states[False][2][0]
     assert not torch.equal(hn0, hn1)  # the comparison sees another round's state
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("shape", [(3, 2, 7, 4), (4, 3, 9, 0), (1, 2, 3, 0)])
+def test_native_tree_is_the_python_expansion(variant, shape, monkeypatch):
+    """A greedy top-k > 1 tree drafted by one native call (``Eagle3Drafter.native_tree``) is the Python
+    expansion's tree round by round (tokens, parents, depths, mask), for both variants, trees of top-k 2 and 3
+    (with and without the lookup branch, depth 1 too) and three ragged rows that finish apart. Inverse: the
+    operator built every tree of the first pass and none of the second, and the trees differ between rounds."""
+    from tritonspec.runtime.decode import Decoder
+
+    D, K, N, lookup = shape
+    cfg = ts.SpecConfig(num_speculative_tokens=D, top_k=K, num_draft_tokens=N, prompt_lookup_num_tokens=lookup)
+    rt = runtime(*ts.demo_pair(variant), spec=cfg, max_batch_size=4, max_seq_len=256)
+    if not rt.decoder.drafter.packs_on(rt.decoder.ops):
+        pytest.skip("this runtime's drafter does not run packed (dtype or CPU)")
+    prompts = ["import os\n\ndef walk(top):\n", "class Stack:\n    def __init__(self):\n        self.items = []\n", "x"]
+    stops = ["\n\n", "def ", "return"]
+    trees: dict[bool, list[tuple[torch.Tensor, ...]]] = {True: [], False: []}
+    built: list[bool] = []
+    real_graft, real_native = Decoder._graft_lookup, cpu_drafter.draft_tree
+
+    def spy_graft(self, spec, node_tokens, par, depth, mask, *a):
+        trees[self.native_chains].append(tuple(t.clone() for t in (node_tokens, par, depth, mask)))
+        return real_graft(self, spec, node_tokens, par, depth, mask, *a)
+
+    def spy_native(*a, **k):
+        out = real_native(*a, **k)
+        built.append(out is not None)
+        return out
+
+    monkeypatch.setattr(Decoder, "_graft_lookup", spy_graft)
+    monkeypatch.setattr(cpu_drafter, "draft_tree", spy_native)
+    a = rt.generate(prompts, max_new_tokens=30, stop=stops)
+    assert built and all(built) and len(built) == len(trees[True])
+    rt.decoder.native_chains = False
+    b = rt.generate(prompts, max_new_tokens=30, stop=stops)
+    assert len(built) == len(trees[True]) == len(trees[False]) > 3
+    for x, y in zip(trees[True], trees[False]):
+        assert all(torch.equal(p, q) for p, q in zip(x, y))
+    assert a.token_ids == b.token_ids and a.stats.mean_acceptance_length == b.stats.mean_acceptance_length
+    assert len({len(t) for t in a.token_ids}) > 1
+    assert not torch.equal(trees[True][0][0], trees[True][1][0])

@@ -1,6 +1,6 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
 // .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .aux_gather, .drafter_step,
-// .draft_chain and .catch_up: the kernels of linear.c, attention.c,
+// .draft_chain, .draft_tree and .catch_up: the kernels of linear.c, attention.c,
 // norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
@@ -22,6 +22,11 @@
 #include <ATen/ops/topk.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
+#include <ATen/ops/repeat_interleave.h>
+#include <ATen/ops/floor_divide.h>
+#include <ATen/ops/sort.h>
+#include <ATen/ops/ones.h>
+#include <ATen/ops/full.h>
 #include <c10/util/BFloat16.h>
 #include <torch/library.h>
 
@@ -812,6 +817,92 @@ bool catch_up(const at::Tensor& aux, const at::Tensor& nodes, const at::Tensor& 
   return true;
 }
 
+// Decoder.draft's EAGLE-2 expansion for top_k = K > 1, greedy (runtime/decode.py draft: the same ATen calls on the
+// same values, in the same order, and the drafter steps on raw buffers), float32: depth 1 the top K of log q at hn0;
+// each depth below D one step of the K frontier nodes (position L + s - 1, slot L + (s - 1) K + k, each seeing its
+// ancestors and itself), their top K children by cumulative log q, the next frontier the best K of the K^2 (stable
+// sort, ties to the lower index); then the N - 1 best candidates (the same rule) built into the tree with the root.
+// Returns (node_tokens [B, N], parents [B, N], depth [B, N], mask [B, N, N]), or four empty tensors where the raw
+// path does not apply (the caller then runs the Python expansion).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_tree(
+    const at::Tensor& hn0, const at::Tensor& carry0, const at::Tensor& head_w, const at::Tensor& d2t, const at::Tensor& L,
+    const at::Tensor& active, const at::Tensor& root, const at::Tensor& embed, const at::Tensor& in_norm,
+    const at::Tensor& hidden_norm, const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& post_norm,
+    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& final_norm, const at::Tensor& cos_table,
+    const at::Tensor& sin_table, const at::Tensor& k_cache, const at::Tensor& v_cache, double eps, double scale,
+    int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool norm_before_residual,
+    bool norm_output, int64_t K, int64_t D, int64_t N) {
+  if (!raw_ok(hn0, embed, {&carry0, &in_norm, &hidden_norm, &post_norm, &final_norm, &cos_table, &sin_table},
+              {&head_w, &qkv_w, &o_w, &gate_up_w, &down_w}) ||
+      hn0.dim() != 2 || carry0.sizes() != hn0.sizes() || k_cache.scalar_type() != at::kFloat ||
+      embed.size(1) != hn0.size(1) || head_w.size(1) != hn0.size(1) || d2t.scalar_type() != at::kLong ||
+      L.scalar_type() != at::kLong || root.scalar_type() != at::kLong || active.scalar_type() != at::kBool ||
+      !L.is_contiguous() || !active.is_contiguous() || L.numel() != hn0.size(0) || root.numel() != hn0.size(0) ||
+      d2t.numel() != head_w.size(0) * 16 || K < 2 || D < 1 || N < 2)
+    return {at::empty({0}, L.options()), at::empty({0}, L.options()), at::empty({0}, L.options()),
+            at::empty({0}, L.options())};
+  const int64_t B = hn0.size(0), H = hn0.size(1), Vd = head_w.size(0) * 16;
+  const int64_t width = std::max<int64_t>((D - 1) * K, 1);
+  const auto lopt = L.options();
+  const RawStep p{embed,      in_norm,   hidden_norm, qkv_w,   o_w,     post_norm, gate_up_w,
+                  down_w,     final_norm, cos_table,  sin_table, k_cache, v_cache,  eps,
+                  scale,      kv_len,    num_heads,   num_kv_heads, head_dim, norm_before_residual};
+  RawBufs w(p, B, K);
+  auto ids = [&](const at::Tensor& t) {  // Eagle3Drafter.to_target_ids
+    return t.add(d2t.index_select(0, t.reshape({-1})).view(t.sizes()));
+  };
+  at::Tensor logits = at::empty({B, Vd}, hn0.options());
+  const at::Tensor hc = hn0.contiguous();
+  lin_raw(hc.const_data_ptr<float>(), B, H, head_w, logits.mutable_data_ptr<float>());
+  auto top = at::topk(at::log_softmax(logits, -1), K, -1);
+  at::Tensor score = std::get<0>(top), tok = ids(std::get<1>(top)).contiguous();
+  std::vector<at::Tensor> scores{score}, tokens{tok}, parents{at::full({B, K}, -1, lopt)}, depths{at::ones({K}, lopt)};
+  at::Tensor gid = at::arange(K, lopt).expand({B, K});
+  at::Tensor hid = carry0.unsqueeze(1).expand({B, K, H}).contiguous();
+  at::Tensor fmask = at::zeros({B, K, width}, lopt.dtype(at::kBool));
+  at::Tensor h = at::empty({B, K, H}, hn0.options()), hn = at::empty({B, K, H}, hn0.options());
+  at::Tensor lg = at::empty({B, K, Vd}, hn0.options());
+  std::vector<int64_t> pos(B * K), slot(B * K);
+  const int64_t* l = L.const_data_ptr<int64_t>();
+  const bool* act = active.const_data_ptr<bool>();
+  int64_t offset = K;
+  for (int64_t s = 1; s < D; s++) {
+    uint8_t* fm = bytes(fmask);
+    for (int64_t b = 0; b < B; b++)
+      for (int64_t k = 0; k < K; k++) {
+        const int64_t own = (s - 1) * K + k;
+        fm[(b * K + k) * width + own] = 1;
+        pos[b * K + k] = l[b] + s - 1;
+        slot[b * K + k] = act[b] ? l[b] + own : -1;  // idle rows write nowhere
+      }
+    raw_step(p, w, hid.const_data_ptr<float>(), tok.const_data_ptr<int64_t>(), pos.data(), slot.data(), l, fm,
+             K * width, width, 1, width, B, K, h.mutable_data_ptr<float>(), hn.mutable_data_ptr<float>());
+    lin_raw(hn.const_data_ptr<float>(), B * K, H, head_w, lg.mutable_data_ptr<float>());
+    auto sub = at::topk(at::log_softmax(lg, -1), K, -1);  // [B, K, K]
+    at::Tensor cum = score.unsqueeze(2).add(std::get<0>(sub)).reshape({B, K * K});
+    at::Tensor ctok = ids(std::get<1>(sub)).reshape({B, K * K});
+    scores.push_back(cum);
+    tokens.push_back(ctok);
+    parents.push_back(gid.repeat_interleave(K, 1));
+    depths.push_back(at::full({K * K}, s + 1, lopt));
+    if (s == D - 1) break;
+    auto best = at::sort(cum, true, -1, true);  // topk_stable: ties to the lower index
+    score = std::get<0>(best).narrow(-1, 0, K);
+    const at::Tensor sel = std::get<1>(best).narrow(-1, 0, K), up = at::floor_divide(sel, K);
+    tok = ctok.gather(1, sel).contiguous();
+    hid = (norm_output ? hn : h).gather(1, up.unsqueeze(-1).expand({B, K, H})).contiguous();
+    fmask = fmask.gather(1, up.unsqueeze(-1).expand({B, K, width})).contiguous();
+    gid = sel.add(offset);
+    offset += K * K;
+  }
+  const at::Tensor all = at::cat(scores, 1);
+  TORCH_CHECK(N - 1 <= all.size(1), "tritonspec_cpu::draft_tree: ", N - 1, " nodes from ", all.size(1), " candidates");
+  const at::Tensor keep = std::get<0>(at::sort(std::get<1>(at::sort(all, true, -1, true)).narrow(-1, 0, N - 1), -1));
+  auto tree = build_tree(keep, at::cat(parents, 1), at::cat(depths), D);
+  at::Tensor node_tokens = at::cat({root.reshape({B, 1}), at::cat(tokens, 1).gather(1, keep)}, 1);
+  return {node_tokens, std::get<0>(tree), std::get<1>(tree), std::get<2>(tree)};
+}
+
 // Decoder.draft's greedy top-1 chain (runtime/decode.py: draft_chain with the tree's top-1 pick) as one operator:
 // n draft tokens [B, n] (target ids) from the last catch-up state hn0, carry0 [B, H]. At depth s: log q =
 // log_softmax(float(head hn)), the top-1 draft id (at::topk, as the Python pick), its target id (id + d2t[id]);
@@ -888,6 +979,11 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) hn_out, Tensor(d!) carry_out, float eps, float scale, "
         "int kv_len, int num_heads, int num_kv_heads, int head_dim, bool norm_before_residual, bool norm_output) "
         "-> bool");
+  m.def("draft_tree(Tensor hn0, Tensor carry0, Tensor head, Tensor d2t, Tensor L, Tensor active, Tensor root, "
+        "Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, Tensor o, Tensor post_norm, Tensor gate_up, "
+        "Tensor down, Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, "
+        "float scale, int kv_len, int num_heads, int num_kv_heads, int head_dim, bool norm_before_residual, "
+        "bool norm_output, int K, int D, int N) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("verify_chain(Tensor tokens, Tensor probs, Tensor draft_probs, Tensor uniforms, Tensor exp_noise) -> "
         "(Tensor, Tensor, Tensor)");
   m.def("drafter_step(Tensor hidden, Tensor tokens, Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, "
@@ -919,5 +1015,6 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("argmax", &argmax);
   m.impl("aux_gather", &aux_gather);
   m.impl("catch_up", &catch_up);
+  m.impl("draft_tree", &draft_tree);
   m.impl("verify_chain", &verify_chain);
 }
