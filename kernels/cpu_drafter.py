@@ -24,6 +24,14 @@ same C kernels called on one work buffer per call instead of ~30 ATen tensors a 
 the same bits; the chain then picks each depth's first largest logit, the top-1 of log q wherever that is
 unique (``log_softmax`` subtracts one constant per row). Demo pair, Intel Xeon, one thread (2026-12-06): a
 7-token chain 565 -> 258 us, the round's draft phase 0.60 -> 0.42 ms.
+
+Two more operators take the rest of a greedy round's drafter work to C++ on that path: ``catch_up``
+(``tritonspec_cpu::catch_up``: ``Decoder._catch_up`` of a decode round, the accepted path's features gathered and
+fused, one step, each row's last state; ~0.26 -> ~0.19 ms a demo round with its Python around it) and
+``draft_tree`` (``tritonspec_cpu::draft_tree``: the EAGLE-2 expansion for ``top_k > 1``, the ATen calls of
+``Decoder.draft`` for the sorts and picks, the raw step for the frontier; a (3, 2, 7) demo draft 0.77 -> 0.44 ms).
+Both give the Python path's values bit for bit (``tests/test_cpu_drafter.py`` compares the drafter state, the
+committed draft K/V and every tree, round by round).
 ``Decoder.draft`` drafts its top-1 chains with it (``Eagle3Drafter.native_chain``): on the demo pair a 7-token
 chain's Python loop spent ~65 us of interpreter time a depth besides the ops (2026-12-06, Intel Xeon, one
 thread, a distillation running beside: the round's draft 1.57 -> 0.99 ms under a profiler, EAGLE-3.1 decode

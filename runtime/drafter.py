@@ -360,7 +360,8 @@ class Eagle3Drafter(nn.Module):
         ws = [n.weight for n in self.fc_norm]
         if torch.is_grad_enabled():
             return torch.stack(ws)
-        key = tuple((w.data_ptr(), w._version, w.dtype, w.device) for w in ws)
+        # an inference tensor keeps no version counter: 0, as in _versions
+        key = tuple((w.data_ptr(), 0 if w.is_inference() else w._version, w.dtype, w.device) for w in ws)
         cached = self._fc_norm_stack
         if cached is None or cached[0] != key:
             cached = self._fc_norm_stack = (key, torch.stack(ws))

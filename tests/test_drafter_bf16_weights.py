@@ -108,14 +108,18 @@ def test_runtime_output_packing_and_the_callers_module(spec):
     rt = runtime(target, d, spec=cfg, max_batch_size=2, max_seq_len=256, drafter_weight_dtype="bfloat16")
     assert rt.drafter is not d and rt.drafter_weight_dtype == torch.bfloat16 and d.cpu_weight_dtype is None
     prompts = ["import os\n\ndef walk(top):\n", "class Stack:\n    def __init__(self):\n"]
-    ran = []
-    real = cpu_drafter.drafter_step
-    cpu_drafter.drafter_step = lambda *a: ran.append(real(*a)) or ran[-1]
+    ran = []  # what each native drafter operator returned (None / False: it declined)
+    names = ("drafter_step", "draft_chain", "draft_tree", "catch_up")
+    real = {n: getattr(cpu_drafter, n) for n in names}
+    for n in names:
+        setattr(cpu_drafter, n, lambda *a, _f=real[n], _n=n: ran.append((_n, _f(*a))) or ran[-1][1])
     try:
         out = rt.generate(prompts, max_new_tokens=24)
     finally:
-        cpu_drafter.drafter_step = real
-    assert ran and all(r is not None for r in ran), "the native step declined the bfloat16 panels"
+        for n in names:
+            setattr(cpu_drafter, n, real[n])
+    assert ran and all(r is not None and r is not False for _, r in ran), "a native step declined the bfloat16 panels"
+    assert {n for n, _ in ran} >= {"catch_up", "draft_chain" if spec == "chain" else "draft_tree"}
     assert out.token_ids == plain.generate(prompts, max_new_tokens=24, speculative=False).token_ids
     assert out.token_ids == plain.generate(prompts, max_new_tokens=24).token_ids
     decode, prompt = rt.drafter._packed[1], rt.drafter._prompt_pack
