@@ -188,7 +188,7 @@ class Decoder:
         self._kv_cap: int | None = None  # attention bound of a whole-cache round (``round(kv_cap=)``)
         self._cut_nodes: int | None = None  # draft nodes of the last eager CPU round that cut its lookup padding
         self.top1_chains = True  # a top-1 tree keeping every candidate is drafted as a chain (``draft``)
-        self.native_chains = True  # ... greedy, in one native call where it runs (Eagle3Drafter.native_chain)
+        self.native_chains = True  # greedy chains and top-k trees: one native call where it runs (native_chain/_tree)
         self.native_catch_ups = True  # commit's catch-up in one native call where it runs (_native_catch_up)
         self.track_drafted = False  # commit records each row's accepted drafter nodes (adaptive shapes)
         self.drafted: list[int] = []  # per row, by collect when tracked: accepted drafter nodes, -1: lookup's path
