@@ -483,10 +483,10 @@ class Eagle3Drafter(nn.Module):
         the tokens ``Decoder.draft_chain`` picks with the tree's top-1 (greedy log q, ``topk``), bit for bit.
         None where a decode step would not run natively (``step``: packed CPU weights, ``native_step``, the
         torch backend) or the operator declines; the caller then runs its Python loop."""
-        packed = self._cpu_weights(ops)
-        if packed is None or not self.native_step or type(ops) is not TorchOps or self.embed_tokens is None:
+        got = self._native_ready(ops)
+        if got is None:
             return None
-        c, a = self.config, self._native_args(packed)
+        (packed, a), c = got, self.config
         return cpu_drafter.draft_chain(
             hn, carry, packed["head"], self.d2t, prefix_lens, active, a.embed, a.norms, packed, a.cos, a.sin,
             cache.k, cache.v, a.eps, a.scale, kv_len, *a.heads, c.norm_before_residual, c.norm_output, n,
@@ -509,10 +509,10 @@ class Eagle3Drafter(nn.Module):
         """The greedy EAGLE-2 tree of ``top_k = K > 1`` as one native operator (``kernels.cpu_drafter.draft_tree``):
         the tree ``Decoder.draft`` expands in Python, the same one. None where a decode step would not run
         natively (``native_chain``'s conditions) or the operator declines."""
-        packed = self._cpu_weights(ops)
-        if packed is None or not self.native_step or type(ops) is not TorchOps or self.embed_tokens is None:
+        got = self._native_ready(ops)
+        if got is None:
             return None
-        c, a = self.config, self._native_args(packed)
+        (packed, a), c = got, self.config
         return cpu_drafter.draft_tree(
             hn, carry, packed["head"], self.d2t, prefix_lens, active, root, a.embed, a.norms, packed, a.cos, a.sin,
             cache.k, cache.v, a.eps, a.scale, kv_len, *a.heads, c.norm_before_residual, c.norm_output, K, D, N,
@@ -538,18 +538,25 @@ class Eagle3Drafter(nn.Module):
         each row's state at its last position written to ``hn_out``/``carry_out``) as one native operator
         (``kernels.cpu_drafter.catch_up``), the same bits. False where ``step`` would not run natively or the
         operator declines: the caller then runs the Python catch-up."""
-        packed = self._cpu_weights(ops)
-        if packed is None or "fc" not in packed or not self.native_step or type(ops) is not TorchOps:
+        got = self._native_ready(ops)
+        if got is None or "fc" not in got[0]:
             return False
-        if self.embed_tokens is None:
-            return False
-        c, a = self.config, self._native_args(packed)
+        (packed, a), c = got, self.config
         fc_in = self.input_norm.weight if c.norm_before_fc else None
         return cpu_drafter.catch_up(
             aux, nodes, emitted, num, active, prefix_lens, N, qc, packed["fc"], self.fc_norm_weight(), fc_in, a.embed,
             a.norms, packed, a.cos, a.sin, cache.k, cache.v, hn_out, carry_out, a.eps, a.scale, kv_len, *a.heads,
             c.norm_before_residual, c.norm_output,
         )  # fmt: skip
+
+    def _native_ready(self, ops: Any) -> tuple[dict[str, torch.Tensor], SimpleNamespace] | None:
+        """``(packed weights, _native_args)`` where the native drafter operators may run (``native_chain``,
+        ``native_tree``, ``native_catch_up``): packed CPU weights, ``native_step``, the torch backend itself (not
+        a subclass that changes ops), an attached embedding; else None."""
+        packed = self._cpu_weights(ops)
+        if packed is None or not self.native_step or type(ops) is not TorchOps or self.embed_tokens is None:
+            return None
+        return packed, self._native_args(packed)
 
     def _native_args(self, packed: dict[str, torch.Tensor]) -> SimpleNamespace:
         """The drafter's part of the native operators' arguments (``step``'s ``drafter_step``, ``native_chain``'s

@@ -537,6 +537,20 @@ struct RawBufs {  // the work buffer of R = B * Q rows; gu/act/gate as tensors f
     hq = p.num_heads * p.head_dim;
     hkv = p.num_kv_heads * p.head_dim;
     W = hq + 2 * hkv;
+    // the raw kernels trust these shapes (the ATen wrappers check them call by call): checked once here
+    const bool shapes = p.qkv_w.size(0) * 16 == W && p.qkv_w.size(1) == 2 * H && p.o_w.size(0) * 16 == H &&
+                        p.o_w.size(1) == hq && p.gate_up_w.size(0) * 16 == 2 * I && p.gate_up_w.size(1) == H &&
+                        p.down_w.size(0) * 16 == H && p.embed.size(1) == H && p.cos_table.dim() == 2 &&
+                        p.cos_table.size(1) == p.head_dim && p.sin_table.sizes() == p.cos_table.sizes();
+    TORCH_CHECK(shapes, "tritonspec_cpu: drafter weights that do not fit hidden ", H, ", ", p.num_heads, " + 2 x ",
+                p.num_kv_heads, " heads of ", p.head_dim, " and intermediate ", I);
+    for (const at::Tensor* n : {&p.in_norm, &p.hidden_norm, &p.post_norm, &p.final_norm})
+      TORCH_CHECK(n->numel() == H, "tritonspec_cpu: a norm weight of ", n->numel(), " for hidden ", H);
+    for (const at::Tensor* c : {&p.k_cache, &p.v_cache})
+      TORCH_CHECK(c->dim() == 4 && c->size(0) >= B && c->size(2) == p.num_kv_heads && c->size(3) == p.head_dim &&
+                      c->stride(3) == 1 && c->stride(2) == p.head_dim && c->scalar_type() == at::kFloat,
+                  "tritonspec_cpu: the draft caches must be float32 [>= ", B, ", S, ", p.num_kv_heads, ", ",
+                  p.head_dim, "] with contiguous heads");
     const int64_t R = B * Q;
     const int64_t sizes[] = {H, H, 2 * H, W, hq, hkv, hq, H, H, H, H};
     int64_t total = 0;
@@ -580,8 +594,6 @@ void raw_step(const RawStep& p, RawBufs& w, const float* hidden, const int64_t* 
     std::copy(w.en + i * H, w.en + (i + 1) * H, w.z + i * 2 * H);
     std::copy(w.vn + i * H, w.vn + (i + 1) * H, w.z + i * 2 * H + H);
   }
-  TORCH_CHECK(p.qkv_w.size(0) * 16 == W, "tritonspec_cpu::drafter_step: the qkv weight has ", p.qkv_w.size(0) * 16,
-              " outputs for ", p.num_heads, " + 2 x ", p.num_kv_heads, " heads of ", D);
   lin_raw(w.z, R, 2 * H, p.qkv_w, w.qkv);
   const float* ct = p.cos_table.const_data_ptr<float>();
   const float* st = p.sin_table.const_data_ptr<float>();
