@@ -136,6 +136,28 @@ def kv_compact(
     return False
 
 
+def commit_history(
+    hist: torch.Tensor,  # [>= B, S] int64, written: the token at each position
+    L: torch.Tensor,  # [B] int64, the committed lengths before the commit
+    root: torch.Tensor,  # [B] int64, the round's root tokens
+    emitted: torch.Tensor,  # [B, W] int64, the emitted tokens (-1 past the accepted path)
+    nodes: torch.Tensor,  # [B, Wn] int64, the accepted node ids (-1 past the path)
+    num: torch.Tensor,  # [B] int64, accepted draft tokens
+    out: torch.Tensor,  # [>= B, width] int64, its last column written when n_tree > 0
+    n_tree: int,  # the shape's drafter nodes (the lookup branch's ids follow), 0: no drafted count
+) -> bool:
+    """``Decoder.commit``'s speculative bookkeeping in place, the integers of its PyTorch ops
+    (``runtime/decode.py`` ``_commit_history``): the token history from position ``L`` (the root, then the emitted
+    tokens, clamped to the last slot) and, with ``n_tree``, each row's accepted drafter nodes in ``out[:, -1]`` (-1:
+    the lookup branch went further). False (nothing done) where the C operator does not run."""
+    tensors = (hist, L, root, emitted, nodes, num, out)
+    strided = hist.dim() == 2 and out.dim() == 2 and hist.stride(1) == 1 and out.stride(1) == 1
+    if _native(*tensors) and all(t.dtype == torch.int64 for t in tensors) and strided:
+        torch.ops.tritonspec_cpu.commit_history(hist, L, root, emitted, nodes, num, out, int(n_tree))
+        return True
+    return False
+
+
 def _slots_contiguous(cache: torch.Tensor) -> bool:
     """Every slot's values contiguous (the C operator copies each slot as one block)."""
     row = 1

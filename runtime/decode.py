@@ -190,6 +190,7 @@ class Decoder:
         self.top1_chains = True  # a top-1 tree keeping every candidate is drafted as a chain (``draft``)
         self.native_chains = True  # greedy chains and top-k trees: one native call where it runs (native_chain/_tree)
         self.native_catch_ups = True  # commit's catch-up in one native call where it runs (_native_catch_up)
+        self.native_history = True  # commit's token history and drafted count in one C call (_commit_history)
         self.track_drafted = False  # commit records each row's accepted drafter nodes (adaptive shapes)
         self.drafted: list[int] = []  # per row, by collect when tracked: accepted drafter nodes, -1: lookup's path
 
@@ -525,6 +526,16 @@ class Decoder:
             self.draft_cache, self.bufs.hn[:B], self.bufs.carry[:B], self._kv_len(whole_cache, tree.max_depth + 1),
         )  # fmt: skip
 
+    def _commit_history(self, v: Verification) -> bool:
+        """``commit``'s token history and, for adaptive shapes (``track_drafted``), the drafted count as one C
+        operator (``kernels.cpu_tree.commit_history``: the same integers) where the round's bookkeeping runs in C
+        (``_cpu_index``); False: ``commit`` runs its PyTorch ops."""
+        if not self._cpu_index() or not self.native_history:
+            return False
+        n_tree = self.spec.num_draft_tokens if self.track_drafted else 0
+        hist = self.bufs.hist[: self.rows]
+        return cpu_tree.commit_history(hist, self.L, self.root, v.emitted, v.nodes, v.num, self.out, n_tree)
+
     def _drafter_ops(self) -> Ops:
         return self.ops if self.observer is None else self.observer.wrap(self.ops)
 
@@ -844,7 +855,8 @@ class Decoder:
                 self.L,
                 self._kv_len(whole_cache, tree.max_depth + 1),
             )
-        if self.speculative:  # the token history (prompt lookup): the root at L, the emitted tokens after it
+        counted = self.speculative and self._commit_history(v)  # the history (and drafted count) in one C call
+        if self.speculative and not counted:  # the token history (prompt lookup): the root at L, the emitted after it
             hist = self.bufs.hist[: self.rows]
             pos = self.L[:, None] + torch.arange(v.emitted.shape[1] + 1, device=self.device)
             pos = pos.clamp(max=hist.shape[1] - 1)
@@ -855,7 +867,7 @@ class Decoder:
         self.out[:, :w].copy_(v.emitted)
         w = max(w, self.emitted_width - 1)  # the count's column (a sampled chain may be shallower than the lookup)
         self.out[:, w].copy_(v.num if v.finite is None else torch.where(v.finite, v.num, -1))  # -1: not finite
-        if self.track_drafted and self.speculative:  # adaptive shapes (runtime/adaptive.py) read it in collect
+        if self.track_drafted and self.speculative and not counted:  # adaptive shapes read it in collect
             n_tree = self.spec.num_draft_tokens  # nodes past it: the prompt-lookup branch (_graft_lookup)
             last = v.nodes.gather(1, v.num[:, None])[:, 0]  # [B] the deepest accepted node
             in_tree = ((v.nodes > 0) & (v.nodes < n_tree)).sum(1)  # [B] accepted drafter nodes

@@ -367,3 +367,50 @@ def test_native_tree_is_the_python_expansion(variant, shape, monkeypatch):
     assert a.token_ids == b.token_ids and a.stats.mean_acceptance_length == b.stats.mean_acceptance_length
     assert len({len(t) for t in a.token_ids}) > 1
     assert not torch.equal(trees[True][0][0], trees[True][1][0])
+
+
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_commit_history_is_the_pytorch_bookkeeping(adaptive, monkeypatch):
+    """``commit``'s token history and drafted count as one C call (``Decoder._commit_history``) write what its
+    PyTorch ops write, round by round: the history up to each row's root and, under adaptive shapes, the drafted
+    count column; three ragged rows that finish apart. Inverse: the operator ran in every round of the first pass
+    and none of the second, and the drafted counts take more than one value."""
+    from tritonspec.runtime.decode import Decoder
+
+    kw = dict(adaptive_shape=True) if adaptive else dict(spec=ts.SpecConfig.chain(4))
+    rt = runtime(*ts.demo_pair("eagle3.1"), max_batch_size=4, max_seq_len=256, **kw)
+    prompts = ["import os\n\ndef walk(top):\n", "class Stack:\n    def __init__(self):\n        self.items = []\n", "x"]
+    stops = ["\n\n", "def ", "return"]
+    seen: dict[bool, list[tuple]] = {True: [], False: []}
+    ran: list[bool] = []
+    real_commit, real_hist = Decoder.commit, Decoder._commit_history
+
+    def spy_commit(self, tree, v, **k):
+        real_commit(self, tree, v, **k)
+        if self.speculative:
+            rows = [self.bufs.hist[b, : int(self.L[b]) + 1].clone() for b in range(tree.tokens.shape[0])]
+            seen[self.native_history].append((*rows, self.out[:, -1].clone() if self.track_drafted else None))
+
+    def spy_hist(self, v):
+        out = real_hist(self, v)
+        ran.append(out)
+        return out
+
+    monkeypatch.setattr(Decoder, "commit", spy_commit)
+    monkeypatch.setattr(Decoder, "_commit_history", spy_hist)
+
+    def run() -> list[list[int]]:  # adaptive shapes are per request at batch 1: the prompts one by one
+        if adaptive:
+            return [rt.generate(p, max_new_tokens=30, stop=stops).token_ids for p in prompts]
+        return rt.generate(prompts, max_new_tokens=30, stop=stops).token_ids
+
+    a = run()
+    assert ran and all(ran) and any(x[-1] is not None for x in seen[True]) == adaptive  # counted under adaptive
+    rt.decoder.native_history = False
+    b = run()
+    assert not any(ran[len(seen[True]) :]) and len(seen[True]) == len(seen[False]) > 3
+    for x, y in zip(seen[True], seen[False]):
+        assert all((p is None and q is None) or torch.equal(p, q) for p, q in zip(x, y))
+    assert a == b and (adaptive or len({len(t) for t in a}) > 1)
+    if adaptive:
+        assert len({int(c) for x in seen[True] if x[-1] is not None for c in x[-1]}) > 1

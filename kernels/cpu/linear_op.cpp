@@ -1,6 +1,6 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
 // .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .aux_gather, .drafter_step,
-// .draft_chain, .draft_tree and .catch_up: the kernels of linear.c, attention.c,
+// .draft_chain, .draft_tree, .catch_up and .commit_history: the kernels of linear.c, attention.c,
 // norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
@@ -915,6 +915,40 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> draft_tree(
   return {node_tokens, std::get<0>(tree), std::get<1>(tree), std::get<2>(tree)};
 }
 
+// Decoder.commit's speculative bookkeeping before L and the root move (runtime/decode.py _commit_history): the
+// token history hist[b, min(L[b] + j, S - 1)] = (root[b], emitted[b, 0], ..., emitted[b, W - 1])[j], j in order,
+// and with n_tree > 0 the drafted count out[b, -1] = nodes[b, num[b]] < n_tree ? #{j : 0 < nodes[b, j] < n_tree}
+// : -1 (adaptive shapes). In place; the integers of the PyTorch ops it replaces (~17 calls a round).
+void commit_history(const at::Tensor& hist, const at::Tensor& L, const at::Tensor& root, const at::Tensor& emitted,
+                    const at::Tensor& nodes, const at::Tensor& num, const at::Tensor& out, int64_t n_tree) {
+  const at::Tensor l = i64(L, "L", 1), r = i64(root, "root", 1), e = i64(emitted, "emitted", 2);
+  const at::Tensor nd = i64(nodes, "nodes", 2), nm = i64(num, "num", 1);
+  const int64_t B = l.size(0), W = e.size(1), Wn = nd.size(1);
+  TORCH_CHECK(hist.scalar_type() == at::kLong && hist.dim() == 2 && hist.size(0) >= B && hist.stride(1) == 1 &&
+                  hist.size(1) > 0 && r.size(0) == B && e.size(0) == B && nd.size(0) == B && nm.size(0) == B,
+              "tritonspec_cpu::commit_history: hist [>= B, S] int64, L, root and num [B], emitted and nodes [B, W]");
+  TORCH_CHECK(out.scalar_type() == at::kLong && out.dim() == 2 && out.size(0) >= B && out.stride(1) == 1,
+              "tritonspec_cpu::commit_history: out [>= B, width] int64");
+  const int64_t S = hist.size(1), hs = hist.stride(0), os = out.stride(0), ow = out.size(1);
+  int64_t* h = hist.mutable_data_ptr<int64_t>();
+  int64_t* o = out.mutable_data_ptr<int64_t>();
+  const int64_t *lp = l.const_data_ptr<int64_t>(), *rp = r.const_data_ptr<int64_t>();
+  const int64_t *ep = e.const_data_ptr<int64_t>(), *np = nd.const_data_ptr<int64_t>(), *mp = nm.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++) {
+    for (int64_t j = 0; j <= W; j++) {
+      const int64_t pos = std::min<int64_t>(lp[b] + j, S - 1);
+      TORCH_CHECK(pos >= 0, "tritonspec_cpu::commit_history: position ", pos, " < 0");
+      h[b * hs + pos] = j == 0 ? rp[b] : ep[b * W + j - 1];
+    }
+    if (n_tree > 0) {
+      TORCH_CHECK(mp[b] >= 0 && mp[b] < Wn, "tritonspec_cpu::commit_history: num ", mp[b], " outside [0, ", Wn, ")");
+      int64_t in_tree = 0;
+      for (int64_t j = 0; j < Wn; j++) in_tree += np[b * Wn + j] > 0 && np[b * Wn + j] < n_tree;
+      o[b * os + ow - 1] = np[b * Wn + mp[b]] < n_tree ? in_tree : -1;
+    }
+  }
+}
+
 // Decoder.draft's greedy top-1 chain (runtime/decode.py: draft_chain with the tree's top-1 pick) as one operator:
 // n draft tokens [B, n] (target ids) from the last catch-up state hn0, carry0 [B, H]. At depth s: log q =
 // log_softmax(float(head hn)), the top-1 draft id (at::topk, as the Python pick), its target id (id + d2t[id]);
@@ -991,6 +1025,8 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!) hn_out, Tensor(d!) carry_out, float eps, float scale, "
         "int kv_len, int num_heads, int num_kv_heads, int head_dim, bool norm_before_residual, bool norm_output) "
         "-> bool");
+  m.def("commit_history(Tensor(a!) hist, Tensor L, Tensor root, Tensor emitted, Tensor nodes, Tensor num, "
+        "Tensor(b!) out, int n_tree) -> ()");
   m.def("draft_tree(Tensor hn0, Tensor carry0, Tensor head, Tensor d2t, Tensor L, Tensor active, Tensor root, "
         "Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, Tensor o, Tensor post_norm, Tensor gate_up, "
         "Tensor down, Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, "
@@ -1028,5 +1064,6 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("aux_gather", &aux_gather);
   m.impl("catch_up", &catch_up);
   m.impl("draft_tree", &draft_tree);
+  m.impl("commit_history", &commit_history);
   m.impl("verify_chain", &verify_chain);
 }
