@@ -44,20 +44,13 @@ def set_transposed_scores(on: bool) -> bool:
     >>> old = set_transposed_scores(False)  # doctest: +SKIP
     >>> _ = set_transposed_scores(old)  # doctest: +SKIP
     """
-    _lib.native_op()
-    old = bool(_lib._library().tritonspec_attention_kt(int(on)))
-    for lib in _lib._native_libs:
-        lib.tritonspec_attention_kt(int(on))
-    return old
+    return bool(_lib._set_rows_knob("tritonspec_attention_kt", int(on), "the transposed scores"))
 
 
 def transposed_blocks() -> int:
     """How many prefix blocks the transposed scores ran on so far in this process (``set_transposed_scores``),
     through ctypes and the native operator together: for tests that must see the path taken."""
-    _lib.native_op()
-    return int(_lib._library().tritonspec_attention_kt_blocks()) + sum(
-        int(lib.tritonspec_attention_kt_blocks()) for lib in _lib._native_libs
-    )
+    return _lib._count("tritonspec_attention_kt_blocks")
 
 
 def cpu_tree_attention_reference(

@@ -115,6 +115,25 @@ def _weights_ok(
     return prefix_lens.dtype == torch.int64 and prefix_lens.is_contiguous() and not torch.is_grad_enabled()
 
 
+def _layer(
+    embed: torch.Tensor,  # [V, H]
+    norms: tuple[torch.Tensor, ...],  # input_layernorm, hidden_norm, post_attention_layernorm, norm
+    packed: dict[str, torch.Tensor],  # the panels of "qkv", "o", "gate_up", "down"
+    cos: torch.Tensor,  # [max_pos, D]
+    sin: torch.Tensor,  # [max_pos, D]
+) -> tuple[torch.Tensor, ...]:
+    """The drafter layer's tensors in the order every operator here takes them: the embedding, the input and
+    hidden norms, the q/k/v and output projections, the post-attention norm, gate/up and down, the final norm,
+    the rope tables."""
+    n_in, n_hid, n_post, n_out = norms
+    return embed, n_in, n_hid, packed["qkv"], packed["o"], n_post, packed["gate_up"], packed["down"], n_out, cos, sin
+
+
+def _scalars(eps: float, scale: float, kv_len: int | None) -> tuple[float, float, int]:
+    """eps, the attention scale and the attention bound (-1: the whole cache) as the operators take them."""
+    return float(eps), float(scale), -1 if kv_len is None else int(kv_len)
+
+
 def drafter_step(
     hidden: torch.Tensor,  # [B, Q, H] fused target features or the previous step's carry
     tokens: torch.Tensor,  # [B, Q] int64 target ids
@@ -145,11 +164,9 @@ def drafter_step(
     tensors = (hidden, tokens, positions, packed, norms, k_cache, v_cache, slots, prefix_lens, tree_mask)
     if not supported(*tensors, *heads):
         return None
-    n_in, n_hid, n_post, n_out = norms
     return torch.ops.tritonspec_cpu.drafter_step(
-        hidden, tokens, embed, n_in, n_hid, packed["qkv"], packed["o"], n_post, packed["gate_up"], packed["down"],
-        n_out, cos, sin, positions, slots, k_cache, v_cache, prefix_lens, tree_mask, float(eps), float(scale),
-        -1 if kv_len is None else int(kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual,
+        hidden, tokens, *_layer(embed, norms, packed, cos, sin), positions, slots, k_cache, v_cache, prefix_lens,
+        tree_mask, *_scalars(eps, scale, kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual,
     )  # fmt: skip
 
 
@@ -193,12 +210,9 @@ def draft_chain(
     # each step's tokens, positions, slots and mask are built by the operator in the shapes supported() wants
     if not _weights_ok(hn, packed, norms, k_cache, v_cache, prefix_lens, num_heads, num_kv_heads, head_dim):
         return None
-    n_in, n_hid, n_post, n_out = norms
     return torch.ops.tritonspec_cpu.draft_chain(
-        hn, carry, head, d2t, prefix_lens, active, embed, n_in, n_hid, packed["qkv"], packed["o"], n_post,
-        packed["gate_up"], packed["down"], n_out, cos, sin, k_cache, v_cache, float(eps), float(scale),
-        -1 if kv_len is None else int(kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual, norm_output,
-        int(n),
+        hn, carry, head, d2t, prefix_lens, active, *_layer(embed, norms, packed, cos, sin), k_cache, v_cache,
+        *_scalars(eps, scale, kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual, norm_output, int(n),
     )  # fmt: skip
 
 
@@ -242,12 +256,10 @@ def catch_up(
     if not _weights_ok(aux.view(nodes.shape[0], -1), packed, norms, k_cache, v_cache, prefix_lens, num_heads,
                        num_kv_heads, head_dim):  # fmt: skip
         return False
-    n_in, n_hid, n_post, n_out = norms
     return torch.ops.tritonspec_cpu.catch_up(
-        aux, nodes, emitted, num, active, prefix_lens, int(N), int(qc), fc, fc_norm, fc_in_norm, embed, n_in, n_hid,
-        packed["qkv"], packed["o"], n_post, packed["gate_up"], packed["down"], n_out, cos, sin, k_cache, v_cache,
-        hn_out, carry_out, float(eps), float(scale), -1 if kv_len is None else int(kv_len), num_heads, num_kv_heads,
-        head_dim, norm_before_residual, norm_output,
+        aux, nodes, emitted, num, active, prefix_lens, int(N), int(qc), fc, fc_norm, fc_in_norm,
+        *_layer(embed, norms, packed, cos, sin), k_cache, v_cache, hn_out, carry_out, *_scalars(eps, scale, kv_len),
+        num_heads, num_kv_heads, head_dim, norm_before_residual, norm_output,
     )  # fmt: skip
 
 
@@ -287,11 +299,9 @@ def draft_tree(
         return None
     if not _weights_ok(hn, packed, norms, k_cache, v_cache, prefix_lens, num_heads, num_kv_heads, head_dim):
         return None
-    n_in, n_hid, n_post, n_out = norms
     out = torch.ops.tritonspec_cpu.draft_tree(
-        hn, carry, head, d2t, prefix_lens, active, root, embed, n_in, n_hid, packed["qkv"], packed["o"], n_post,
-        packed["gate_up"], packed["down"], n_out, cos, sin, k_cache, v_cache, float(eps), float(scale),
-        -1 if kv_len is None else int(kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual, norm_output,
-        int(K), int(D), int(N),
+        hn, carry, head, d2t, prefix_lens, active, root, *_layer(embed, norms, packed, cos, sin), k_cache, v_cache,
+        *_scalars(eps, scale, kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual, norm_output, int(K),
+        int(D), int(N),
     )  # fmt: skip
     return None if out[0].numel() == 0 else out

@@ -226,16 +226,7 @@ def _library() -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.tritonspec_amx_enabled.argtypes = []
     lib.tritonspec_amx_enabled.restype = ctypes.c_int
-    lib.tritonspec_panels_wide_rows.argtypes = [ctypes.c_int]
-    lib.tritonspec_panels_wide_rows.restype = ctypes.c_int
-    lib.tritonspec_panels_tall_rows.argtypes = [ctypes.c_int]
-    lib.tritonspec_panels_tall_rows.restype = ctypes.c_int
-    lib.tritonspec_panels_tall_calls.argtypes = []
-    lib.tritonspec_panels_tall_calls.restype = ctypes.c_int64
-    lib.tritonspec_attention_kt.argtypes = [ctypes.c_int]
-    lib.tritonspec_attention_kt.restype = ctypes.c_int
-    lib.tritonspec_attention_kt_blocks.argtypes = []
-    lib.tritonspec_attention_kt_blocks.restype = ctypes.c_int64
+    _knob_types(lib)
     for name in ("tritonspec_tree_attention_f32", "tritonspec_tree_attention_bf16"):
         fn = getattr(lib, name)
         fn.argtypes = [p, i64, i64, i64, i64, i64, i64, i64, p, p, *[i64] * 7, p, p, *[i64] * 5, ctypes.c_float, p]
@@ -280,16 +271,7 @@ def native_op() -> str | None:
             _build(out, [*c_cmds, cxx_cmd], OP_SOURCE.name, temps=tuple(objs))
         torch.ops.load_library(str(out))
         native = ctypes.CDLL(str(out))  # the same handle: its C functions (set_wide_panel_rows)
-        native.tritonspec_panels_wide_rows.argtypes = [ctypes.c_int]
-        native.tritonspec_panels_wide_rows.restype = ctypes.c_int
-        native.tritonspec_panels_tall_rows.argtypes = [ctypes.c_int]
-        native.tritonspec_panels_tall_rows.restype = ctypes.c_int
-        native.tritonspec_panels_tall_calls.argtypes = []
-        native.tritonspec_panels_tall_calls.restype = ctypes.c_int64
-        native.tritonspec_attention_kt.argtypes = [ctypes.c_int]
-        native.tritonspec_attention_kt.restype = ctypes.c_int
-        native.tritonspec_attention_kt_blocks.argtypes = []
-        native.tritonspec_attention_kt_blocks.restype = ctypes.c_int64
+        _knob_types(native)
         _native_libs.append(native)
         torch.library.register_fake("tritonspec_cpu::linear")(_fake)
         torch.library.register_fake("tritonspec_cpu::tree_attention")(_fake_attention)
@@ -301,6 +283,25 @@ def native_op() -> str | None:
 
 
 _native_libs: list[ctypes.CDLL] = []  # the native operator's library once loaded: it holds its own copy of the kernels
+
+
+# the C knobs (set one, return the previous) and path counters both copies of the kernels export
+KNOBS = ("tritonspec_panels_wide_rows", "tritonspec_panels_tall_rows", "tritonspec_attention_kt")
+COUNTERS = ("tritonspec_panels_tall_calls", "tritonspec_attention_kt_blocks")
+
+
+def _knob_types(lib: ctypes.CDLL) -> None:
+    """ctypes signatures of ``KNOBS`` (int -> int) and ``COUNTERS`` (() -> int64) in ``lib``."""
+    for name in KNOBS:
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [ctypes.c_int], ctypes.c_int
+    for name in COUNTERS:
+        getattr(lib, name).argtypes, getattr(lib, name).restype = [], ctypes.c_int64
+
+
+def _count(fn: str) -> int:
+    """The C path counter ``fn`` (one of ``COUNTERS``) summed over both copies of the kernels."""
+    native_op()
+    return int(getattr(_library(), fn)()) + sum(int(getattr(lib, fn)()) for lib in _native_libs)
 
 
 def set_wide_panel_rows(rows: int) -> int:
@@ -336,8 +337,8 @@ def set_tall_panel_rows(rows: int) -> int:
 
 
 def _set_rows_knob(fn: str, rows: int, what: str) -> int:
-    """Set the C row-count knob ``fn`` in both copies of the kernels (ctypes' and the native operator's);
-    returns the previous value."""
+    """Set the C knob ``fn`` (one of ``KNOBS``: a row count, or 0 / 1 for a switch) in both copies of the kernels
+    (ctypes' and the native operator's); returns the previous value."""
     if rows < 0:
         raise ValueError(f"rows={rows} must be >= 0 (0: never run {what})")
     native_op()
@@ -351,10 +352,7 @@ def tall_panel_calls() -> int:
     """How many float32 panel calls ran the tall tiles (``set_tall_panel_rows``) so far in this process,
     through ctypes and the native operator together (0 on CPUs without AVX-512): for tests that must see
     the path taken, since the tiles give the same bits either way."""
-    native_op()
-    return int(_library().tritonspec_panels_tall_calls()) + sum(
-        int(lib.tritonspec_panels_tall_calls()) for lib in _native_libs
-    )
+    return _count("tritonspec_panels_tall_calls")
 
 
 @torch.compiler.assume_constant_result

@@ -121,7 +121,7 @@ class Eagle3Drafter(nn.Module):
         self._packed: tuple | None = None  # pack_for_cpu: (sources' versions, {name: packed weight})
         self._round_pack: tuple | None = None  # packed_for_round: (ops, what _cpu_weights gave for them)
         self._round_memo: dict[str, Any] | None = None  # packed_for_round: values fixed for the round (_memo)
-        self._fc_norm_stack: tuple | None = None  # _stacked_fc_norm: (the weights' storage and versions, the stack)
+        self._fc_norm_stack: tuple | None = None  # fc_norm_weight: (the weights' storage and versions, the stack)
         # pack_for_cpu's weight dtype: None = the drafter's; torch.bfloat16 for a float32 drafter = weight-only
         # bfloat16 panels (kernels.cpu_linear.weight_only_bf16), set by SpeculativeRuntime(drafter_weight_dtype=)
         self.cpu_weight_dtype: torch.dtype | None = None
@@ -336,9 +336,9 @@ class Eagle3Drafter(nn.Module):
             self._round_pack, self._round_memo = prev, prev_memo
 
     def _memo(self, key: str, make: Callable[[], Any]) -> Any:
-        """``make()``, kept for the rest of the round inside ``packed_for_round`` (autograd off): the stacked
-        fc_norm weights and the native operators' arguments were ~25 us of module walks a round (demo pair,
-        2026-12-06). Outside a round, or with autograd on (training), made at every call."""
+        """``make()``, kept for the rest of the round inside ``packed_for_round`` (autograd off): the native
+        operators' arguments (``_native_args``, asked for by the draft and the catch-up) walk the module. Outside
+        a round, or with autograd on (training), made at every call."""
         memo = self._round_memo
         if memo is None or torch.is_grad_enabled():
             return make()
@@ -349,14 +349,11 @@ class Eagle3Drafter(nn.Module):
 
     # ------------------------------------------------------------------ math
     def fc_norm_weight(self) -> torch.Tensor | None:
-        """``[n_aux, H_t]`` stacked fc_norm weights, or None when fc_norm is off (``_memo``: once a round)."""
+        """``[n_aux, H_t]`` stacked fc_norm weights, or None when fc_norm is off. The stack is kept while no
+        weight changed (the same storage, the same version counter: an in-place update or a replaced tensor
+        makes a new one); made afresh with autograd on."""
         if not self.config.fc_norm:
             return None
-        return self._memo("fc_norm", self._stacked_fc_norm)
-
-    def _stacked_fc_norm(self) -> torch.Tensor:
-        """The stack, kept between rounds while no weight changed (the same storage, the same version
-        counter: an in-place update or a replaced tensor makes a new one); made afresh with autograd on."""
         ws = [n.weight for n in self.fc_norm]
         if torch.is_grad_enabled():
             return torch.stack(ws)
@@ -419,7 +416,7 @@ class Eagle3Drafter(nn.Module):
         ops.begin_forward()
         packed = self._cpu_weights(ops, meta.prefill)
         if packed is not None and self.native_step and not meta.prefill and type(ops) is TorchOps:
-            a = self._native_args(packed)
+            a = self._native_args()
             out = cpu_drafter.drafter_step(
                 hidden, tokens, a.embed, a.norms, packed, a.cos, a.sin, meta.positions, meta.slots, cache.k,
                 cache.v, meta.prefix_lens, meta.tree_mask, a.eps, a.scale, meta.kv_len, *a.heads,
@@ -556,9 +553,9 @@ class Eagle3Drafter(nn.Module):
         packed = self._cpu_weights(ops)
         if packed is None or not self.native_step or type(ops) is not TorchOps or self.embed_tokens is None:
             return None
-        return packed, self._native_args(packed)
+        return packed, self._native_args()
 
-    def _native_args(self, packed: dict[str, torch.Tensor]) -> SimpleNamespace:
+    def _native_args(self) -> SimpleNamespace:
         """The drafter's part of the native operators' arguments (``step``'s ``drafter_step``, ``native_chain``'s
         ``draft_chain``): the embedding, the four norms' weights, the rope tables, eps, the attention scale and
         the head counts."""
