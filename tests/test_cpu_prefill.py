@@ -58,6 +58,24 @@ def test_strided_inputs_and_threads(B, P, kv, group, chunks, threads, seed):
     assert torch.allclose(out, prefill_attention(q, k, v, 0.3), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("order", ["rising", "falling"])
+@pytest.mark.parametrize("P", [33, 130])
+def test_running_max_rescales(order, P):
+    """The online softmax's rescaling across key blocks: scores that rise key after key move every row's
+    maximum in every block (exp(m_old - m_new) < 1 each time), falling ones keep the first key's (the
+    factor is exactly 1); large spreads, so a wrong factor or a sum kept from the wrong block shows (scores
+    up to ~130: float32 scores round at ~1e-5 there, SDPA's error too, hence the tolerance)."""
+    g = torch.Generator().manual_seed(P)
+    D, u = 32, torch.ones(32) / 32**0.5
+    ramp = torch.arange(P, dtype=torch.float32) * 0.2
+    k = (ramp if order == "rising" else -ramp)[:, None, None] * u + 0.01 * torch.randn(P, 2, D, generator=g)
+    q = (5.0 * u).expand(P, 4, D).contiguous() + 0.1 * torch.randn(P, 4, D, generator=g)
+    v = torch.randn(P, 2, D, generator=g)
+    q, k, v = q[None], k[None], v[None]
+    out = cp.cpu_prefill_attention(q, k, v, 1.0)
+    assert torch.allclose(out, cp.cpu_prefill_attention_reference(q, k, v, 1.0), rtol=1e-4, atol=1e-4)
+
+
 def test_the_future_is_masked():
     """The inverse: the comparison is not vacuous. Changing a later key or value changes no earlier
     row and does change its own row; full (non-causal) attention differs from the output."""
