@@ -50,6 +50,7 @@ from .requests import (
     is_chat,
     one_prompt,
     resolve_stop_ids,
+    row_budgets,
     row_seeds,
 )
 from .sampling import SamplingParams
@@ -420,7 +421,7 @@ class SpeculativeRuntime:
     def generate(
         self,
         prompts: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
-        max_new_tokens: int = 128,
+        max_new_tokens: int | Sequence[int] = 128,
         temperature: float = 0.0,
         top_p: float = 1.0,
         top_k: int = 0,
@@ -434,6 +435,8 @@ class SpeculativeRuntime:
         Greedy (``temperature=0``) output equals the target's greedy decoding; with
         ``temperature > 0`` the output has exactly the target's (processed) distribution.
         ``seed``: one int for every prompt, or one per prompt; the same seed gives the same output.
+        ``max_new_tokens``: one int for every prompt, or one per prompt (vLLM's per-request ``max_tokens``;
+        with continuous batching a row whose budget runs out is refilled at the next round).
         ``stop``: stop strings (the text is cut before them, the tokens end with the one that
         completed them). ``token_ids`` include a stop token that ended the row.
         ``speculative=False`` runs plain target decoding through the same runtime (the baseline).
@@ -516,7 +519,6 @@ class SpeculativeRuntime:
             top_k=as_int(top_k, "top_k"),
             stop=stops,
         )
-        max_new_tokens = as_int(max_new_tokens, "max_new_tokens")
         if speculative and self.drafter is not None:
             w = self.drafter.fc.weight
             if w.dtype != self.target.dtype or not _same_device(w.device, self.device):
@@ -524,8 +526,6 @@ class SpeculativeRuntime:
                     f"the drafter was moved to {w.device} / {w.dtype} after this runtime was built for "
                     f"{self.device} / {self.target.dtype}; move it back, or build a new runtime"
                 )
-        if max_new_tokens < 1:
-            raise UserError(f"max_new_tokens={max_new_tokens} must be >= 1")
         if stops and self.tokenizer is None:
             raise UserError("stop strings need a tokenizer: load a target directory that has one or pass tokenizer=")
         batch = encode_prompts(
@@ -541,13 +541,14 @@ class SpeculativeRuntime:
                 f"max_batch_size={self.max_batch_size}; pass at most that many"
             )
         seeds = row_seeds(seed, len(batch), sampling)
+        budgets = row_budgets(max_new_tokens, len(batch))
         if speculative and self.drafter is None:
             warnings.warn("no drafter loaded: speculative=True runs plain decoding", stacklevel=3)
         context = max(len(p) for p in batch)  # long prompts may get smaller trees (a profile's context rows)
         choice = self._choose_shape(min(len(batch), self.max_batch_size), sampling, speculative, context)
         requests = RequestRows(
             [len(p) for p in batch],
-            max_new_tokens=max_new_tokens,
+            max_new_tokens=budgets,
             max_seq_len=self.max_seq_len,
             stop_ids=resolve_stop_ids(
                 stop_token_ids, self.tokenizer, self.target.config, self.target.vocab_size, chat=is_chat(prompts)

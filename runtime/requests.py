@@ -268,6 +268,26 @@ def row_seeds(seed: Any, batch: int, sampling: SamplingParams) -> list[int]:
     return seeds
 
 
+def row_budgets(max_new_tokens: Any, batch: int) -> list[int]:
+    """One ``max_new_tokens`` per row: one integer for every row, or one per row (vLLM's per-request
+    ``max_tokens``); each at least 1. A sequence (or 1-D integer array) gives one per row."""
+    if _is_array(max_new_tokens) and max_new_tokens.ndim == 1 and _array_kind(max_new_tokens) == "int":
+        max_new_tokens = max_new_tokens.tolist()
+    if isinstance(max_new_tokens, Sequence) and not isinstance(max_new_tokens, (str, bytes, bytearray)):
+        budgets = [as_int(n, "max_new_tokens") for n in max_new_tokens]
+        if len(budgets) != batch:
+            raise UserError(
+                f"{len(budgets)} max_new_tokens values for {batch} prompts: pass one int or one value per prompt"
+            )
+        where = " (prompt {})"
+    else:
+        budgets, where = [as_int(max_new_tokens, "max_new_tokens")] * batch, ""
+    for b, n in enumerate(budgets):
+        if n < 1:
+            raise UserError(f"max_new_tokens={n}{where.format(b)} must be >= 1")
+    return budgets
+
+
 def resolve_stop_ids(
     stop_ids: Any, tokenizer: Any, config: Any, vocab_size: int | None = None, chat: bool = False
 ) -> set[int]:
@@ -344,15 +364,15 @@ class RequestRows:
     """The host side of a batch: each prompt's emitted tokens, finish reason and stop handling.
 
     ``emit(new)`` appends each unfinished row's new tokens, honouring stop token ids, stop
-    strings, ``max_new_tokens`` and ``max_seq_len`` (tokens decided past a stop are dropped), and
-    returns the rows that finished in this call.
+    strings, ``max_new_tokens`` (one for every row, or one per row) and ``max_seq_len`` (tokens decided
+    past a stop are dropped), and returns the rows that finished in this call.
     """
 
     def __init__(
         self,
         prompt_lens: list[int],
         *,
-        max_new_tokens: int,
+        max_new_tokens: int | list[int],
         max_seq_len: int,
         stop_ids: set[int],
         sampling: SamplingParams,
@@ -360,7 +380,10 @@ class RequestRows:
     ):
         n = len(prompt_lens)
         self.prompt_lens = prompt_lens
-        self.max_new_tokens, self.max_seq_len = max_new_tokens, max_seq_len
+        self.max_new_tokens = [max_new_tokens] * n if isinstance(max_new_tokens, int) else list(max_new_tokens)
+        if len(self.max_new_tokens) != n:
+            raise ValueError(f"{len(self.max_new_tokens)} max_new_tokens for {n} rows")
+        self.max_seq_len = max_seq_len
         self.stop_ids = stop_ids
         self.sampling, self.tokenizer = sampling, tokenizer
         self.outs: list[list[int]] = [[] for _ in range(n)]
@@ -380,7 +403,7 @@ class RequestRows:
                     self.reasons[b] = "stop"
                     self.done[b] = True
                     break
-                if len(out) >= self.max_new_tokens or self.prompt_lens[b] + len(out) >= self.max_seq_len:
+                if len(out) >= self.max_new_tokens[b] or self.prompt_lens[b] + len(out) >= self.max_seq_len:
                     self.done[b] = True
                     break
             if self.done[b]:

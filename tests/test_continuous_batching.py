@@ -57,6 +57,47 @@ def test_outputs_equal_solo_runs(pair, batch, temperature, speculative):
         assert getattr(out.stats, field) == total, field
 
 
+BUDGETS = [5, 24, 1, 13, 30, 2, 9, 17, 4, 21, 7, 11, 3, 26, 8, 15, 6, 19, 10, 2, 12, 28]  # one per prompt
+
+
+@pytest.mark.parametrize("batch", [1, 3, 4])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("speculative", [True, False])
+def test_per_prompt_budgets_equal_solo_runs(pair, batch, temperature, speculative):
+    """``max_new_tokens`` one per prompt (vLLM's per-request ``max_tokens``): each output equals its solo run
+    with its own budget, rows without a stop end exactly at theirs, and a row whose budget runs out is
+    refilled while longer ones keep decoding."""
+    rt = runtime(*pair, SPEC, max_batch_size=batch)
+    prompts = random_prompts(24, LENGTHS, seed=11)
+    kw = dict(temperature=temperature, speculative=speculative, stop_token_ids=[STOP])
+    seeds = list(range(100, 100 + len(prompts)))
+    out = rt.generate(prompts, max_new_tokens=BUDGETS, seed=seeds, **kw)
+    solo = [rt.generate([p], max_new_tokens=n, seed=s, **kw) for p, n, s in zip(prompts, BUDGETS, seeds)]
+    assert out.token_ids == [s.token_ids[0] for s in solo]
+    assert out.finish_reasons == [s.finish_reasons[0] for s in solo]
+    lengths = [len(t) for t in out.token_ids]
+    assert all(n <= b for n, b in zip(lengths, BUDGETS))
+    ran_out = [n == b for n, b, r in zip(lengths, BUDGETS, out.finish_reasons) if r == "length"]
+    assert ran_out and all(ran_out)  # a "length" row stopped at its own budget, not another row's
+    assert len(set(lengths)) > 5
+    assert out.stats.rows_refilled == len(prompts) - batch
+
+
+def test_per_prompt_budgets_are_checked(pair):
+    rt = runtime(*pair, SPEC, max_batch_size=2)
+    prompts = random_prompts(24, [3, 4, 5], seed=1)
+    with pytest.raises(ts.UserError, match="2 max_new_tokens values for 3 prompts"):
+        rt.generate(prompts, max_new_tokens=[4, 5])
+    with pytest.raises(ts.UserError, match=r"max_new_tokens=0 \(prompt 1\) must be >= 1"):
+        rt.generate(prompts, max_new_tokens=[4, 0, 5])
+    with pytest.raises(ts.UserError, match="must be an integer"):
+        rt.generate(prompts, max_new_tokens=[4, 2.5, 5])
+    with pytest.raises(ts.UserError, match="must be an integer"):
+        rt.generate(prompts, max_new_tokens="8")
+    same = rt.generate(prompts, max_new_tokens=torch.tensor([6, 6, 6])).token_ids
+    assert same == rt.generate(prompts, max_new_tokens=6).token_ids
+
+
 @pytest.mark.parametrize("spec", [SPEC, ts.SpecConfig.chain(3)])  # a tree, and sampled chains at temperature 1
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("lengths, forwards", [([150, 9, 40], [1, 1, 1]), ([90, 88, 93], [3])])
