@@ -59,8 +59,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="one prompt per line (with --chat: one user message per line), or a .jsonl file of "
-        '{"prompt": ...} records; prints one JSON line per prompt, in order. More prompts than '
-        "--max-batch-size are continuously batched (a finished row takes the next prompt)",
+        '{"prompt": ...} records, each optionally with its own "max_new_tokens" (else --max-new-tokens); '
+        "prints one JSON line per prompt, in order. More prompts than --max-batch-size are continuously "
+        "batched (a finished row takes the next prompt)",
     )
     g.add_argument(
         "--max-batch-size", type=int, default=None, help="rows decoded together (default 1; 8 with --prompts-file)"
@@ -164,7 +165,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
             raise UserError("pass a prompt or --prompts-file, not both")
         if args.stream:
             raise UserError("--stream shows one prompt: drop it with --prompts-file")
-        prompts = read_prompts_file(args.prompts_file)
+        prompts, budgets = read_prompts_file(args.prompts_file, args.max_new_tokens)
     else:
         prompts = [read_prompt(args.prompt)]
     if args.chat:
@@ -203,6 +204,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     speculative = not args.no_speculative and rt.drafter is not None
     kw = flag_values(args, "max_new_tokens temperature top_p top_k seed")
     kw.update(stop=[unescape(s) for s in args.stop] or None, speculative=speculative)
+    if args.prompts_file is not None and budgets is not None:  # a .jsonl file's own max_new_tokens
+        kw["max_new_tokens"] = budgets
     if args.compare:  # one short warm-up per mode, so neither timing pays first-call costs
         warm = prompts[:batch] if args.prompts_file is not None else prompt
         for mode in (speculative, False):
@@ -251,9 +254,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def read_prompts_file(path: str) -> list[str]:
-    """Prompts of ``--prompts-file``: a ``.jsonl`` file of ``{"prompt": str}`` records, else one
-    prompt per non-empty line (write ``\\n`` for a newline inside a prompt)."""
+def read_prompts_file(path: str, max_new_tokens: int | None = None) -> tuple[list[str], list[int] | None]:
+    """Prompts of ``--prompts-file`` and their budgets: a ``.jsonl`` file of ``{"prompt": str}`` records, each
+    optionally with its own ``"max_new_tokens"`` (the others get ``max_new_tokens``, the flag's value), else one
+    prompt per non-empty line (write ``\\n`` for a newline inside a prompt). Budgets are None where no record
+    sets one."""
     p = Path(path)
     if not p.is_file():
         raise UserError(f"--prompts-file {path}: no such file")
@@ -261,8 +266,8 @@ def read_prompts_file(path: str) -> list[str]:
     if not lines:
         raise UserError(f"--prompts-file {path} holds no prompts")
     if p.suffix != ".jsonl":
-        return [unescape(line) for line in lines]
-    out = []
+        return [unescape(line) for line in lines], None
+    out, budgets, own = [], [], False
     for n, line in enumerate(lines, 1):
         try:
             rec = json.loads(line)
@@ -270,8 +275,16 @@ def read_prompts_file(path: str) -> list[str]:
             raise UserError(f"--prompts-file {path} line {n} is not JSON ({e.msg})") from e
         if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
             raise UserError(f'--prompts-file {path} line {n}: expected {{"prompt": "..."}}')
+        budget = rec.get("max_new_tokens", max_new_tokens)
+        if "max_new_tokens" in rec:
+            own = True
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise UserError(
+                    f'--prompts-file {path} line {n}: "max_new_tokens" must be an integer >= 1, not {budget!r}'
+                )
         out.append(rec["prompt"])
-    return out
+        budgets.append(budget)
+    return out, budgets if own else None
 
 
 def shape_label(spec) -> str:

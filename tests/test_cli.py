@@ -167,6 +167,18 @@ def test_generate_a_prompts_file_continuously_batched(pair_dirs, capsys, tmp_pat
     rt = ts.SpeculativeRuntime.from_pretrained(t, d, spec=ts.SpecConfig(3, 2, 6), max_batch_size=1)
     for r, p in zip(recs, prompts):
         assert r["token_ids"] == rt.generate(p.replace("\\n", "\n"), max_new_tokens=6).token_ids[0]
+    j = tmp_path / "budgets.jsonl"  # a record's own max_new_tokens; the others get --max-new-tokens
+    rows = [{"prompt": "def g():", "max_new_tokens": 2}, {"prompt": "class B:"}]
+    rows.append({"prompt": "x = 1", "max_new_tokens": 9})
+    j.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main([*argv, "--prompts-file", str(j), "--max-batch-size", "2"]) == 0
+    recs = [json.loads(line) for line in capsys.readouterr().out.strip().splitlines()[:-1]]
+    for r, p, n in zip(recs, ["def g():", "class B:", "x = 1"], [2, 6, 9]):
+        assert r["token_ids"] == rt.generate(p, max_new_tokens=n).token_ids[0]
+    assert [len(r["token_ids"]) for r in recs] == [2, 6, 9]
+    j.write_text('{"prompt": "def g():", "max_new_tokens": 0}\n')
+    assert main([*argv, "--prompts-file", str(j)]) == 2
+    assert '"max_new_tokens" must be an integer >= 1, not 0' in capsys.readouterr().err
     j = tmp_path / "p.jsonl"
     j.write_text('{"prompt": "def g():"}\n{"prompt": 3}\n')
     assert main([*argv, "--prompts-file", str(j)]) == 2
