@@ -111,7 +111,7 @@ static void tile(const float* q, int64_t sqp, const float* kt, const float* v, i
         const __m512 mo = _mm512_maskz_loadu_ps(rows, m), mn = _mm512_max_ps(mo, _mm512_maskz_loadu_ps(rows, bmax));
         /* alpha = exp(m_old - m_new): 0 where the row saw nothing before (acc and l are 0), 1 where its max held */
         const __mmask16 seen = _mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ) & rows;
-        _mm512_mask_storeu_ps(alpha, rows, _mm512_maskz_mov_ps(seen, exp_ps(_mm512_maskz_sub_ps(seen, mo, mn))));
+        _mm512_mask_storeu_ps(alpha, rows, _mm512_maskz_mov_ps(seen, exp_ps(_mm512_sub_ps(_mm512_maskz_mov_ps(seen, mo), _mm512_maskz_mov_ps(seen, mn)))));
         _mm512_mask_storeu_ps(m, rows, mn);
 #pragma GCC unroll 16
         for (int r = 0; r < MQ; r++) {
