@@ -436,9 +436,8 @@ class Decoder:
         ar = torch.arange(P, device=dev)
         valid = ar[None, :] < lens[:, None]
         positions = ar.expand(B, P)
-        causal = torch.ones(P, P, dtype=torch.bool, device=dev).tril().expand(B, P, P)
         zero = torch.zeros(B, dtype=torch.int64, device=dev)
-        meta = AttentionMetadata(positions, torch.where(valid, positions, -1), zero, causal, P, prefill=True)
+        meta = AttentionMetadata(positions, torch.where(valid, positions, -1), zero, None, P, prefill=True)
         hidden, aux = self.target.forward(self.ops, tokens, meta, capture_aux=self.speculative, cache_row=row0)
         last = (lens - 1)[:, None]
         h_last = hidden.gather(1, last[..., None].expand(B, 1, hidden.shape[-1]))[:, 0]
@@ -489,10 +488,8 @@ class Decoder:
         g = d.combine(self.ops, aux_flat, index.reshape(-1), prompt=prefill).view(B, Qc, -1)
         positions = start[:, None] + ar
         slots = torch.where(ar[None, :] < n_valid[:, None], positions, -1)
-        if prefill:  # Qc = the prompt length: not a shape worth keeping
-            causal = torch.ones(Qc, Qc, dtype=torch.bool, device=self.device).tril().expand(B, Qc, Qc)
-        else:  # a decode round: Qc = max depth + 1, the chain's constant mask
-            causal = self._chain_consts(B, Qc)[2]
+        # a prompt's mask is implied (AttentionMetadata.prefill); a decode round's Qc = max depth + 1: the chain's
+        causal = None if prefill else self._chain_consts(B, Qc)[2]
         meta = AttentionMetadata(positions, slots, start, causal, kv_len, prefill=prefill)
         cache = self.draft_cache
         if row0:  # an admitted row (continuous batching): its own cache rows
