@@ -4,8 +4,8 @@
 with ``max_batch_size=8``, two workloads of outputs of mixed lengths:
 
 - ``stops``: a row stops at its first blank line, or after ``--e2e-tokens`` tokens (64); most rows run the
-  full 64 here, so a static batch seldom waits long on one row (continuous batching's bound is the ratio of
-  rounds, ~1.16x);
+  full 64 here, so a static batch seldom waits long on one row (static batches run ~1.16x the rounds of
+  continuous batching, and their narrow rounds cost less);
 - ``budgets``: each prompt its own ``max_new_tokens`` (vLLM's per-request ``max_tokens``), drawn once from
   8..128 (seeded; 2..8 in the CI run), no stop string: a static batch runs until its largest budget.
 

@@ -16,8 +16,9 @@
  * (dynamic schedule). The online softmax runs the tile's rows side by side: their new maxima and rescale
  * factors as one vector (exp_ps; a libm expf call per row spilled the 16 score registers around it), and
  * each row's sum kept lane-wise until the end: 1.14-1.24x over per-row expf and sums (100-2,600 tokens of
- * the demo's heads, 300 of SmolLM2's; one thread, 2026-12-06, Xeon). Not row-invariant (the rounding depends on the tile a row falls in, as SDPA's
- * does): prompts only; decode rounds and deterministic mode keep attention.c.
+ * the demo's heads, 300 of SmolLM2's; one thread, 2026-12-06, Xeon). Not row-invariant (the rounding
+ * depends on the tile a row falls in, as SDPA's does): prompts only; decode rounds and deterministic mode
+ * keep attention.c.
  */
 #include <immintrin.h>
 #include <math.h>
