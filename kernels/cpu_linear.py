@@ -277,6 +277,7 @@ def native_op() -> str | None:
         torch.library.register_fake("tritonspec_cpu::tree_attention")(_fake_attention)
         torch.library.register_fake("tritonspec_cpu::rms_norm")(_fake_norm)
         torch.library.register_fake("tritonspec_cpu::aux_gather")(_fake_aux_gather)
+        torch.library.register_fake("tritonspec_cpu::silu_mul")(_fake_silu_mul)
     except (CpuLinearUnavailable, OSError, RuntimeError) as e:
         return str(e)
     return None
@@ -371,6 +372,10 @@ def _fake_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len, 
 
 def _fake_aux_gather(aux, index, weight, eps):
     return aux.new_empty((index.shape[0], aux.shape[1]))
+
+
+def _fake_silu_mul(x, threads=-1):
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
 
 
 def _fake_norm(x, weight, eps, residual=None, threads=-1):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .aux_gather import aux_gather
+from .cpu_norm import silu_mul_reference
 from .cpu_rope import rope_reference
 from .kv_compact import kv_compact
 from .kv_write import kv_write
@@ -47,6 +48,7 @@ class TritonOps:
     aux_gather = staticmethod(aux_gather)  # (aux, index, fc_norm_weight, eps)
     kv_write = staticmethod(kv_write)  # (k_cache, v_cache, slots, k, v)
     rope = staticmethod(rope_reference)  # (x, cos, sin): elementwise, fused by the compiler where captured
+    silu_mul = staticmethod(silu_mul_reference)  # (gate_up): PyTorch's F.silu(g) * u, as before the op existed
     tree_attention = staticmethod(tree_attention)  # (q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None)
     prefill_attention = staticmethod(prefill_attention)  # (q, k, v, scale): PyTorch causal SDPA, not a decode op
     verify_greedy = staticmethod(verify_greedy)  # (tokens, parents, target_argmax, max_depth)

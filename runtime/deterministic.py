@@ -57,10 +57,11 @@ Why the default mode is not row-invariant, and what this module does about it, o
 * **RMSNorm** runs ``kernels.cpu_norm`` where the CPU kernels run (one fixed order per row).
   Elsewhere it is a per-row reduction whose probe found it row-invariant at any count here
   (otherwise it is padded like ``linear``). The Triton kernel is row-invariant by design.
-* **Elementwise ops outside the op layer** (``F.silu`` in the MLP): vectorised CPU kernels
-  compute a tensor's last ``n mod 32`` elements in a scalar tail that may round differently, so
-  ``linear`` returns rows at a stride padded to a multiple of ``ALIGN`` when N is not one: every
-  row is then processed alike. Intra-op threads split large tensors at size-dependent points, so
+* **SwiGLU's product** (``ops.silu_mul``): the CPU operator (``kernels.cpu_norm.silu_mul``) runs every
+  element by one instruction sequence. Where PyTorch's ``F.silu`` runs instead (the ``cpu_linear="torch"``
+  switch), its vectorised CPU kernels compute a tensor's last ``n mod 32`` elements in a scalar tail that
+  may round differently, so ``linear`` returns rows at a stride padded to a multiple of ``ALIGN`` when N
+  is not one: every row is then processed alike. Intra-op threads split large tensors at size-dependent points, so
   the runtime runs the forwards with one thread on a CPU (``DeterministicOps.threads``); the CPU
   kernels keep the caller's thread count (their results do not depend on it).
 * **Sampling** (temperature > 0): the token at absolute position t of a request is the

@@ -69,6 +69,13 @@ class Ops(Protocol):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """RMSNorm of the last axis; with ``residual``, ``(norm(x + residual), x + residual)``."""
 
+    def silu_mul(
+        self,
+        gate_up: torch.Tensor,  # [..., 2 * I]: gate columns, then up columns
+    ) -> torch.Tensor:  # [..., I]
+        """SwiGLU's ``silu(gate) * up`` (``kernels.cpu_norm.silu_mul_reference``), elementwise: each row's values
+        independent of the others."""
+
     def aux_gather(
         self,
         aux: torch.Tensor,  # [n_src, n_aux*H]
@@ -209,6 +216,15 @@ class TorchOps:
             if out is not None:
                 return out
         return rms_norm_reference(x, weight, eps, residual)
+
+    def silu_mul(self, gate_up):
+        """``kernels.cpu_norm.silu_mul_reference``; on the CPU, ``kernels.cpu_norm.silu_mul`` where the CPU kernels
+        run (the ``cpu_linear`` switch): one native pass instead of two PyTorch ops over strided halves."""
+        if gate_up.is_cpu and self._cpu_kernel(gate_up.dtype):
+            out = _cpu_norm.silu_mul(gate_up)
+            if out is not None:
+                return out
+        return _cpu_norm.silu_mul_reference(gate_up)
 
     def aux_gather(self, aux, index, fc_norm_weight, eps):
         """``kernels.aux_gather.aux_gather_reference``; on the CPU, ``kernels.cpu_norm.aux_gather`` where the CPU

@@ -553,8 +553,7 @@ class TargetModel:
                 a = ops.tree_attention(q, kc, vc, meta.prefix_lens, meta.tree_mask, scale, meta.kv_len)
             a = ops.linear(a.reshape(B, Q, self.num_heads * self.head_dim), L.wo, L.bo)
             x, h = ops.rms_norm(a, L.ln2, self.eps, residual=h)
-            gate, up = ops.linear(x, L.gate_up).chunk(2, dim=-1)
-            h = h + ops.linear(F.silu(gate) * up, L.down)
+            h = h + ops.linear(ops.silu_mul(ops.linear(x, L.gate_up)), L.down)
             if i + 1 in aux_ids:
                 captured[i + 1] = h
         aux = torch.cat([captured[b] for b in aux_ids], dim=-1) if aux_ids else None

@@ -42,7 +42,15 @@ def test_triton_ops_has_every_torch_op():
 
 def test_ops_protocol_lists_every_backend_op():
     protocol = _ops(Ops)
-    assert protocol == set(OPS) | {"begin_forward", "prefill_attention", "verify_chain", "linear", "rope", "argmax"}
+    assert protocol == set(OPS) | {
+        "begin_forward",
+        "prefill_attention",
+        "verify_chain",
+        "linear",
+        "rope",
+        "argmax",
+        "silu_mul",
+    }
     assert _ops(TorchOps) == protocol  # no op a backend has that the protocol does not document
 
 

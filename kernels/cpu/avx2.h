@@ -60,10 +60,12 @@ TS_INLINE __m256i ts_mask8(unsigned m) {
 TS_BINARY(ts_add_ps, _mm256_add_ps)
 TS_BINARY(ts_sub_ps, _mm256_sub_ps)
 TS_BINARY(ts_mul_ps, _mm256_mul_ps)
+TS_BINARY(ts_div_ps, _mm256_div_ps)
 TS_BINARY(ts_max_ps, _mm256_max_ps)
 #define _mm512_add_ps ts_add_ps
 #define _mm512_sub_ps ts_sub_ps
 #define _mm512_mul_ps ts_mul_ps
+#define _mm512_div_ps ts_div_ps
 #define _mm512_max_ps ts_max_ps
 
 TS_INLINE __m512 ts_fmadd_ps(__m512 a, __m512 b, __m512 c) {

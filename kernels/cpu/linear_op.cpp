@@ -1,5 +1,5 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
-// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .aux_gather, .drafter_step,
+// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .aux_gather, .silu_mul, .drafter_step,
 // .draft_chain, .draft_tree, .catch_up and .commit_history: the kernels of linear.c, attention.c,
 // norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
@@ -76,6 +76,8 @@ void tritonspec_verify_chain(const int64_t*, const float*, const float*, const f
                              int64_t, int64_t*, int64_t*, int64_t*);
 void tritonspec_rms_norm_bf16(const uint16_t*, int64_t, const uint16_t*, int64_t, const uint16_t*, int64_t, int64_t,
                               float, uint16_t*, uint16_t*, int);
+void tritonspec_silu_mul_f32(const float*, int64_t, int64_t, int64_t, float*, int);
+void tritonspec_silu_mul_bf16(const uint16_t*, int64_t, int64_t, int64_t, uint16_t*, int);
 }
 
 namespace {
@@ -226,6 +228,31 @@ std::tuple<at::Tensor, at::Tensor> rms_norm(const at::Tensor& x, const at::Tenso
                              float(eps), m16(y), r ? m16(s) : nullptr, nt);
   }
   return {y, s};
+}
+
+// norm.c: SwiGLU's gate product silu(gate) * up of x = [gate | up] along the last dim (x [..., 2I], unit stride
+// along it) -> [..., I] contiguous (kernels/cpu_norm.py silu_mul).
+at::Tensor silu_mul(const at::Tensor& x, int64_t threads) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "tritonspec_cpu::silu_mul takes float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0 && x.stride(-1) == 1,
+              "tritonspec_cpu::silu_mul: x must be [..., 2 * I] with unit stride along its last dim");
+  const int64_t I = x.size(-1) / 2;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = I;
+  at::Tensor y = at::empty(shape, x.options());
+  const int64_t M = I ? y.numel() / I : 0;
+  if (M == 0) return y;
+  at::Tensor xc = x.reshape({M, 2 * I});
+  if (xc.stride(1) != 1) xc = xc.contiguous();
+  const int nt = threads > 0 ? int(threads) : at::get_num_threads();
+  if (x.scalar_type() == at::kFloat) {
+    tritonspec_silu_mul_f32(xc.const_data_ptr<float>(), xc.stride(0), M, I, y.mutable_data_ptr<float>(), nt);
+  } else {
+    tritonspec_silu_mul_bf16(reinterpret_cast<const uint16_t*>(xc.const_data_ptr<c10::BFloat16>()), xc.stride(0), M,
+                             I, reinterpret_cast<uint16_t*>(y.mutable_data_ptr<c10::BFloat16>()), nt);
+  }
+  return y;
 }
 
 // EAGLE-3.1's fc_norm gather (kernels/aux_gather.py): out[i] = the n_aux H-wide chunks of aux[index[i]], chunk c
@@ -1019,6 +1046,7 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
   m.def("row_hash(Tensor key, Tensor counter, int n, int vocab) -> Tensor");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("aux_gather(Tensor aux, Tensor index, Tensor? weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor x, int threads=-1) -> Tensor");
   m.def("catch_up(Tensor aux, Tensor nodes, Tensor emitted, Tensor num, Tensor active, Tensor L, int N, int qc, "
         "Tensor fc, Tensor? fc_norm, Tensor? fc_in_norm, Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, "
         "Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, Tensor final_norm, Tensor cos, Tensor sin, "
@@ -1062,6 +1090,7 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("row_hash", &row_hash);
   m.impl("argmax", &argmax);
   m.impl("aux_gather", &aux_gather);
+  m.impl("silu_mul", &silu_mul);
   m.impl("catch_up", &catch_up);
   m.impl("draft_tree", &draft_tree);
   m.impl("commit_history", &commit_history);
