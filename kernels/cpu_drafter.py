@@ -45,6 +45,8 @@ then runs the Python step. The reference is that Python step (``Eagle3Drafter.st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import cpu_linear as _lib
@@ -54,25 +56,54 @@ from .cpu_rope import _tracing
 _PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
+@dataclass(frozen=True, eq=False)
+class DrafterLayer:
+    """The drafter's weights and constants every operator here takes, gathered once a round
+    (``Eagle3Drafter._native_layer``)."""
+
+    embed: torch.Tensor  # [V, H] the embedding table
+    norms: tuple[torch.Tensor, ...]  # input_layernorm, hidden_norm, post_attention_layernorm, norm: [H] each
+    packed: dict[str, torch.Tensor]  # Eagle3Drafter._cpu_weights: "qkv", "o", "gate_up", "down" (+ "head", "fc")
+    cos: torch.Tensor  # [max_pos, D] rope tables
+    sin: torch.Tensor  # [max_pos, D]
+    eps: float
+    scale: float  # the attention scale
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    norm_before_residual: bool
+    norm_output: bool
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The layer's tensors in the order every operator takes them: the embedding, the input and hidden norms,
+        the q/k/v and output projections, the post-attention norm, gate/up and down, the final norm, the rope
+        tables."""
+        n_in, n_hid, n_post, n_out = self.norms
+        p = self.packed
+        return self.embed, n_in, n_hid, p["qkv"], p["o"], n_post, p["gate_up"], p["down"], n_out, self.cos, self.sin
+
+    def scalars(self, kv_len: int | None) -> tuple[float, float, int]:
+        """eps, the attention scale and the attention bound (-1: the whole cache) as the operators take them."""
+        return float(self.eps), float(self.scale), -1 if kv_len is None else int(kv_len)
+
+    def heads(self) -> tuple[int, int, int]:
+        return self.num_heads, self.num_kv_heads, self.head_dim
+
+
 def supported(
     hidden: torch.Tensor,  # [B, Q, H]
     tokens: torch.Tensor,  # [B, Q]
     positions: torch.Tensor,  # [B, Q] (the Python step would broadcast other shapes)
-    packed: dict[str, torch.Tensor],  # Eagle3Drafter._cpu_weights: "qkv", "o", "gate_up", "down" [N/16, K, 16]
-    norms: tuple[torch.Tensor, ...],  # [H] each
+    layer: DrafterLayer,
     k_cache: torch.Tensor,  # [B_max, S, Hkv, D]
     v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
     slots: torch.Tensor,  # [B, Q] int64
     prefix_lens: torch.Tensor,  # [B] int64
     tree_mask: torch.Tensor,  # [B, Q, T] bool
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
 ) -> bool:
     """Whether the operator takes these tensors with the results of the Python step (the checks each
     kernel's Python launcher makes before it runs the kernel instead of a reference)."""
-    heads = (num_heads, num_kv_heads, head_dim)
-    if hidden.dim() != 3 or not _weights_ok(hidden, packed, norms, k_cache, v_cache, prefix_lens, *heads):
+    if hidden.dim() != 3 or not _weights_ok(hidden, layer, k_cache, v_cache, prefix_lens):
         return False
     return (
         slots.dtype == torch.int64
@@ -87,111 +118,79 @@ def supported(
 
 def _weights_ok(
     x: torch.Tensor,  # [B, ...] the step's input: its dtype and row count
-    packed: dict[str, torch.Tensor],
-    norms: tuple[torch.Tensor, ...],
+    layer: DrafterLayer,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     prefix_lens: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
 ) -> bool:
     """``supported``'s checks that do not depend on one step's tokens, positions, slots and mask: the dtypes,
     the packed projections, the norms, the head shapes, the caches' layout, ``prefix_lens``, autograd off."""
     dt = x.dtype
     if dt not in _lib.DTYPES or k_cache.dtype != dt or v_cache.dtype != dt:
         return False
-    if any(packed[n].dim() != 3 or not _lib.dtypes_match(x, packed[n]) for n in _PROJECTIONS):
+    if any(layer.packed[n].dim() != 3 or not _lib.dtypes_match(x, layer.packed[n]) for n in _PROJECTIONS):
         return False  # panels of the drafter's dtype, or weight-only bfloat16 ones
-    if any(w.dtype != dt or w.dim() != 1 or not w.is_contiguous() for w in norms):
+    if any(w.dtype != dt or w.dim() != 1 or not w.is_contiguous() for w in layer.norms):
         return False
-    d = head_dim
-    if num_kv_heads <= 0 or num_heads % num_kv_heads or num_heads // num_kv_heads > MAX_GROUP or d > MAX_HEAD_DIM:
+    hq, hkv, d = layer.heads()
+    if hkv <= 0 or hq % hkv or hq // hkv > MAX_GROUP or d > MAX_HEAD_DIM:
         return False
-    if d % 2 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (num_kv_heads, d):
+    if d % 2 or k_cache.dim() != 4 or v_cache.shape != k_cache.shape or k_cache.shape[2:] != (hkv, d):
         return False
     if any(c.stride(3) != 1 or c.stride(2) != d for c in (k_cache, v_cache)) or k_cache.shape[0] < x.shape[0]:
         return False
     return prefix_lens.dtype == torch.int64 and prefix_lens.is_contiguous() and not torch.is_grad_enabled()
 
 
-def _layer(
-    embed: torch.Tensor,  # [V, H]
-    norms: tuple[torch.Tensor, ...],  # input_layernorm, hidden_norm, post_attention_layernorm, norm
-    packed: dict[str, torch.Tensor],  # the panels of "qkv", "o", "gate_up", "down"
-    cos: torch.Tensor,  # [max_pos, D]
-    sin: torch.Tensor,  # [max_pos, D]
-) -> tuple[torch.Tensor, ...]:
-    """The drafter layer's tensors in the order every operator here takes them: the embedding, the input and
-    hidden norms, the q/k/v and output projections, the post-attention norm, gate/up and down, the final norm,
-    the rope tables."""
-    n_in, n_hid, n_post, n_out = norms
-    return embed, n_in, n_hid, packed["qkv"], packed["o"], n_post, packed["gate_up"], packed["down"], n_out, cos, sin
-
-
-def _scalars(eps: float, scale: float, kv_len: int | None) -> tuple[float, float, int]:
-    """eps, the attention scale and the attention bound (-1: the whole cache) as the operators take them."""
-    return float(eps), float(scale), -1 if kv_len is None else int(kv_len)
-
-
 def drafter_step(
     hidden: torch.Tensor,  # [B, Q, H] fused target features or the previous step's carry
     tokens: torch.Tensor,  # [B, Q] int64 target ids
-    embed: torch.Tensor,  # [V, H] the embedding table
-    norms: tuple[torch.Tensor, ...],  # input_layernorm, hidden_norm, post_attention_layernorm, norm: [H] each
-    packed: dict[str, torch.Tensor],  # the panels of "qkv", "o", "gate_up", "down"
-    cos: torch.Tensor,  # [max_pos, D] rope table
-    sin: torch.Tensor,  # [max_pos, D]
+    layer: DrafterLayer,
     positions: torch.Tensor,  # [B, Q] int64
     slots: torch.Tensor,  # [B, Q] int64, -1 = the trash slot
     k_cache: torch.Tensor,  # [B_max, S, Hkv, D], written at slots
     v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
     prefix_lens: torch.Tensor,  # [B] int64
     tree_mask: torch.Tensor,  # [B, Q, T] bool
-    eps: float,
-    scale: float,
     kv_len: int | None,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    norm_before_residual: bool,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (hn, h) [B, Q, H] each, or None: run the Python step
     """The step as one native call where ``supported`` holds and the operator loaded (eager calls only),
     else None."""
     if _tracing(hidden) or not _lib._native_ready():
         return None
-    heads = (num_heads, num_kv_heads, head_dim)
-    tensors = (hidden, tokens, positions, packed, norms, k_cache, v_cache, slots, prefix_lens, tree_mask)
-    if not supported(*tensors, *heads):
+    if not supported(hidden, tokens, positions, layer, k_cache, v_cache, slots, prefix_lens, tree_mask):
         return None
     return torch.ops.tritonspec_cpu.drafter_step(
-        hidden, tokens, *_layer(embed, norms, packed, cos, sin), positions, slots, k_cache, v_cache, prefix_lens,
-        tree_mask, *_scalars(eps, scale, kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual,
+        hidden, tokens, *layer.tensors(), positions, slots, k_cache, v_cache, prefix_lens, tree_mask,
+        *layer.scalars(kv_len), *layer.heads(), layer.norm_before_residual,
     )  # fmt: skip
+
+
+def _drafting_ok(hn: torch.Tensor, carry: torch.Tensor, layer: DrafterLayer, d2t: torch.Tensor, prefix_lens,
+                 active: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:  # fmt: skip
+    """``draft_chain``'s and ``draft_tree``'s checks: eager, the operator loaded, ``[B, H]`` states, the head
+    packed, the ids and row flags typed, and ``_weights_ok``."""
+    if _tracing(hn) or not _lib._native_ready() or hn.dim() != 2 or carry.shape != hn.shape:
+        return False
+    head = layer.packed.get("head")
+    if head is None or head.dim() != 3 or not _lib.dtypes_match(hn, head):
+        return False
+    if d2t.dtype != torch.int64 or active.dtype != torch.bool or active.shape != prefix_lens.shape:
+        return False
+    # each step's tokens, positions, slots and mask are built by the operator in the shapes supported() wants
+    return _weights_ok(hn, layer, k_cache, v_cache, prefix_lens)
 
 
 def draft_chain(
     hn: torch.Tensor,  # [B, H] the last catch-up state's normed hidden (depth 1's logits)
     carry: torch.Tensor,  # [B, H] its carried state (the first step's hidden)
-    head: torch.Tensor,  # the draft head packed into panels [Vd/16, H, 16]
+    layer: DrafterLayer,  # with the draft head packed into panels (packed["head"], [Vd/16, H, 16])
     d2t: torch.Tensor,  # [Vd] int64: target id - draft id
     prefix_lens: torch.Tensor,  # [B] int64 (L)
     active: torch.Tensor,  # [B] bool: rows that write K/V
-    embed: torch.Tensor,  # [V, H]
-    norms: tuple[torch.Tensor, ...],  # as drafter_step's
-    packed: dict[str, torch.Tensor],  # as drafter_step's
-    cos: torch.Tensor,  # [max_pos, D]
-    sin: torch.Tensor,  # [max_pos, D]
     k_cache: torch.Tensor,  # [B_max, S, Hkv, D]
     v_cache: torch.Tensor,  # [B_max, S, Hkv, D]
-    eps: float,
-    scale: float,
     kv_len: int | None,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    norm_before_residual: bool,
-    norm_output: bool,
     n: int,
 ) -> torch.Tensor | None:  # [B, n] int64 target ids, or None: run the Python loop
     """The greedy top-1 chain of ``n`` draft tokens as one native call (``tritonspec_cpu::draft_chain``):
@@ -201,18 +200,11 @@ def draft_chain(
     ``Decoder.draft_chain`` makes with the tree's top-1 pick, in the same order, so the same tokens. None
     where ``drafter_step`` would decline (``supported``'s checks of the weights, caches and heads), the head is
     not packed, or the call is traced."""
-    if _tracing(hn) or not _lib._native_ready() or hn.dim() != 2:
-        return None
-    if head.dim() != 3 or not _lib.dtypes_match(hn, head) or carry.shape != hn.shape:
-        return None
-    if d2t.dtype != torch.int64 or active.dtype != torch.bool or active.shape != prefix_lens.shape:
-        return None
-    # each step's tokens, positions, slots and mask are built by the operator in the shapes supported() wants
-    if not _weights_ok(hn, packed, norms, k_cache, v_cache, prefix_lens, num_heads, num_kv_heads, head_dim):
+    if not _drafting_ok(hn, carry, layer, d2t, prefix_lens, active, k_cache, v_cache):
         return None
     return torch.ops.tritonspec_cpu.draft_chain(
-        hn, carry, head, d2t, prefix_lens, active, *_layer(embed, norms, packed, cos, sin), k_cache, v_cache,
-        *_scalars(eps, scale, kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual, norm_output, int(n),
+        hn, carry, layer.packed["head"], d2t, prefix_lens, active, *layer.tensors(), k_cache, v_cache,
+        *layer.scalars(kv_len), *layer.heads(), layer.norm_before_residual, layer.norm_output, int(n),
     )  # fmt: skip
 
 
@@ -225,67 +217,42 @@ def catch_up(
     prefix_lens: torch.Tensor,  # [B] int64 (L before the commit)
     N: int,  # tree nodes per row
     qc: int,  # columns re-encoded: > 0 that many, else up to the longest accepted path
-    fc: torch.Tensor,  # the fc projection packed into panels
+    layer: DrafterLayer,  # with the fc projection packed into panels (packed["fc"])
     fc_norm: torch.Tensor | None,  # [n_aux, H_t] (EAGLE-3.1's fc_norm) or None
     fc_in_norm: torch.Tensor | None,  # [n_aux * H_t] (norm_before_fc) or None
-    embed: torch.Tensor,
-    norms: tuple[torch.Tensor, ...],  # as drafter_step's
-    packed: dict[str, torch.Tensor],  # as drafter_step's
-    cos: torch.Tensor,
-    sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     hn_out: torch.Tensor,  # [B, H] written: each row's hn at its last accepted position
     carry_out: torch.Tensor,  # [B, H] written: its carried state
-    eps: float,
-    scale: float,
     kv_len: int | None,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    norm_before_residual: bool,
-    norm_output: bool,
 ) -> bool:  # False: nothing written, run the Python catch-up
     """``Decoder._catch_up`` of a decode round as one native call (``tritonspec_cpu::catch_up``): the path's
     features gathered and fused (``Eagle3Drafter.combine``), one drafter step over them and each row's state at
     its last accepted position, from C++ on raw buffers (float32 activations): the calls the Python catch-up
     makes, so the same bits (``tests/test_cpu_drafter.py``). Demo pair, one thread: a round's catch-up
     ~0.26 -> ~0.19 ms with its Python around it."""
-    if _tracing(aux) or not _lib._native_ready():
+    if _tracing(aux) or not _lib._native_ready() or "fc" not in layer.packed:
         return False
-    if not _weights_ok(aux.view(nodes.shape[0], -1), packed, norms, k_cache, v_cache, prefix_lens, num_heads,
-                       num_kv_heads, head_dim):  # fmt: skip
+    if not _weights_ok(aux.view(nodes.shape[0], -1), layer, k_cache, v_cache, prefix_lens):
         return False
     return torch.ops.tritonspec_cpu.catch_up(
-        aux, nodes, emitted, num, active, prefix_lens, int(N), int(qc), fc, fc_norm, fc_in_norm,
-        *_layer(embed, norms, packed, cos, sin), k_cache, v_cache, hn_out, carry_out, *_scalars(eps, scale, kv_len),
-        num_heads, num_kv_heads, head_dim, norm_before_residual, norm_output,
+        aux, nodes, emitted, num, active, prefix_lens, int(N), int(qc), layer.packed["fc"], fc_norm, fc_in_norm,
+        *layer.tensors(), k_cache, v_cache, hn_out, carry_out, *layer.scalars(kv_len), *layer.heads(),
+        layer.norm_before_residual, layer.norm_output,
     )  # fmt: skip
 
 
 def draft_tree(
     hn: torch.Tensor,  # [B, H] the last catch-up state's normed hidden
     carry: torch.Tensor,  # [B, H] its carried state
-    head: torch.Tensor,  # the draft head packed into panels
+    layer: DrafterLayer,  # with the draft head packed into panels (packed["head"])
     d2t: torch.Tensor,  # [Vd] int64
     prefix_lens: torch.Tensor,  # [B] int64 (L)
     active: torch.Tensor,  # [B] bool
     root: torch.Tensor,  # [B] int64: each row's root token
-    embed: torch.Tensor,
-    norms: tuple[torch.Tensor, ...],
-    packed: dict[str, torch.Tensor],
-    cos: torch.Tensor,
-    sin: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    eps: float,
-    scale: float,
     kv_len: int | None,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    norm_before_residual: bool,
-    norm_output: bool,
     K: int,
     D: int,
     N: int,
@@ -295,13 +262,10 @@ def draft_tree(
     ``topk`` of the head, cumulative scores, the stable sort that picks the next frontier; then the rerank and
     ``build_tree``. The Python expansion's calls on the same values, so the same tree (``tests/test_cpu_drafter.py``).
     None where the operator declines (not float32, weights not packed) or the call is traced."""
-    if _tracing(hn) or not _lib._native_ready() or hn.dim() != 2 or head.dim() != 3:
-        return None
-    if not _weights_ok(hn, packed, norms, k_cache, v_cache, prefix_lens, num_heads, num_kv_heads, head_dim):
+    if not _drafting_ok(hn, carry, layer, d2t, prefix_lens, active, k_cache, v_cache):
         return None
     out = torch.ops.tritonspec_cpu.draft_tree(
-        hn, carry, head, d2t, prefix_lens, active, root, *_layer(embed, norms, packed, cos, sin), k_cache, v_cache,
-        *_scalars(eps, scale, kv_len), num_heads, num_kv_heads, head_dim, norm_before_residual, norm_output, int(K),
-        int(D), int(N),
+        hn, carry, layer.packed["head"], d2t, prefix_lens, active, root, *layer.tensors(), k_cache, v_cache,
+        *layer.scalars(kv_len), *layer.heads(), layer.norm_before_residual, layer.norm_output, int(K), int(D), int(N),
     )  # fmt: skip
     return None if out[0].numel() == 0 else out

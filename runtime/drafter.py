@@ -25,7 +25,6 @@ import math
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -337,8 +336,8 @@ class Eagle3Drafter(nn.Module):
 
     def _memo(self, key: str, make: Callable[[], Any]) -> Any:
         """``make()``, kept for the rest of the round inside ``packed_for_round`` (autograd off): the native
-        operators' arguments (``_native_args``, asked for by the draft and the catch-up) walk the module. Outside
-        a round, or with autograd on (training), made at every call."""
+        operators' arguments (``_native_layer``, asked for by the steps, the draft and the catch-up) walk the
+        module. Outside a round, or with autograd on (training), made at every call."""
         memo = self._round_memo
         if memo is None or torch.is_grad_enabled():
             return make()
@@ -416,11 +415,9 @@ class Eagle3Drafter(nn.Module):
         ops.begin_forward()
         packed = self._cpu_weights(ops, meta.prefill)
         if packed is not None and self.native_step and not meta.prefill and type(ops) is TorchOps:
-            a = self._native_args()
             out = cpu_drafter.drafter_step(
-                hidden, tokens, a.embed, a.norms, packed, a.cos, a.sin, meta.positions, meta.slots, cache.k,
-                cache.v, meta.prefix_lens, meta.tree_mask, a.eps, a.scale, meta.kv_len, *a.heads,
-                c.norm_before_residual,
+                hidden, tokens, self._native_layer(packed), meta.positions, meta.slots, cache.k, cache.v,
+                meta.prefix_lens, meta.tree_mask, meta.kv_len,
             )  # fmt: skip
             if out is not None:
                 hn, h = out
@@ -480,14 +477,10 @@ class Eagle3Drafter(nn.Module):
         the tokens ``Decoder.draft_chain`` picks with the tree's top-1 (greedy log q, ``topk``), bit for bit.
         None where a decode step would not run natively (``step``: packed CPU weights, ``native_step``, the
         torch backend) or the operator declines; the caller then runs its Python loop."""
-        got = self._native_ready(ops)
-        if got is None:
+        layer = self._native_ready(ops)
+        if layer is None:
             return None
-        (packed, a), c = got, self.config
-        return cpu_drafter.draft_chain(
-            hn, carry, packed["head"], self.d2t, prefix_lens, active, a.embed, a.norms, packed, a.cos, a.sin,
-            cache.k, cache.v, a.eps, a.scale, kv_len, *a.heads, c.norm_before_residual, c.norm_output, n,
-        )  # fmt: skip
+        return cpu_drafter.draft_chain(hn, carry, layer, self.d2t, prefix_lens, active, cache.k, cache.v, kv_len, n)
 
     def native_tree(
         self,
@@ -506,14 +499,12 @@ class Eagle3Drafter(nn.Module):
         """The greedy EAGLE-2 tree of ``top_k = K > 1`` as one native operator (``kernels.cpu_drafter.draft_tree``):
         the tree ``Decoder.draft`` expands in Python, the same one. None where a decode step would not run
         natively (``native_chain``'s conditions) or the operator declines."""
-        got = self._native_ready(ops)
-        if got is None:
+        layer = self._native_ready(ops)
+        if layer is None:
             return None
-        (packed, a), c = got, self.config
         return cpu_drafter.draft_tree(
-            hn, carry, packed["head"], self.d2t, prefix_lens, active, root, a.embed, a.norms, packed, a.cos, a.sin,
-            cache.k, cache.v, a.eps, a.scale, kv_len, *a.heads, c.norm_before_residual, c.norm_output, K, D, N,
-        )  # fmt: skip
+            hn, carry, layer, self.d2t, prefix_lens, active, root, cache.k, cache.v, kv_len, K, D, N
+        )
 
     def native_catch_up(
         self,
@@ -535,39 +526,38 @@ class Eagle3Drafter(nn.Module):
         each row's state at its last position written to ``hn_out``/``carry_out``) as one native operator
         (``kernels.cpu_drafter.catch_up``), the same bits. False where ``step`` would not run natively or the
         operator declines: the caller then runs the Python catch-up."""
-        got = self._native_ready(ops)
-        if got is None or "fc" not in got[0]:
+        layer = self._native_ready(ops)
+        if layer is None:
             return False
-        (packed, a), c = got, self.config
-        fc_in = self.input_norm.weight if c.norm_before_fc else None
+        fc_in = self.input_norm.weight if self.config.norm_before_fc else None
         return cpu_drafter.catch_up(
-            aux, nodes, emitted, num, active, prefix_lens, N, qc, packed["fc"], self.fc_norm_weight(), fc_in, a.embed,
-            a.norms, packed, a.cos, a.sin, cache.k, cache.v, hn_out, carry_out, a.eps, a.scale, kv_len, *a.heads,
-            c.norm_before_residual, c.norm_output,
+            aux, nodes, emitted, num, active, prefix_lens, N, qc, layer, self.fc_norm_weight(), fc_in, cache.k,
+            cache.v, hn_out, carry_out, kv_len,
         )  # fmt: skip
 
-    def _native_ready(self, ops: Any) -> tuple[dict[str, torch.Tensor], SimpleNamespace] | None:
-        """``(packed weights, _native_args)`` where the native drafter operators may run (``native_chain``,
-        ``native_tree``, ``native_catch_up``): packed CPU weights, ``native_step``, the torch backend itself (not
-        a subclass that changes ops), an attached embedding; else None."""
+    def _native_ready(self, ops: Any) -> cpu_drafter.DrafterLayer | None:
+        """``_native_layer`` where the native drafter operators may run (``native_chain``, ``native_tree``,
+        ``native_catch_up``): packed CPU weights, ``native_step``, the torch backend itself (not a subclass that
+        changes ops), an attached embedding; else None."""
         packed = self._cpu_weights(ops)
         if packed is None or not self.native_step or type(ops) is not TorchOps or self.embed_tokens is None:
             return None
-        return packed, self._native_args()
+        return self._native_layer(packed)
 
-    def _native_args(self) -> SimpleNamespace:
-        """The drafter's part of the native operators' arguments (``step``'s ``drafter_step``, ``native_chain``'s
-        ``draft_chain``): the embedding, the four norms' weights, the rope tables, eps, the attention scale and
-        the head counts."""
-        return self._memo("native_args", self._make_native_args)
+    def _native_layer(self, packed: dict[str, torch.Tensor]) -> cpu_drafter.DrafterLayer:
+        """The native operators' drafter arguments (``kernels.cpu_drafter.DrafterLayer``): ``packed`` with the
+        embedding, the four norms' weights, the rope tables, eps, the attention scale, the head counts and the
+        two residual switches; kept for the round (``_memo``) while ``packed`` is the same object."""
+        got = self._memo("native_layer", lambda: self._make_native_layer(packed))
+        return got if got.packed is packed else self._make_native_layer(packed)
 
-    def _make_native_args(self) -> SimpleNamespace:
+    def _make_native_layer(self, packed: dict[str, torch.Tensor]) -> cpu_drafter.DrafterLayer:
         c, m = self.config, self.midlayer
         rope = self.rope()
         norms = (m.input_layernorm.weight, m.hidden_norm.weight, m.post_attention_layernorm.weight, self.norm.weight)
-        return SimpleNamespace(
-            embed=self.embed_tokens.weight, norms=norms, cos=rope.cos, sin=rope.sin, eps=c.rms_norm_eps,
-            scale=c.head_dim**-0.5, heads=(c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+        return cpu_drafter.DrafterLayer(
+            self.embed_tokens.weight, norms, packed, rope.cos, rope.sin, c.rms_norm_eps, c.head_dim**-0.5,
+            c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.norm_before_residual, c.norm_output,
         )  # fmt: skip
 
     def logits(self, hn: torch.Tensor, ops: Any = None) -> torch.Tensor:

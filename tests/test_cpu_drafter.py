@@ -170,10 +170,12 @@ def test_declines_what_the_python_step_runs_otherwise():
     rope = d.rope()
 
     def call(h=hidden, p=packed):
+        layer = cpu_drafter.DrafterLayer(d.embed_tokens.weight, norms, p, rope.cos, rope.sin, 1e-6, 0.25, 4, 2, 16,
+                                         False, False)  # fmt: skip
         with torch.inference_mode():
             return cpu_drafter.drafter_step(
-                h, tokens, d.embed_tokens.weight, norms, p, rope.cos, rope.sin, meta.positions, meta.slots,
-                cache.k.clone(), cache.v.clone(), meta.prefix_lens, meta.tree_mask, 1e-6, 0.25, None, 4, 2, 16, False,
+                h, tokens, layer, meta.positions, meta.slots, cache.k.clone(), cache.v.clone(), meta.prefix_lens,
+                meta.tree_mask, None,
             )  # fmt: skip
 
     assert call() is not None
