@@ -287,8 +287,13 @@ _native_libs: list[ctypes.CDLL] = []  # the native operator's library once loade
 
 
 # the C knobs (set one, return the previous) and path counters both copies of the kernels export
-KNOBS = ("tritonspec_panels_wide_rows", "tritonspec_panels_tall_rows", "tritonspec_attention_kt")
-COUNTERS = ("tritonspec_panels_tall_calls", "tritonspec_attention_kt_blocks")
+KNOBS = (
+    "tritonspec_panels_wide_rows",
+    "tritonspec_panels_tall_rows",
+    "tritonspec_attention_kt",
+    "tritonspec_prefill_amx",
+)
+COUNTERS = ("tritonspec_panels_tall_calls", "tritonspec_attention_kt_blocks", "tritonspec_prefill_amx_calls")
 
 
 def _knob_types(lib: ctypes.CDLL) -> None:

@@ -5,10 +5,19 @@ Math, for ``q [B, P, Hq, D]`` and ``k, v [B, P, Hkv, D]`` (an empty prefix, G = 
     out[b, i, h] = sum_{j <= i} softmax_j(scale * q[b, i, h] . k[b, j, h // G]) v[b, j, h // G]
 
 computed in float32 by ``kernels/cpu/prefill.c`` (tiles of 8 query rows x 32-key blocks up to the tile's
-last row, outer products, an online softmax). Why: PyTorch's CPU flash attention pays for the whole
-square below 512 tokens (its key blocks are 512 long), and prefill attention was 37 % of the demo
-target's prefill on one Zen 4 core (``perf/CPU_DECODE.md``). Not row-invariant (neither is SDPA):
-prompts only. Shares the build, cache and ``cpu_linear`` switch of ``kernels.cpu_linear``.
+last row, outer products, an online softmax). Why: PyTorch's CPU flash attention pays for the whole square
+below 512 tokens (its key blocks are 512 long), and prefill attention was 37 % of the demo target's prefill
+on one Zen 4 core (``perf/CPU_DECODE.md``).
+
+On CPUs with AMX (Sapphire Rapids and later), prompts of at least ``AMX_MIN_TOKENS`` tokens with a head dim
+that is a multiple of 32 run both products on the tile unit instead (``set_amx``): each float32 operand split
+exactly into three bfloat16 parts, six of the nine part products kept (the dropped three are below 2^-21 of
+the product), accumulated in float32, so the error stays float32-class (measured closer to a float64
+reference than the AVX-512 tile). 1.3-1.5x faster than the AVX-512 tile on the demo's heads from ~200
+tokens, 1.1-1.3x on SmolLM2's; demo prefill 12-20 % shorter per prompt (``perf/CPU_DECODE.md``).
+
+Not row-invariant, either path (neither is SDPA): prompts only. Shares the build, cache and ``cpu_linear``
+switch of ``kernels.cpu_linear``.
 """
 
 from __future__ import annotations
@@ -21,6 +30,28 @@ from . import cpu_linear as _lib
 from .tree_attention import tree_attention_reference
 
 MAX_HEAD_DIM = 256  # prefill.c's PF_MAX_D
+AMX_MIN_TOKENS = 128  # prefill.c's AMX_MIN_P: shorter prompts run the AVX-512 tile
+
+
+def set_amx(on: bool) -> bool:
+    """Run prompts of at least ``AMX_MIN_TOKENS`` tokens (head dim a multiple of 32) on the AMX tile unit
+    (``kernels/cpu/prefill.c`` ``tile_amx``: both products from exact three-part bfloat16 splits, float32-class
+    error) or on the AVX-512 tile; returns the previous setting. On by default where AMX runs
+    (``cpu_linear.amx_available()``; ``TRITONSPEC_CPU_PREFILL_AMX=0`` starts a process with it off); elsewhere
+    it stays off (returns False). The two paths round differently (prompts only, neither row-invariant), so this
+    is here for side-by-side measurements and tests.
+
+    Example
+    -------
+    >>> old = set_amx(False)  # doctest: +SKIP
+    >>> _ = set_amx(old)  # doctest: +SKIP
+    """
+    return bool(_lib._set_rows_knob("tritonspec_prefill_amx", int(on), "the AMX prefill path"))
+
+
+def amx_calls() -> int:
+    """How many calls ran the AMX path (``set_amx``) so far in this process: for tests that must see it taken."""
+    return _lib._count("tritonspec_prefill_amx_calls")
 
 
 def cpu_prefill_attention_reference(

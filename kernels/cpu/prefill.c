@@ -18,7 +18,8 @@
  * each row's sum kept lane-wise until the end: 1.14-1.24x over per-row expf and sums (100-2,600 tokens of
  * the demo's heads, 300 of SmolLM2's; one thread, 2026-12-06, Xeon). Not row-invariant (the rounding
  * depends on the tile a row falls in, as SDPA's does): prompts only; decode rounds and deterministic mode
- * keep attention.c.
+ * keep attention.c. On CPUs with AMX, prompts of at least AMX_MIN_P tokens with D % 32 == 0 run tile_amx
+ * instead (below): both products on the tile unit from exact three-part bfloat16 splits, float32-class error.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -138,6 +139,331 @@ static void tile(const float* q, int64_t sqp, const float* kt, const float* v, i
     }
 }
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+/* ------------------------------------------------------------------------------------------------------
+ * AMX: the same attention with both products on the tile unit, float32-class accuracy ("bf16x3").
+ *
+ * Each float32 operand x is split exactly into three bfloat16 parts, x = x0 + x1 + x2 (split3_ps: x0 is x
+ * truncated to 8 significand bits, x1 the remainder's top 8, x2 what is left, at most 8 bits; each
+ * subtraction is exact in float32). A product x y is then the six terms x0 y0 + x1 y0 + x2 y0 + x0 y1 +
+ * x1 y1 + x0 y2 (the three dropped ones are below 2^-21 |x y| together), each bf16 x bf16 product exact in
+ * float32, accumulated by TDPBF16PS in float32. So a score q . k and an output sum_j p_j v_j carry
+ * float32-class error, like the AVX-512 tile's FMA chains (measured closer to a float64 reference), but
+ * round differently: prompts only, as the AVX-512 tile, and never mixed within one call.
+ *
+ * A tile is 16 query rows of one head; a block 32 keys: the scores as two 16 x 16 tiles (6 TDPBF16PS each
+ * per 32 head dims, two independent chains), an online softmax on AVX-512 in log2 units (scale * log2 e
+ * folded into the queries, exp2_ps) with a lazy maximum (a row's maximum moves, and acc and the sum are
+ * rescaled, only when a score passes it by more than LAZY), p split into three parts, then p @ V as 16 x 16
+ * tiles over 16 head dims each (6 TDPBF16PS). K and V are packed once per KV head into the tiles' layouts
+ * (pack_kv_amx). Block b + 1's scores are issued before block b's softmax and block b's p @ V is added after
+ * block b + 1's, so the tile unit and the vector units can overlap. AMX reads bfloat16 inputs below 2^-126 as
+ * zero (parts of values that small). Demo heads (4 / 2, D 32), one thread, the kernel alone against the
+ * AVX-512 tile (2026-12-06, Xeon): 394 tokens 1.37-1.45x, 1,666 tokens 1.42-1.49x, 128 tokens 1.15x, 64
+ * tokens 0.97x (hence AMX_MIN_P); SmolLM2's (9 / 3, D 64) 200 tokens 1.12x, 1,000 tokens 1.26x.
+ * ------------------------------------------------------------------------------------------------------ */
+int tritonspec_amx_enabled(void); /* linear.c: the CPU flags, TRITONSPEC_CPU_AMX and the OS's permission */
+
+#define AQ 16 /* query rows per AMX tile */
+#define AK 32 /* keys per block (one PV tile's contraction) */
+#define AMX_MIN_P 128 /* shorter prompts run the AVX-512 tile: as fast or faster below ~128 tokens (the split and packing) */
+#define LAZY 8.0f /* how far (log2 units) a score may pass a row's running maximum before it moves */
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} pf_tile_config;
+
+static int pf_amx_on = -1; /* -1 undecided; 0 off; 1 on */
+static int64_t pf_amx_calls = 0; /* calls the AMX path ran (kernels/cpu_prefill.py amx_calls: tests see the path) */
+
+/* On where linear.c's AMX is (the CPU flags, TRITONSPEC_CPU_AMX != 0, the OS's permission) unless
+ * TRITONSPEC_CPU_PREFILL_AMX=0 at the first call; tritonspec_prefill_amx sets it for side-by-side runs. */
+static inline int pf_amx(void) {
+    if (pf_amx_on < 0) {
+        const char* e = getenv("TRITONSPEC_CPU_PREFILL_AMX");
+        pf_amx_on = !(e && e[0] == '0') && tritonspec_amx_enabled();
+    }
+    return pf_amx_on;
+}
+int tritonspec_prefill_amx(int on) { /* 1 on (where AMX runs), 0 off; returns the previous setting */
+    const int prev = pf_amx();
+    pf_amx_on = on != 0 && tritonspec_amx_enabled();
+    return prev;
+}
+int64_t tritonspec_prefill_amx_calls(void) { return pf_amx_calls; }
+
+/* 16 lanes: x = x0 + x1 + x2 exactly, each part a bfloat16 value held in float32: x0 keeps x's top 8
+ * significand bits (truncated), x1 the next 8 of the remainder, x2 the rest (at most 8 bits) */
+ALWAYS_INLINE void split3_ps(__m512 x, __m512* x0, __m512* x1, __m512* x2) {
+    const __m512 hi = _mm512_castsi512_ps(_mm512_set1_epi32((int)0xffff0000u));
+    *x0 = _mm512_and_ps(x, hi);
+    const __m512 r = _mm512_sub_ps(x, *x0);
+    *x1 = _mm512_and_ps(r, hi);
+    *x2 = _mm512_sub_ps(r, *x1);
+}
+/* 32 bfloat16 values (exact in bfloat16, so the conversion does not round): lo's 16 then hi's 16 */
+ALWAYS_INLINE __m512i bf16_pair(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
+
+/* 2^x for x <= 0 (lanes below -126 give ~0, masked by the caller where invalid): Cephes' exp2f polynomial
+ * (~2e-7 relative), five operations fewer than exp_ps: the AMX tile works in log2 units (scale * log2 e is
+ * folded into the queries) */
+ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* One KV head's K and V as AMX B tiles (1 KB each, three parts in a row), zero past P:
+ *   K: tile ((n * DC + dc) * 3 + part): keys 16 n .. 16 n + 15 x head dims 32 dc .. 32 dc + 31, [d / 2][key][d % 2];
+ *   V: tile ((blk * C + c) * 3 + part): keys 32 blk .. + 31 x head dims 16 c .. 16 c + 15, [key / 2][d][key % 2]. */
+static void pack_kv_amx(const float* k, int64_t skp, const float* v, int64_t svp, int64_t P, int64_t D, int64_t nblk,
+                        uint16_t* kt, uint16_t* vt) {
+    const int64_t DC = D / 32, C = D / 16;
+    const size_t bytes = (size_t)(nblk * AK * D * 3) * sizeof(uint16_t);
+    if (P % AK) { /* the last block's keys past P */
+        memset(kt + (nblk - 1) * AK * D * 3, 0, bytes / nblk);
+        memset(vt + (nblk - 1) * AK * D * 3, 0, bytes / nblk);
+    }
+    /* a key's 16 d-pairs go down one column of its K tile: uint32 element 16 i + j % 16 for pair i */
+    const __m512i down = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(16));
+    /* two keys' 16 head dims interleaved: (j, d) at 2 d, (j + 1, d) at 2 d + 1 */
+    const __m512i zip = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t j = 0; j < P; j++)
+        for (int64_t dc = 0; dc < DC; dc++) {
+            __m512 a[3], b[3];
+            split3_ps(_mm512_loadu_ps(k + j * skp + dc * 32), &a[0], &a[1], &a[2]);
+            split3_ps(_mm512_loadu_ps(k + j * skp + dc * 32 + 16), &b[0], &b[1], &b[2]);
+            uint16_t* kb = kt + ((j / 16) * DC + dc) * 3 * 512;
+            for (int t = 0; t < 3; t++)
+                _mm512_i32scatter_epi32((int*)(kb + t * 512) + j % 16, down, bf16_pair(a[t], b[t]), 4);
+        }
+    for (int64_t j = 0; j < P; j += 2)
+        for (int64_t c = 0; c < C; c++) {
+            __m512 a[3], b[3];
+            split3_ps(_mm512_loadu_ps(v + j * svp + c * 16), &a[0], &a[1], &a[2]);
+            split3_ps(j + 1 < P ? _mm512_loadu_ps(v + (j + 1) * svp + c * 16) : _mm512_setzero_ps(), &b[0], &b[1], &b[2]);
+            uint16_t* vb = vt + ((j / AK) * C + c) * 3 * 512 + ((j % AK) / 2) * 32;
+            for (int t = 0; t < 3; t++)
+                _mm512_store_si512(vb + t * 512, _mm512_permutexvar_epi16(zip, bf16_pair(a[t], b[t])));
+        }
+}
+
+/* scores of key block blk into s [AQ][AK] (log2 units): keys 32 blk .. + 15 in tile 0 and the next 16 in tile 1,
+ * two independent TDPBF16PS chains; tiles 2-4 the query's parts, 5-7 K's */
+ALWAYS_INLINE void amx_scores(uint16_t (*qa)[3][AQ][32], const uint16_t* kt, int64_t blk, int64_t DC) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t dc = 0; dc < DC; dc++) {
+        const uint16_t* k0 = kt + ((2 * blk) * DC + dc) * 3 * 512;
+        const uint16_t* k1 = kt + ((2 * blk + 1) * DC + dc) * 3 * 512;
+        _tile_loadd(2, qa[dc][0], 64);
+        _tile_loadd(3, qa[dc][1], 64);
+        _tile_loadd(4, qa[dc][2], 64);
+        _tile_loadd(5, k0, 64);
+        _tile_loadd(6, k1, 64);
+        _tile_dpbf16ps(0, 2, 5); /* q0 k0 */
+        _tile_dpbf16ps(1, 2, 6);
+        _tile_dpbf16ps(0, 3, 5); /* q1 k0 */
+        _tile_dpbf16ps(1, 3, 6);
+        _tile_dpbf16ps(0, 4, 5); /* q2 k0 */
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, k0 + 512, 64);
+        _tile_loadd(5, k1 + 512, 64);
+        _tile_dpbf16ps(0, 2, 7); /* q0 k1 */
+        _tile_dpbf16ps(1, 2, 5);
+        _tile_dpbf16ps(0, 3, 7); /* q1 k1 */
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_loadd(6, k0 + 1024, 64);
+        _tile_loadd(7, k1 + 1024, 64);
+        _tile_dpbf16ps(0, 2, 6); /* q0 k2 */
+        _tile_dpbf16ps(1, 2, 7);
+    }
+}
+ALWAYS_INLINE void amx_scores_store(float* s) {
+    _tile_stored(0, s, AK * 4);
+    _tile_stored(1, s + 16, AK * 4);
+}
+
+/* ot [AQ][PF_MAX_D] = p @ V of key block blk (p's parts pa [3][AQ][AK]): head dims 16 c .. in tile 0 and the next
+ * 16 in tile 1 (two chains); tiles 2-4 p's parts, 5-7 V's */
+ALWAYS_INLINE void amx_pv(uint16_t (*pa)[AQ][AK], const uint16_t* vt, int64_t blk, int64_t C, float* ot) {
+    _tile_loadd(2, pa[0], 64);
+    _tile_loadd(3, pa[1], 64);
+    _tile_loadd(4, pa[2], 64);
+    for (int64_t c = 0; c < C; c += 2) {
+        const uint16_t* v0 = vt + (blk * C + c) * 3 * 512;
+        const uint16_t* v1 = v0 + 3 * 512;
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(5, v0, 64);
+        _tile_loadd(6, v1, 64);
+        _tile_dpbf16ps(0, 2, 5); /* p0 v0 */
+        _tile_dpbf16ps(1, 2, 6);
+        _tile_dpbf16ps(0, 3, 5); /* p1 v0 */
+        _tile_dpbf16ps(1, 3, 6);
+        _tile_dpbf16ps(0, 4, 5); /* p2 v0 */
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_loadd(7, v0 + 512, 64);
+        _tile_loadd(5, v1 + 512, 64);
+        _tile_dpbf16ps(0, 2, 7); /* p0 v1 */
+        _tile_dpbf16ps(1, 2, 5);
+        _tile_dpbf16ps(0, 3, 7); /* p1 v1 */
+        _tile_dpbf16ps(1, 3, 5);
+        _tile_loadd(6, v0 + 1024, 64);
+        _tile_loadd(7, v1 + 1024, 64);
+        _tile_dpbf16ps(0, 2, 6); /* p0 v2 */
+        _tile_dpbf16ps(1, 2, 7);
+        _tile_stored(0, ot + c * 16, PF_MAX_D * 4);
+        _tile_stored(1, ot + c * 16 + 16, PF_MAX_D * 4);
+    }
+}
+
+/* acc += ot (a block's p @ V, rows [AQ][PF_MAX_D]) */
+ALWAYS_INLINE void add_block(float (*acc)[PF_MAX_D], const float* ot, int64_t D) {
+    for (int r = 0; r < AQ; r++)
+        for (int64_t c = 0; c < D; c += 16)
+            _mm512_store_ps(acc[r] + c, _mm512_add_ps(_mm512_load_ps(acc[r] + c), _mm512_load_ps(ot + r * PF_MAX_D + c)));
+}
+
+/* Query rows i0 .. i0 + nq - 1 (nq <= AQ) of one head over its KV head's packed K and V (pack_kv_amx). The
+ * thread's tile configuration is loaded (tiles 0-7: 16 rows x 64 bytes). Software-pipelined: block b + 1's
+ * scores are issued to the tile unit before block b's softmax runs on the vector units, and block b's p @ V is
+ * added to acc only after block b + 1's softmax (double buffers s, pa, ot), so the two units overlap. */
+static void tile_amx(const float* q, int64_t sqp, const uint16_t* kt, const uint16_t* vt, float* o, int64_t sop,
+                     int64_t i0, int nq, int64_t D, float scale) {
+    const int64_t DC = D / 32, C = D / 16;
+    uint16_t qa[PF_MAX_D / 32][3][AQ][32] __attribute__((aligned(64)));
+    uint16_t pa[2][3][AQ][AK] __attribute__((aligned(64)));
+    float s[2][AQ][AK] __attribute__((aligned(64)));
+    float ot[2][AQ][PF_MAX_D] __attribute__((aligned(64)));
+    float acc[AQ][PF_MAX_D] __attribute__((aligned(64)));
+    float l[AQ][16] __attribute__((aligned(64)));
+    float m[AQ];
+    const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f); /* scores in log2 units */
+    for (int r = 0; r < AQ; r++) {
+        for (int64_t dc = 0; dc < DC; dc++) {
+            const float* qr = q + (i0 + r) * sqp + dc * 32;
+            __m512 x[3], y[3];
+            split3_ps(r < nq ? _mm512_mul_ps(_mm512_loadu_ps(qr), sc) : _mm512_setzero_ps(), &x[0], &x[1], &x[2]);
+            split3_ps(r < nq ? _mm512_mul_ps(_mm512_loadu_ps(qr + 16), sc) : _mm512_setzero_ps(), &y[0], &y[1], &y[2]);
+            for (int t = 0; t < 3; t++) _mm512_store_si512(qa[dc][t][r], bf16_pair(x[t], y[t]));
+        }
+        memset(acc[r], 0, sizeof(float) * D);
+        _mm512_store_ps(l[r], _mm512_setzero_ps());
+        m[r] = -INFINITY;
+    }
+    const int64_t last = i0 + nq - 1, nb = last / AK + 1; /* key blocks some row sees */
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    int64_t pending = -1; /* the block whose p @ V is in ot but not yet in acc */
+    amx_scores(qa, kt, 0, DC);
+    amx_scores_store(&s[0][0][0]);
+    for (int64_t blk = 0; blk < nb; blk++) {
+        const int64_t j0 = blk * AK;
+        if (blk + 1 < nb) amx_scores(qa, kt, blk + 1, DC);
+        float(*sb)[AK] = s[blk & 1];
+        /* the online softmax with a lazy maximum: a row's m moves only when a score exceeds it by more than
+         * LAZY (log2 units), so p = 2^(s - m) stays below 2^LAZY, and the rescale (acc and l times 2^(m_old -
+         * m_new)) runs once per move, not once per block; keys past a row's own position are masked (the
+         * diagonal block only) */
+        const int diag = j0 + AK - 1 > i0; /* some row does not see every key of this block */
+        for (int r = 0; r < AQ; r++) {
+            const int64_t nv = i0 + r - j0 + 1;
+            const __mmask16 k0 = diag ? first_lanes(nv) : 0xffff, k1 = diag ? first_lanes(nv - 16) : 0xffff;
+            const __m512 s0 = _mm512_load_ps(sb[r]), s1 = _mm512_load_ps(sb[r] + 16);
+            const __m512 up = _mm512_set1_ps(m[r] + LAZY);
+            if (_mm512_mask_cmp_ps_mask(k0, s0, up, _CMP_GT_OQ) | _mm512_mask_cmp_ps_mask(k1, s1, up, _CMP_GT_OQ)) {
+                const __m512 t = _mm512_max_ps(_mm512_mask_mov_ps(ninf, k0, s0), _mm512_mask_mov_ps(ninf, k1, s1));
+                const float mn = _mm512_reduce_max_ps(t);
+                if (m[r] != -INFINITY) { /* acc and l are zero until the row's first key */
+                    if (pending >= 0) { /* the previous block's p @ V belongs to the old maximum */
+                        add_block(acc, &ot[pending & 1][0][0], D);
+                        pending = -1;
+                    }
+                    const __m512 al = exp2_ps(_mm512_set1_ps(m[r] - mn));
+                    _mm512_store_ps(l[r], _mm512_mul_ps(_mm512_load_ps(l[r]), al));
+                    for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(acc[r] + c, _mm512_mul_ps(_mm512_load_ps(acc[r] + c), al));
+                }
+                m[r] = mn;
+            }
+            const __m512 mv = _mm512_set1_ps(m[r]);
+            __m512 p0 = exp2_ps(_mm512_sub_ps(s0, mv)), p1 = exp2_ps(_mm512_sub_ps(s1, mv));
+            if (diag) {
+                p0 = _mm512_maskz_mov_ps(k0, p0);
+                p1 = _mm512_maskz_mov_ps(k1, p1);
+            }
+            _mm512_store_ps(l[r], _mm512_add_ps(_mm512_load_ps(l[r]), _mm512_add_ps(p0, p1)));
+            __m512 x[3], y[3];
+            split3_ps(p0, &x[0], &x[1], &x[2]);
+            split3_ps(p1, &y[0], &y[1], &y[2]);
+            for (int t = 0; t < 3; t++) _mm512_store_si512(pa[blk & 1][t][r], bf16_pair(x[t], y[t]));
+        }
+        if (blk + 1 < nb) amx_scores_store(&s[(blk + 1) & 1][0][0]);
+        if (pending >= 0) add_block(acc, &ot[pending & 1][0][0], D);
+        amx_pv(pa[blk & 1], vt, blk, C, &ot[blk & 1][0][0]);
+        pending = blk;
+    }
+    add_block(acc, &ot[pending & 1][0][0], D);
+    for (int r = 0; r < nq; r++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(l[r])));
+        float* orow = o + (i0 + r) * sop;
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(acc[r] + c), inv));
+    }
+}
+
+/* The AMX path of tritonspec_prefill_attention_f32 (D % 32 == 0). Returns 0, or 1 when out of memory. */
+static int prefill_amx(const float* q, int64_t B, int64_t P, int64_t Hq, int64_t Hkv, int64_t D, int64_t sqb,
+                       int64_t sqp, int64_t sqh, const float* k, int64_t skb, int64_t skp, int64_t skh, const float* v,
+                       int64_t svb, int64_t svp, int64_t svh, float* out, float scale, int threads) {
+    const int64_t nblk = (P + AK - 1) / AK, per = nblk * AK * D * 3; /* uint16 per KV head and tensor */
+    uint16_t* kt = (uint16_t*)aligned_alloc(64, (size_t)(2 * B * Hkv * per) * sizeof(uint16_t));
+    if (!kt) return 1;
+    uint16_t* vt = kt + B * Hkv * per;
+    const int64_t G = Hq / Hkv, ntile = (P + AQ - 1) / AQ, heads = B * Hq;
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t bg = 0; bg < B * Hkv; bg++) {
+            const int64_t b = bg / Hkv, g = bg % Hkv;
+            pack_kv_amx(k + b * skb + g * skh, skp, v + b * svb + g * svh, svp, P, D, nblk, kt + bg * per, vt + bg * per);
+        }
+        pf_tile_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        cfg.palette_id = 1;
+        for (int t = 0; t < 8; t++) {
+            cfg.rows[t] = 16;
+            cfg.colsb[t] = 64;
+        }
+        _tile_loadconfig(&cfg);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < ntile * heads; t++) { /* the last (heaviest) query tiles first */
+            const int64_t blk = ntile - 1 - t / heads, bh = t % heads, b = bh / Hq, h = bh % Hq, g = h / G;
+            const int64_t i0 = blk * AQ;
+            const int nq = (int)(P - i0 < AQ ? P - i0 : AQ);
+            tile_amx(q + b * sqb + h * sqh, sqp, kt + (b * Hkv + g) * per, vt + (b * Hkv + g) * per,
+                     out + (b * P * Hq + h) * D, Hq * D, i0, nq, D, scale);
+        }
+        _tile_release();
+    }
+    free(kt);
+    return 0;
+}
+#else /* built without AMX: never on */
+int tritonspec_prefill_amx(int on) { (void)on; return 0; }
+int64_t tritonspec_prefill_amx_calls(void) { return 0; }
+#endif
+
 /* out [B, P, Hq, D] (contiguous) = causal attention of q [B, P, Hq, D] over k, v [B, P, Hkv, D] (element
  * strides s*b, s*p, s*h; unit stride along D). D % 16 == 0, D <= 256, Hq % Hkv == 0 (checked by the
  * caller). Returns 0, or 1 when the transposed-K buffer could not be allocated. */
@@ -146,6 +472,12 @@ int tritonspec_prefill_attention_f32(const float* q, int64_t B, int64_t P, int64
                                      int64_t skh, const float* v, int64_t svb, int64_t svp, int64_t svh, float* out,
                                      float scale, int threads) {
     if (B <= 0 || P <= 0 || Hq <= 0) return 0;
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+    if (D % 32 == 0 && P >= AMX_MIN_P && pf_amx()) {
+        pf_amx_calls++;
+        return prefill_amx(q, B, P, Hq, Hkv, D, sqb, sqp, sqh, k, skb, skp, skh, v, svb, svp, svh, out, scale, threads);
+    }
+#endif
     const int64_t ldkt = (P + KB - 1) / KB * KB;
     float* kt = (float*)aligned_alloc(64, (size_t)(B * Hkv * D * ldkt) * sizeof(float));
     if (!kt) return 1;
