@@ -260,71 +260,57 @@ static void pack_kv_amx(const float* k, int64_t skp, const float* v, int64_t svp
         }
 }
 
-/* scores of key block blk into s [AQ][AK] (log2 units): keys 32 blk .. + 15 in tile 0 and the next 16 in tile 1,
- * two independent TDPBF16PS chains; tiles 2-4 the query's parts, 5-7 K's */
+/* tiles 0 and 1 += A (x) B0 and A (x) B1, where A's three parts are in tiles 2-4 and B0, B1 are three B tiles each
+ * (parts 0-2, 1 KB apart): the six part products x0 y0 + x1 y0 + x2 y0 + x0 y1 + x1 y1 + x0 y2 per accumulator, the
+ * two chains interleaved (B parts through tiles 5-7) */
+ALWAYS_INLINE void six_terms(const uint16_t* b0, const uint16_t* b1) {
+    _tile_loadd(5, b0, 64);
+    _tile_loadd(6, b1, 64);
+    _tile_dpbf16ps(0, 2, 5); /* x0 y0 */
+    _tile_dpbf16ps(1, 2, 6);
+    _tile_dpbf16ps(0, 3, 5); /* x1 y0 */
+    _tile_dpbf16ps(1, 3, 6);
+    _tile_dpbf16ps(0, 4, 5); /* x2 y0 */
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, b0 + 512, 64);
+    _tile_loadd(5, b1 + 512, 64);
+    _tile_dpbf16ps(0, 2, 7); /* x0 y1 */
+    _tile_dpbf16ps(1, 2, 5);
+    _tile_dpbf16ps(0, 3, 7); /* x1 y1 */
+    _tile_dpbf16ps(1, 3, 5);
+    _tile_loadd(6, b0 + 1024, 64);
+    _tile_loadd(7, b1 + 1024, 64);
+    _tile_dpbf16ps(0, 2, 6); /* x0 y2 */
+    _tile_dpbf16ps(1, 2, 7);
+}
+
+/* the scores of key block blk (log2 units) into tiles 0 (keys 32 blk .. + 15) and 1 (the next 16); stored by
+ * amx_scores_store */
 ALWAYS_INLINE void amx_scores(uint16_t (*qa)[3][AQ][32], const uint16_t* kt, int64_t blk, int64_t DC) {
     _tile_zero(0);
     _tile_zero(1);
     for (int64_t dc = 0; dc < DC; dc++) {
-        const uint16_t* k0 = kt + ((2 * blk) * DC + dc) * 3 * 512;
-        const uint16_t* k1 = kt + ((2 * blk + 1) * DC + dc) * 3 * 512;
         _tile_loadd(2, qa[dc][0], 64);
         _tile_loadd(3, qa[dc][1], 64);
         _tile_loadd(4, qa[dc][2], 64);
-        _tile_loadd(5, k0, 64);
-        _tile_loadd(6, k1, 64);
-        _tile_dpbf16ps(0, 2, 5); /* q0 k0 */
-        _tile_dpbf16ps(1, 2, 6);
-        _tile_dpbf16ps(0, 3, 5); /* q1 k0 */
-        _tile_dpbf16ps(1, 3, 6);
-        _tile_dpbf16ps(0, 4, 5); /* q2 k0 */
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, k0 + 512, 64);
-        _tile_loadd(5, k1 + 512, 64);
-        _tile_dpbf16ps(0, 2, 7); /* q0 k1 */
-        _tile_dpbf16ps(1, 2, 5);
-        _tile_dpbf16ps(0, 3, 7); /* q1 k1 */
-        _tile_dpbf16ps(1, 3, 5);
-        _tile_loadd(6, k0 + 1024, 64);
-        _tile_loadd(7, k1 + 1024, 64);
-        _tile_dpbf16ps(0, 2, 6); /* q0 k2 */
-        _tile_dpbf16ps(1, 2, 7);
+        six_terms(kt + ((2 * blk) * DC + dc) * 3 * 512, kt + ((2 * blk + 1) * DC + dc) * 3 * 512);
     }
 }
-ALWAYS_INLINE void amx_scores_store(float* s) {
+ALWAYS_INLINE void amx_scores_store(float* s) { /* s [AQ][AK] */
     _tile_stored(0, s, AK * 4);
     _tile_stored(1, s + 16, AK * 4);
 }
 
-/* ot [AQ][PF_MAX_D] = p @ V of key block blk (p's parts pa [3][AQ][AK]): head dims 16 c .. in tile 0 and the next
- * 16 in tile 1 (two chains); tiles 2-4 p's parts, 5-7 V's */
+/* ot [AQ][PF_MAX_D] = p @ V of key block blk (p's parts pa [3][AQ][AK]), 32 head dims at a time in tiles 0 and 1 */
 ALWAYS_INLINE void amx_pv(uint16_t (*pa)[AQ][AK], const uint16_t* vt, int64_t blk, int64_t C, float* ot) {
     _tile_loadd(2, pa[0], 64);
     _tile_loadd(3, pa[1], 64);
     _tile_loadd(4, pa[2], 64);
     for (int64_t c = 0; c < C; c += 2) {
         const uint16_t* v0 = vt + (blk * C + c) * 3 * 512;
-        const uint16_t* v1 = v0 + 3 * 512;
         _tile_zero(0);
         _tile_zero(1);
-        _tile_loadd(5, v0, 64);
-        _tile_loadd(6, v1, 64);
-        _tile_dpbf16ps(0, 2, 5); /* p0 v0 */
-        _tile_dpbf16ps(1, 2, 6);
-        _tile_dpbf16ps(0, 3, 5); /* p1 v0 */
-        _tile_dpbf16ps(1, 3, 6);
-        _tile_dpbf16ps(0, 4, 5); /* p2 v0 */
-        _tile_dpbf16ps(1, 4, 6);
-        _tile_loadd(7, v0 + 512, 64);
-        _tile_loadd(5, v1 + 512, 64);
-        _tile_dpbf16ps(0, 2, 7); /* p0 v1 */
-        _tile_dpbf16ps(1, 2, 5);
-        _tile_dpbf16ps(0, 3, 7); /* p1 v1 */
-        _tile_dpbf16ps(1, 3, 5);
-        _tile_loadd(6, v0 + 1024, 64);
-        _tile_loadd(7, v1 + 1024, 64);
-        _tile_dpbf16ps(0, 2, 6); /* p0 v2 */
-        _tile_dpbf16ps(1, 2, 7);
+        six_terms(v0, v0 + 3 * 512);
         _tile_stored(0, ot + c * 16, PF_MAX_D * 4);
         _tile_stored(1, ot + c * 16 + 16, PF_MAX_D * 4);
     }
