@@ -133,3 +133,33 @@ def test_runtime_greedy_output_unchanged_by_the_kernel(monkeypatch):
     assert rt.generate(prompts, max_new_tokens=12).token_ids == kernel
     monkeypatch.setattr(cp, "runs", lambda *a: False)
     assert rt.generate(prompts, max_new_tokens=12, speculative=False).token_ids == kernel
+
+
+@pytest.mark.skipif(cl._compiler() is None, reason="no C compiler here (set CC, or install gcc)")
+@pytest.mark.skipif(cl.isa() is None, reason="the CPU lacks AVX2 + FMA: an AVX2 build cannot run here")
+def test_avx2_build_matches_reference(tmp_path):
+    """The kernel built for AVX2 + FMA (``-march=haswell``: every AVX-512 intrinsic through ``avx2.h``), run on
+    this CPU, agrees with the reference, running maximum moves included. The runtime takes the kernel on
+    AVX-512 CPUs only, so without this an emulation that ignored a compare's predicate (``avx2.h`` once mapped
+    every ``_mm512_cmp_ps_mask`` to ``_CMP_UNORD_Q``: errors of ~3 here) went unseen."""
+    import ctypes
+    import subprocess
+
+    src = cl.SOURCE.parent / "prefill.c"
+    out = tmp_path / "prefill_avx2.so"
+    cmd = [cl._compiler(), "-O2", "-march=haswell", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", str(src)]
+    r = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-1500:]
+    fn = ctypes.CDLL(str(out)).tritonspec_prefill_attention_f32
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.argtypes = [p, *[i64] * 8, p, *[i64] * 3, p, *[i64] * 3, p, ctypes.c_float, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    g = torch.Generator().manual_seed(4)
+    for P, Hq, Hkv, D in [(1, 4, 2, 32), (33, 4, 2, 32), (130, 9, 3, 64), (200, 2, 2, 16)]:
+        q, k, v = _case(g, 2, P, Hq, Hkv, D)
+        k[:, :, :] += torch.linspace(0, 3, P)[None, :, None, None] * q.mean((1, 2), keepdim=True)  # maxima move
+        res = torch.empty(2, P, Hq, D)
+        args = [q.data_ptr(), 2, P, Hq, Hkv, D, *q.stride()[:3], k.data_ptr(), *k.stride()[:3], v.data_ptr()]
+        assert fn(*args, *v.stride()[:3], res.data_ptr(), D**-0.5, 1) == 0
+        ref = cp.cpu_prefill_attention_reference(q, k, v, D**-0.5)
+        assert torch.allclose(res, ref, rtol=1e-5, atol=1e-5), (P, Hq, D, (res - ref).abs().max().item())

@@ -178,11 +178,11 @@ TS_INLINE __m256i ts_cvtepi32_epi16(__m512i v) { /* truncation; the kernels pass
     return _mm256_permute4x64_epi64(_mm256_packus_epi32(ts_ilo(v), ts_ihi(v)), _MM_SHUFFLE(3, 1, 2, 0));
 }
 #define _mm512_cvtepi32_epi16 ts_cvtepi32_epi16
-TS_INLINE __mmask16 ts_cmp_unord_mask(__m512 a, __m512 b) {
-    return (__mmask16)(_mm256_movemask_ps(_mm256_cmp_ps(ts_lo(a), ts_lo(b), _CMP_UNORD_Q)) |
-                       (_mm256_movemask_ps(_mm256_cmp_ps(ts_hi(a), ts_hi(b), _CMP_UNORD_Q)) << 8));
-}
-#define _mm512_cmp_ps_mask(a, b, imm) ts_cmp_unord_mask(a, b) /* the kernels ask for _CMP_UNORD_Q only */
+/* any predicate (a macro: _mm256_cmp_ps takes an immediate); the masked form ANDs the mask in */
+#define _mm512_cmp_ps_mask(a, b, imm)                                                   \
+    ((__mmask16)(_mm256_movemask_ps(_mm256_cmp_ps(ts_lo(a), ts_lo(b), imm)) |           \
+                 (_mm256_movemask_ps(_mm256_cmp_ps(ts_hi(a), ts_hi(b), imm)) << 8)))
+#define _mm512_mask_cmp_ps_mask(k, a, b, imm) ((__mmask16)((k) & _mm512_cmp_ps_mask(a, b, imm)))
 TS_INLINE __m512i ts_mask_or_epi32(__m512i src, __mmask16 m, __m512i a, __m512i b) {
     __m256i lo = _mm256_or_si256(ts_ilo(a), ts_ilo(b)), hi = _mm256_or_si256(ts_ihi(a), ts_ihi(b));
     return ts_ijoin(_mm256_blendv_epi8(ts_ilo(src), lo, ts_mask8(m & 0xff)),

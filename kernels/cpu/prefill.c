@@ -11,12 +11,14 @@
  * Here a tile of MQ = 8 query rows of one head walks the key blocks of KB = 32 keys up to its last
  * row only (the masked half is skipped), as an outer product: per head dim d, two 16-key loads of the
  * transposed K (built once per KV head, zero-padded to whole blocks) and 8 broadcasts feed 16
- * multiply-adds; then an online softmax per row (exp_ps), and p @ V again as an outer product (per key,
- * the V row's 16-dim chunks and 8 broadcasts of p). Tiles run heaviest first over the threads
- * (dynamic schedule). The online softmax runs the tile's rows side by side: their new maxima and rescale
- * factors as one vector (exp_ps; a libm expf call per row spilled the 16 score registers around it), and
- * each row's sum kept lane-wise until the end: 1.14-1.24x over per-row expf and sums (100-2,600 tokens of
- * the demo's heads, 300 of SmolLM2's; one thread, 2026-12-06, Xeon). Not row-invariant (the rounding
+ * multiply-adds; then an online softmax per row, and p @ V again as an outer product (per key, the V row's
+ * 16-dim chunks and 8 broadcasts of p). Tiles run heaviest first over the threads (dynamic schedule). The
+ * online softmax works in log2 units (scale * log2 e folded into the queries, exp2_ps) with a lazy maximum:
+ * a row's maximum moves, and its sum (kept lane-wise until the end) and acc are rescaled, only when a score
+ * passes it by more than LAZY; full blocks skip the causal masks. 1.09-1.20x over a maximum and rescale per
+ * block with exp_ps (100-1,700 tokens of the demo's heads, 300-1,000 of SmolLM2's; one thread, 2026-12-06,
+ * Xeon); that version had in turn replaced a libm expf per row and block, which spilled the score registers
+ * (1.14-1.24x over it). Not row-invariant (the rounding
  * depends on the tile a row falls in, as SDPA's does): prompts only; decode rounds and deterministic mode
  * keep attention.c. On CPUs with AMX, prompts of at least AMX_MIN_P tokens with D % 32 == 0 run tile_amx
  * instead (below): both products on the tile unit from exact three-part bfloat16 splits, float32-class error.
@@ -28,7 +30,6 @@
 #include <string.h>
 
 #include "avx2.h" /* AVX2 + FMA CPUs: the AVX-512 intrinsics below, emulated lane for lane */
-#include "exp.h"
 
 #define MQ 8        /* query rows per tile */
 #define NV 2        /* 16-key vectors per block (MQ x NV score registers; 8 x 2 measured fastest: 4 x 4, 6 x 4,
@@ -38,20 +39,36 @@
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+#define LAZY 8.0f /* how far (log2 units) a score may pass a row's running maximum before it moves */
+
+/* 2^x for x <= LAZY (a score may pass its row's lazy maximum by that much; lanes below -126 give ~0, and
+ * masked lanes may overflow: the caller zeroes them): Cephes' exp2f polynomial (~2e-7 relative), five
+ * operations fewer than exp.h's exp_ps: both tiles work in log2 units (scale * log2 e folded into the queries) */
+ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* lanes [0, n) of 16 (n clamped to [0, 16]) */
 ALWAYS_INLINE __mmask16 first_lanes(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
 }
 
-/* acc[r][c .. c + 16 W) = alpha[r] acc[r][...] + sum_{j < jn} pb[r][j] v[j][c ...], W = 1 or 2 vectors */
+/* acc[r][c .. c + 16 W) += sum_{j < jn} pb[r][j] v[j][c ...], W = 1 or 2 vectors (a rescale ran before, where due) */
 #define PV(W)                                                                                            \
     do {                                                                                                 \
         __m512 a[MQ][W];                                                                                 \
-        _Pragma("GCC unroll 16") for (int r = 0; r < MQ; r++) {                                          \
-            const __m512 al = _mm512_set1_ps(alpha[r]);                                                  \
-            _Pragma("GCC unroll 2") for (int w = 0; w < W; w++) a[r][w] =                               \
-                _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c + 16 * w), al);                                 \
-        }                                                                                                \
+        _Pragma("GCC unroll 16") for (int r = 0; r < MQ; r++)                                            \
+            _Pragma("GCC unroll 2") for (int w = 0; w < W; w++) a[r][w] = _mm512_loadu_ps(acc[r] + c + 16 * w); \
         for (int64_t j = 0; j < jn; j++) {                                                               \
             const float* vr = v + (j0 + j) * svp + c;                                                    \
             __m512 vv[W];                                                                                \
@@ -74,10 +91,11 @@ static void tile(const float* q, int64_t sqp, const float* kt, const float* v, i
     float qs[MQ][PF_MAX_D] __attribute__((aligned(64)));
     float acc[MQ][PF_MAX_D] __attribute__((aligned(64)));
     float pb[MQ][KB] __attribute__((aligned(64)));
-    float m[16] __attribute__((aligned(64))), alpha[16] __attribute__((aligned(64)));
+    float m[MQ];
+    const float scale2 = scale * 1.44269504088896341f; /* scores in log2 units (exp2_ps) */
     __m512 lv[MQ]; /* the rows' softmax sums, lane-wise (summed once at the end) */
     for (int r = 0; r < MQ; r++) {
-        for (int64_t d = 0; d < D; d++) qs[r][d] = r < nq ? q[(i0 + r) * sqp + d] * scale : 0.0f;
+        for (int64_t d = 0; d < D; d++) qs[r][d] = r < nq ? q[(i0 + r) * sqp + d] * scale2 : 0.0f;
         memset(acc[r], 0, sizeof(float) * D);
         m[r] = -INFINITY;
         lv[r] = _mm512_setzero_ps();
@@ -99,33 +117,38 @@ static void tile(const float* q, int64_t sqp, const float* kt, const float* v, i
                 for (int w = 0; w < NV; w++) s[r][w] = _mm512_fmadd_ps(qb, kk[w], s[r][w]);
             }
         }
-        /* the online softmax, rows side by side: each row's block max, then the rows' new maxima and
-         * rescale factors as one vector (no libm call: it would spill the score registers), then p */
-        float bmax[16] __attribute__((aligned(64)));
+        /* the online softmax with a lazy maximum (log2 units): a row's m moves, and its sum and acc are
+         * rescaled, only when a score passes it by more than LAZY; keys past a row's own position are masked
+         * (the diagonal block only) */
+        const int diag = j0 + KB - 1 > i0; /* some row does not see every key of this block */
 #pragma GCC unroll 16
         for (int r = 0; r < MQ; r++) {
             const int64_t n = i0 + r - j0 + 1; /* keys j0 .. i0 + r of this block are visible */
-            __m512 t = ninf;
-            for (int w = 0; w < NV; w++) t = _mm512_mask_max_ps(t, first_lanes(n - 16 * w), t, s[r][w]);
-            bmax[r] = _mm512_reduce_max_ps(t); /* -inf: the row sees no key here */
-        }
-        const __mmask16 rows = (__mmask16)((1u << MQ) - 1u);
-        const __m512 mo = _mm512_maskz_loadu_ps(rows, m), mn = _mm512_max_ps(mo, _mm512_maskz_loadu_ps(rows, bmax));
-        /* alpha = exp(m_old - m_new): 0 where the row saw nothing before (acc and l are 0), 1 where its max held */
-        const __mmask16 seen = _mm512_cmp_ps_mask(mo, ninf, _CMP_NEQ_OQ) & rows;
-        _mm512_mask_storeu_ps(alpha, rows, _mm512_maskz_mov_ps(seen, exp_ps(_mm512_sub_ps(_mm512_maskz_mov_ps(seen, mo), _mm512_maskz_mov_ps(seen, mn)))));
-        _mm512_mask_storeu_ps(m, rows, mn);
-#pragma GCC unroll 16
-        for (int r = 0; r < MQ; r++) {
-            const int64_t n = i0 + r - j0 + 1;
-            const __m512 mv = _mm512_set1_ps(m[r]); /* lanes the row does not see are masked to p = 0 */
+            __mmask16 vis[NV];
+            for (int w = 0; w < NV; w++) vis[w] = diag ? first_lanes(n - 16 * w) : (__mmask16)0xffff;
+            const __m512 up = _mm512_set1_ps(m[r] + LAZY);
+            __mmask16 above = 0;
+            for (int w = 0; w < NV; w++) above |= _mm512_mask_cmp_ps_mask(vis[w], s[r][w], up, _CMP_GT_OQ);
+            if (above) {
+                __m512 t = ninf;
+                for (int w = 0; w < NV; w++) t = _mm512_mask_max_ps(t, vis[w], t, s[r][w]);
+                const float mn = _mm512_reduce_max_ps(t);
+                if (m[r] != -INFINITY) { /* acc and the sum are zero until the row's first key */
+                    const __m512 al = exp2_ps(_mm512_set1_ps(m[r] - mn));
+                    lv[r] = _mm512_mul_ps(lv[r], al);
+                    for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(acc[r] + c, _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c), al));
+                }
+                m[r] = mn;
+            }
+            const __m512 mv = _mm512_set1_ps(m[r]);
             __m512 ps = _mm512_setzero_ps();
             for (int w = 0; w < NV; w++) {
-                const __m512 p = _mm512_maskz_mov_ps(first_lanes(n - 16 * w), exp_ps(_mm512_sub_ps(s[r][w], mv)));
+                __m512 p = exp2_ps(_mm512_sub_ps(s[r][w], mv));
+                if (diag) p = _mm512_maskz_mov_ps(vis[w], p);
                 ps = _mm512_add_ps(ps, p);
                 _mm512_storeu_ps(pb[r] + 16 * w, p);
             }
-            lv[r] = _mm512_fmadd_ps(lv[r], _mm512_set1_ps(alpha[r]), ps);
+            lv[r] = _mm512_add_ps(lv[r], ps);
         }
         const int64_t jn = last - j0 + 1 < KB ? last - j0 + 1 : KB; /* keys no row sees carry p = 0 */
         int64_t c = 0;
@@ -167,7 +190,6 @@ int tritonspec_amx_enabled(void); /* linear.c: the CPU flags, TRITONSPEC_CPU_AMX
 #define AQ 16 /* query rows per AMX tile */
 #define AK 32 /* keys per block (one PV tile's contraction) */
 #define AMX_MIN_P 128 /* shorter prompts run the AVX-512 tile: as fast or faster below ~128 tokens (the split and packing) */
-#define LAZY 8.0f /* how far (log2 units) a score may pass a row's running maximum before it moves */
 
 typedef struct {
     uint8_t palette_id, start_row, reserved[14];
@@ -205,23 +227,6 @@ ALWAYS_INLINE void split3_ps(__m512 x, __m512* x0, __m512* x1, __m512* x2) {
 }
 /* 32 bfloat16 values (exact in bfloat16, so the conversion does not round): lo's 16 then hi's 16 */
 ALWAYS_INLINE __m512i bf16_pair(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
-
-/* 2^x for x <= 0 (lanes below -126 give ~0, masked by the caller where invalid): Cephes' exp2f polynomial
- * (~2e-7 relative), five operations fewer than exp_ps: the AMX tile works in log2 units (scale * log2 e is
- * folded into the queries) */
-ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
 
 /* One KV head's K and V as AMX B tiles (1 KB each, three parts in a row), zero past P:
  *   K: tile ((n * DC + dc) * 3 + part): keys 16 n .. 16 n + 15 x head dims 32 dc .. 32 dc + 31, [d / 2][key][d % 2];
