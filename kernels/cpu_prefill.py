@@ -13,8 +13,9 @@ On CPUs with AMX (Sapphire Rapids and later), prompts of at least ``AMX_MIN_TOKE
 that is a multiple of 32 run both products on the tile unit instead (``set_amx``): each float32 operand split
 exactly into three bfloat16 parts, six of the nine part products kept (the dropped three are below 2^-21 of
 the product), accumulated in float32, so the error stays float32-class (measured closer to a float64
-reference than the AVX-512 tile). 1.3-1.6x faster than the AVX-512 tile on the demo's heads from ~300
-tokens, 1.1-1.3x on SmolLM2's; demo prefill 12-20 % shorter per prompt (``perf/CPU_DECODE.md``).
+reference than the AVX-512 tile). 1.15-1.25x faster than the AVX-512 tile on the demo's heads from ~256
+tokens, 1.1-1.15x on SmolLM2's from ~300; long demo prompts prefill ~16 % faster than at the start of the
+session that added both tiles' lazy-maximum softmax (``perf/CPU_DECODE.md``).
 
 Not row-invariant, either path (neither is SDPA): prompts only. Shares the build, cache and ``cpu_linear``
 switch of ``kernels.cpu_linear``.
