@@ -306,7 +306,7 @@ ALWAYS_INLINE void amx_scores_store(float* s) { /* s [AQ][AK] */
     _tile_stored(1, s + 16, AK * 4);
 }
 
-/* ot [AQ][PF_MAX_D] = p @ V of key block blk (p's parts pa [3][AQ][AK]), 32 head dims at a time in tiles 0 and 1 */
+/* ot [AQ][D] = p @ V of key block blk (p's parts pa [3][AQ][AK]), 32 head dims at a time in tiles 0 and 1 */
 ALWAYS_INLINE void amx_pv(uint16_t (*pa)[AQ][AK], const uint16_t* vt, int64_t blk, int64_t C, float* ot) {
     _tile_loadd(2, pa[0], 64);
     _tile_loadd(3, pa[1], 64);
@@ -316,16 +316,16 @@ ALWAYS_INLINE void amx_pv(uint16_t (*pa)[AQ][AK], const uint16_t* vt, int64_t bl
         _tile_zero(0);
         _tile_zero(1);
         six_terms(v0, v0 + 3 * 512);
-        _tile_stored(0, ot + c * 16, PF_MAX_D * 4);
-        _tile_stored(1, ot + c * 16 + 16, PF_MAX_D * 4);
+        _tile_stored(0, ot + c * 16, C * 64);
+        _tile_stored(1, ot + c * 16 + 16, C * 64);
     }
 }
 
-/* acc += ot (a block's p @ V, rows [AQ][PF_MAX_D]) */
-ALWAYS_INLINE void add_block(float (*acc)[PF_MAX_D], const float* ot, int64_t D) {
+/* acc [AQ][D] += ot [AQ][D] (a block's p @ V) */
+ALWAYS_INLINE void add_block(float* acc, const float* ot, int64_t D) {
     for (int r = 0; r < AQ; r++)
         for (int64_t c = 0; c < D; c += 16)
-            _mm512_store_ps(acc[r] + c, _mm512_add_ps(_mm512_load_ps(acc[r] + c), _mm512_load_ps(ot + r * PF_MAX_D + c)));
+            _mm512_store_ps(acc + r * D + c, _mm512_add_ps(_mm512_load_ps(acc + r * D + c), _mm512_load_ps(ot + r * D + c)));
 }
 
 /* Query rows i0 .. i0 + nq - 1 (nq <= AQ) of one head over its KV head's packed K and V (pack_kv_amx). The
@@ -338,8 +338,8 @@ static void tile_amx(const float* q, int64_t sqp, const uint16_t* kt, const uint
     uint16_t qa[PF_MAX_D / 32][3][AQ][32] __attribute__((aligned(64)));
     uint16_t pa[2][3][AQ][AK] __attribute__((aligned(64)));
     float s[2][AQ][AK] __attribute__((aligned(64)));
-    float ot[2][AQ][PF_MAX_D] __attribute__((aligned(64)));
-    float acc[AQ][PF_MAX_D] __attribute__((aligned(64)));
+    float ot[2][AQ * PF_MAX_D] __attribute__((aligned(64))); /* rows of D (a row's stride is D, not PF_MAX_D: */
+    float accb[AQ * PF_MAX_D] __attribute__((aligned(64)));  /* the tile's working set stays small in L1) */
     float l[AQ][16] __attribute__((aligned(64)));
     float m[AQ];
     const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f); /* scores in log2 units */
@@ -351,7 +351,7 @@ static void tile_amx(const float* q, int64_t sqp, const uint16_t* kt, const uint
             split3_ps(r < nq ? _mm512_mul_ps(_mm512_loadu_ps(qr + 16), sc) : _mm512_setzero_ps(), &y[0], &y[1], &y[2]);
             for (int t = 0; t < 3; t++) _mm512_store_si512(qa[dc][t][r], bf16_pair(x[t], y[t]));
         }
-        memset(acc[r], 0, sizeof(float) * D);
+        memset(accb + r * D, 0, sizeof(float) * D);
         _mm512_store_ps(l[r], _mm512_setzero_ps());
         m[r] = -INFINITY;
     }
@@ -379,12 +379,12 @@ static void tile_amx(const float* q, int64_t sqp, const uint16_t* kt, const uint
                 const float mn = _mm512_reduce_max_ps(t);
                 if (m[r] != -INFINITY) { /* acc and l are zero until the row's first key */
                     if (pending >= 0) { /* the previous block's p @ V belongs to the old maximum */
-                        add_block(acc, &ot[pending & 1][0][0], D);
+                        add_block(accb, ot[pending & 1], D);
                         pending = -1;
                     }
                     const __m512 al = exp2_ps(_mm512_set1_ps(m[r] - mn));
                     _mm512_store_ps(l[r], _mm512_mul_ps(_mm512_load_ps(l[r]), al));
-                    for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(acc[r] + c, _mm512_mul_ps(_mm512_load_ps(acc[r] + c), al));
+                    for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(accb + r * D + c, _mm512_mul_ps(_mm512_load_ps(accb + r * D + c), al));
                 }
                 m[r] = mn;
             }
@@ -401,15 +401,15 @@ static void tile_amx(const float* q, int64_t sqp, const uint16_t* kt, const uint
             for (int t = 0; t < 3; t++) _mm512_store_si512(pa[blk & 1][t][r], bf16_pair(x[t], y[t]));
         }
         if (blk + 1 < nb) amx_scores_store(&s[(blk + 1) & 1][0][0]);
-        if (pending >= 0) add_block(acc, &ot[pending & 1][0][0], D);
-        amx_pv(pa[blk & 1], vt, blk, C, &ot[blk & 1][0][0]);
+        if (pending >= 0) add_block(accb, ot[pending & 1], D);
+        amx_pv(pa[blk & 1], vt, blk, C, ot[blk & 1]);
         pending = blk;
     }
-    add_block(acc, &ot[pending & 1][0][0], D);
+    add_block(accb, ot[pending & 1], D);
     for (int r = 0; r < nq; r++) {
         const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(l[r])));
         float* orow = o + (i0 + r) * sop;
-        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(acc[r] + c), inv));
+        for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(accb + r * D + c), inv));
     }
 }
 
