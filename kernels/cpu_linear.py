@@ -66,7 +66,7 @@ SOURCES = tuple(
     for f in ("linear.c", "attention.c", "norm.c", "rope_kv.c", "tree_ops.c", "prefill.c")
 )
 # included by the sources: part of the build key
-HEADERS = tuple(Path(__file__).parent / "cpu" / f for f in ("avx2.h", "bf16.h", "exp.h", "hsum.h"))
+HEADERS = tuple(Path(__file__).parent / "cpu" / f for f in ("amx.h", "avx2.h", "bf16.h", "exp.h", "hsum.h"))
 OP_SOURCE = Path(__file__).parent / "cpu" / "linear_op.cpp"
 MODES = ("auto", "kernel", "torch")
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")

@@ -20,6 +20,15 @@ WHY = cl.available(torch.float32)
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"CPU kernels unavailable here: {WHY}")
 
 
+@pytest.fixture(autouse=True)
+def avx512_tile():
+    """This file tests the AVX-512 (or AVX2) tile: on CPUs with AMX, prompts of ``AMX_MIN_TOKENS`` or more would
+    run the AMX tile instead, which ``tests/test_cpu_prefill_amx.py`` tests."""
+    old = cp.set_amx(False)
+    yield
+    cp.set_amx(old)
+
+
 def _case(g, B, P, Hq, Hkv, D):
     return tuple(torch.randn(B, P, h, D, generator=g) for h in (Hq, Hkv, Hkv))
 

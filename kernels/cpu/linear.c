@@ -701,12 +701,7 @@ int tritonspec_linear_f32_bf16_panels(const float* x, int64_t M, int64_t ldx, co
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
+#include "amx.h"
 
 static int amx_state = -1; /* -1 undecided, 0 off, 1 on */
 
@@ -722,14 +717,8 @@ int tritonspec_amx_enabled(void) {
 /* tiles 0-3: C [rows][16] float32; 4: x [rows][32] bf16; 5-6: packed weights [16 pairs][16 x 2] */
 static inline void amx_rows(int rows, int* current) {
     if (*current == rows) return;
-    tile_config c;
-    memset(&c, 0, sizeof c);
-    c.palette_id = 1;
-    for (int t = 0; t < 7; t++) {
-        c.rows[t] = t <= 4 ? (uint8_t)rows : 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
+    const uint8_t r = (uint8_t)rows, n[7] = {r, r, r, r, r, 16, 16};
+    amx_configure(7, n);
     *current = rows;
 }
 

@@ -27,6 +27,18 @@
 
 #define SMALL_ROWS 64 /* calls with fewer rows run on one thread */
 
+/* ROW (an expression of m) for each row m < M: a plain loop on one thread below SMALL_ROWS rows or with one
+ * thread (an OpenMP region costs ~0.2 us even then), else the rows split statically over the threads */
+#define FOR_ROWS(M, threads, ROW)                                                                              \
+    do {                                                                                                      \
+        if ((M) < SMALL_ROWS || (threads) <= 1) {                                                             \
+            for (int64_t m = 0; m < (M); m++) ROW;                                                            \
+        } else {                                                                                              \
+            _Pragma("omp parallel for schedule(static) num_threads(threads)")                                 \
+            for (int64_t m = 0; m < (M); m++) ROW;                                                            \
+        }                                                                                                     \
+    } while (0)
+
 static inline __mmask16 tail16(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
 static inline __m512 ld_f32(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 static inline __m512 ld_bf16(const uint16_t* p, __mmask16 m) {
@@ -47,8 +59,8 @@ static inline void st_bf16(uint16_t* p, __m512 v, __mmask16 m) { /* v already bf
 }
 
 /* x, residual: rows at strides ldx, ldr (unit stride along H); y, s: [M, H] contiguous (s written when
- * residual is given). One thread runs the rows in a plain loop: an OpenMP region costs ~0.2 us even with one
- * thread, and EAGLE-3.1's fc_norm gather (linear_op.cpp aux_gather) calls this once per row and chunk. */
+ * residual is given). FOR_ROWS: EAGLE-3.1's fc_norm gather (linear_op.cpp aux_gather) calls this once per row
+ * and chunk, on one thread, where an OpenMP region would cost more than the row. */
 #define RMS(NAME, T, LD, RND, ST)                                                                            \
     static inline __attribute__((always_inline)) void NAME##_row(const T* xr, const T* rr, const T* w,       \
                                                                  int64_t H, float eps, T* yr, T* sr) {       \
@@ -72,14 +84,7 @@ static inline void st_bf16(uint16_t* p, __m512 v, __mmask16 m) { /* v already bf
     }                                                                                                         \
     void NAME(const T* x, int64_t ldx, const T* r, int64_t ldr, const T* w, int64_t M, int64_t H, float eps,  \
               T* y, T* s, int threads) {                                                                      \
-        if (M < SMALL_ROWS || threads <= 1) {                                                                 \
-            for (int64_t m = 0; m < M; m++)                                                                   \
-                NAME##_row(x + m * ldx, r ? r + m * ldr : 0, w, H, eps, y + m * H, r ? s + m * H : 0);        \
-            return;                                                                                           \
-        }                                                                                                     \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
-        for (int64_t m = 0; m < M; m++)                                                                       \
-            NAME##_row(x + m * ldx, r ? r + m * ldr : 0, w, H, eps, y + m * H, r ? s + m * H : 0);            \
+        FOR_ROWS(M, threads, NAME##_row(x + m * ldx, r ? r + m * ldr : 0, w, H, eps, y + m * H, r ? s + m * H : 0)); \
     }
 
 RMS(tritonspec_rms_norm_f32, float, ld_f32, rnd_f32, st_f32)
@@ -98,12 +103,7 @@ RMS(tritonspec_rms_norm_bf16, uint16_t, ld_bf16, rnd_bf16, st_bf16)
         }                                                                                                     \
     }                                                                                                         \
     void NAME(const T* x, int64_t ldx, int64_t M, int64_t I, T* y, int threads) {                             \
-        if (M < SMALL_ROWS || threads <= 1) {                                                                 \
-            for (int64_t m = 0; m < M; m++) NAME##_row(x + m * ldx, I, y + m * I);                            \
-            return;                                                                                           \
-        }                                                                                                     \
-        _Pragma("omp parallel for schedule(static) num_threads(threads)")                                     \
-        for (int64_t m = 0; m < M; m++) NAME##_row(x + m * ldx, I, y + m * I);                                \
+        FOR_ROWS(M, threads, NAME##_row(x + m * ldx, I, y + m * I));                                          \
     }
 
 SILU_MUL(tritonspec_silu_mul_f32, float, ld_f32, rnd_f32, st_f32)

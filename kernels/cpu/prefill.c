@@ -30,37 +30,57 @@
 #include <string.h>
 
 #include "avx2.h" /* AVX2 + FMA CPUs: the AVX-512 intrinsics below, emulated lane for lane */
+#include "amx.h"
+#include "exp.h"
 
 #define MQ 8        /* query rows per tile */
 #define NV 2        /* 16-key vectors per block (MQ x NV score registers; 8 x 2 measured fastest: 4 x 4, 6 x 4,
                      * 6 x 2, 10 x 2, 12 x 2 and 16 x 1 were as fast or slower) */
 #define KB (16 * NV) /* keys per block */
+#if NV != 2
+#error "max_moves and row_p take a block of two 16-key vectors"
+#endif
 #define PF_MAX_D 256 /* head dim */
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 #define LAZY 8.0f /* how far (log2 units) a score may pass a row's running maximum before it moves */
 
-/* 2^x for x <= LAZY (a score may pass its row's lazy maximum by that much; lanes below -126 give ~0, and
- * masked lanes may overflow: the caller zeroes them): Cephes' exp2f polynomial (~2e-7 relative), five
- * operations fewer than exp.h's exp_ps: both tiles work in log2 units (scale * log2 e folded into the queries) */
-ALWAYS_INLINE __m512 exp2_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
-
 /* lanes [0, n) of 16 (n clamped to [0, 16]) */
 ALWAYS_INLINE __mmask16 first_lanes(int64_t n) {
     return n >= 16 ? (__mmask16)0xffff : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+/* The online softmax of one query row over a block of 32 keys (both tiles: scores s[0], s[1] in log2 units;
+ * vis: the keys the row sees), with a lazy maximum: the row's maximum m moves, and its sum and acc are
+ * rescaled, only when a visible score passes m by more than LAZY, so p = 2^(s - m) stays below 2^LAZY. */
+
+/* whether the row's maximum m moves in this block; if so, *mn is the block's visible maximum */
+ALWAYS_INLINE int max_moves(const __m512 s[2], const __mmask16 vis[2], float m, float* mn) {
+    const __m512 up = _mm512_set1_ps(m + LAZY);
+    if (!(_mm512_mask_cmp_ps_mask(vis[0], s[0], up, _CMP_GT_OQ) | _mm512_mask_cmp_ps_mask(vis[1], s[1], up, _CMP_GT_OQ)))
+        return 0;
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    const __m512 t = _mm512_mask_max_ps(ninf, vis[0], ninf, s[0]);
+    *mn = _mm512_reduce_max_ps(_mm512_mask_max_ps(t, vis[1], t, s[1]));
+    return 1;
+}
+
+/* the row's sum (lane-wise) and acc [D] from maximum m to mn: times 2^(m - mn) */
+ALWAYS_INLINE void rescale_row(__m512* l, float* acc, int64_t D, float m, float mn) {
+    const __m512 al = exp2_ps(_mm512_set1_ps(m - mn));
+    *l = _mm512_mul_ps(*l, al);
+    for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(acc + c, _mm512_mul_ps(_mm512_loadu_ps(acc + c), al));
+}
+
+/* p = 2^(s - m), zero on the keys the row does not see (diag: the block crosses the diagonal), added to the sum */
+ALWAYS_INLINE void row_p(const __m512 s[2], const __mmask16 vis[2], int diag, float m, __m512 p[2], __m512* l) {
+    const __m512 mv = _mm512_set1_ps(m);
+    for (int w = 0; w < 2; w++) {
+        p[w] = exp2_ps(_mm512_sub_ps(s[w], mv));
+        if (diag) p[w] = _mm512_maskz_mov_ps(vis[w], p[w]);
+    }
+    *l = _mm512_add_ps(*l, _mm512_add_ps(p[0], p[1]));
 }
 
 /* acc[r][c .. c + 16 W) += sum_{j < jn} pb[r][j] v[j][c ...], W = 1 or 2 vectors (a rescale ran before, where due) */
@@ -101,7 +121,6 @@ static void tile(const float* q, int64_t sqp, const float* kt, const float* v, i
         lv[r] = _mm512_setzero_ps();
     }
     const int64_t last = i0 + nq - 1; /* keys 0 .. last are visible to some row */
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
     for (int64_t j0 = 0; j0 <= last; j0 += KB) {
         __m512 s[MQ][NV];
 #pragma GCC unroll 16
@@ -117,38 +136,21 @@ static void tile(const float* q, int64_t sqp, const float* kt, const float* v, i
                 for (int w = 0; w < NV; w++) s[r][w] = _mm512_fmadd_ps(qb, kk[w], s[r][w]);
             }
         }
-        /* the online softmax with a lazy maximum (log2 units): a row's m moves, and its sum and acc are
-         * rescaled, only when a score passes it by more than LAZY; keys past a row's own position are masked
-         * (the diagonal block only) */
+        /* the online softmax (max_moves, rescale_row, row_p); masks on the diagonal block only */
         const int diag = j0 + KB - 1 > i0; /* some row does not see every key of this block */
 #pragma GCC unroll 16
         for (int r = 0; r < MQ; r++) {
             const int64_t n = i0 + r - j0 + 1; /* keys j0 .. i0 + r of this block are visible */
-            __mmask16 vis[NV];
-            for (int w = 0; w < NV; w++) vis[w] = diag ? first_lanes(n - 16 * w) : (__mmask16)0xffff;
-            const __m512 up = _mm512_set1_ps(m[r] + LAZY);
-            __mmask16 above = 0;
-            for (int w = 0; w < NV; w++) above |= _mm512_mask_cmp_ps_mask(vis[w], s[r][w], up, _CMP_GT_OQ);
-            if (above) {
-                __m512 t = ninf;
-                for (int w = 0; w < NV; w++) t = _mm512_mask_max_ps(t, vis[w], t, s[r][w]);
-                const float mn = _mm512_reduce_max_ps(t);
-                if (m[r] != -INFINITY) { /* acc and the sum are zero until the row's first key */
-                    const __m512 al = exp2_ps(_mm512_set1_ps(m[r] - mn));
-                    lv[r] = _mm512_mul_ps(lv[r], al);
-                    for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(acc[r] + c, _mm512_mul_ps(_mm512_loadu_ps(acc[r] + c), al));
-                }
+            const __mmask16 vis[2] = {diag ? first_lanes(n) : (__mmask16)0xffff, diag ? first_lanes(n - 16) : (__mmask16)0xffff};
+            float mn;
+            if (max_moves(s[r], vis, m[r], &mn)) {
+                if (m[r] != -INFINITY) rescale_row(&lv[r], acc[r], D, m[r], mn); /* zero until the row's first key */
                 m[r] = mn;
             }
-            const __m512 mv = _mm512_set1_ps(m[r]);
-            __m512 ps = _mm512_setzero_ps();
-            for (int w = 0; w < NV; w++) {
-                __m512 p = exp2_ps(_mm512_sub_ps(s[r][w], mv));
-                if (diag) p = _mm512_maskz_mov_ps(vis[w], p);
-                ps = _mm512_add_ps(ps, p);
-                _mm512_storeu_ps(pb[r] + 16 * w, p);
-            }
-            lv[r] = _mm512_add_ps(lv[r], ps);
+            __m512 p[2];
+            row_p(s[r], vis, diag, m[r], p, &lv[r]);
+            _mm512_storeu_ps(pb[r], p[0]);
+            _mm512_storeu_ps(pb[r] + 16, p[1]);
         }
         const int64_t jn = last - j0 + 1 < KB ? last - j0 + 1 : KB; /* keys no row sees carry p = 0 */
         int64_t c = 0;
@@ -176,26 +178,19 @@ static void tile(const float* q, int64_t sqp, const float* kt, const float* v, i
  *
  * A tile is 16 query rows of one head; a block 32 keys: the scores as two 16 x 16 tiles (6 TDPBF16PS each
  * per 32 head dims, two independent chains), an online softmax on AVX-512 in log2 units (scale * log2 e
- * folded into the queries, exp2_ps) with a lazy maximum (a row's maximum moves, and acc and the sum are
- * rescaled, only when a score passes it by more than LAZY), p split into three parts, then p @ V as 16 x 16
+ * folded into the queries, exp2_ps) with the AVX-512 tile's lazy maximum (max_moves, rescale_row, row_p),
+ * p split into three parts, then p @ V as 16 x 16
  * tiles over 16 head dims each (6 TDPBF16PS). K and V are packed once per KV head into the tiles' layouts
  * (pack_kv_amx). Block b + 1's scores are issued before block b's softmax and block b's p @ V is added after
  * block b + 1's, so the tile unit and the vector units can overlap. AMX reads bfloat16 inputs below 2^-126 as
- * zero (parts of values that small). Demo heads (4 / 2, D 32), one thread, the kernel alone against the
- * AVX-512 tile (2026-12-06, Xeon): 394 tokens 1.37-1.45x, 1,666 tokens 1.42-1.49x, 128 tokens 1.15x, 64
- * tokens 0.97x (hence AMX_MIN_P); SmolLM2's (9 / 3, D 64) 200 tokens 1.12x, 1,000 tokens 1.26x.
+ * zero (parts of values that small). One thread, the kernel alone against the AVX-512 tile with the same
+ * softmax (2026-12-06, Xeon): demo heads (4 / 2, D 32) 128 tokens 1.06x, 256 1.15x, 394-2,600 1.22-1.25x;
+ * SmolLM2's (9 / 3, D 64) 128-200 tokens 0.99-1.01x, 300-1,000 1.12-1.15x. At 64 tokens it measured no faster
+ * than the AVX-512 tile of the time (the split and the packing), hence AMX_MIN_P.
  * ------------------------------------------------------------------------------------------------------ */
-int tritonspec_amx_enabled(void); /* linear.c: the CPU flags, TRITONSPEC_CPU_AMX and the OS's permission */
-
 #define AQ 16 /* query rows per AMX tile */
 #define AK 32 /* keys per block (one PV tile's contraction) */
 #define AMX_MIN_P 128 /* shorter prompts run the AVX-512 tile: as fast or faster below ~128 tokens (the split and packing) */
-
-typedef struct {
-    uint8_t palette_id, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} pf_tile_config;
 
 static int pf_amx_on = -1; /* -1 undecided; 0 off; 1 on */
 static int64_t pf_amx_calls = 0; /* calls the AMX path ran (kernels/cpu_prefill.py amx_calls: tests see the path) */
@@ -340,7 +335,7 @@ static void tile_amx(const float* q, int64_t sqp, const uint16_t* kt, const uint
     float s[2][AQ][AK] __attribute__((aligned(64)));
     float ot[2][AQ * PF_MAX_D] __attribute__((aligned(64))); /* rows of D (a row's stride is D, not PF_MAX_D: */
     float accb[AQ * PF_MAX_D] __attribute__((aligned(64)));  /* the tile's working set stays small in L1) */
-    float l[AQ][16] __attribute__((aligned(64)));
+    __m512 l[AQ]; /* the rows' sums, lane-wise */
     float m[AQ];
     const __m512 sc = _mm512_set1_ps(scale * 1.44269504088896341f); /* scores in log2 units */
     for (int r = 0; r < AQ; r++) {
@@ -352,11 +347,10 @@ static void tile_amx(const float* q, int64_t sqp, const uint16_t* kt, const uint
             for (int t = 0; t < 3; t++) _mm512_store_si512(qa[dc][t][r], bf16_pair(x[t], y[t]));
         }
         memset(accb + r * D, 0, sizeof(float) * D);
-        _mm512_store_ps(l[r], _mm512_setzero_ps());
+        l[r] = _mm512_setzero_ps();
         m[r] = -INFINITY;
     }
     const int64_t last = i0 + nq - 1, nb = last / AK + 1; /* key blocks some row sees */
-    const __m512 ninf = _mm512_set1_ps(-INFINITY);
     int64_t pending = -1; /* the block whose p @ V is in ot but not yet in acc */
     amx_scores(qa, kt, 0, DC);
     amx_scores_store(&s[0][0][0]);
@@ -364,40 +358,27 @@ static void tile_amx(const float* q, int64_t sqp, const uint16_t* kt, const uint
         const int64_t j0 = blk * AK;
         if (blk + 1 < nb) amx_scores(qa, kt, blk + 1, DC);
         float(*sb)[AK] = s[blk & 1];
-        /* the online softmax with a lazy maximum: a row's m moves only when a score exceeds it by more than
-         * LAZY (log2 units), so p = 2^(s - m) stays below 2^LAZY, and the rescale (acc and l times 2^(m_old -
-         * m_new)) runs once per move, not once per block; keys past a row's own position are masked (the
-         * diagonal block only) */
+        /* the online softmax (max_moves, rescale_row, row_p); masks on the diagonal block only */
         const int diag = j0 + AK - 1 > i0; /* some row does not see every key of this block */
         for (int r = 0; r < AQ; r++) {
             const int64_t nv = i0 + r - j0 + 1;
-            const __mmask16 k0 = diag ? first_lanes(nv) : 0xffff, k1 = diag ? first_lanes(nv - 16) : 0xffff;
-            const __m512 s0 = _mm512_load_ps(sb[r]), s1 = _mm512_load_ps(sb[r] + 16);
-            const __m512 up = _mm512_set1_ps(m[r] + LAZY);
-            if (_mm512_mask_cmp_ps_mask(k0, s0, up, _CMP_GT_OQ) | _mm512_mask_cmp_ps_mask(k1, s1, up, _CMP_GT_OQ)) {
-                const __m512 t = _mm512_max_ps(_mm512_mask_mov_ps(ninf, k0, s0), _mm512_mask_mov_ps(ninf, k1, s1));
-                const float mn = _mm512_reduce_max_ps(t);
-                if (m[r] != -INFINITY) { /* acc and l are zero until the row's first key */
+            const __mmask16 vis[2] = {diag ? first_lanes(nv) : (__mmask16)0xffff, diag ? first_lanes(nv - 16) : (__mmask16)0xffff};
+            const __m512 sv[2] = {_mm512_load_ps(sb[r]), _mm512_load_ps(sb[r] + 16)};
+            float mn;
+            if (max_moves(sv, vis, m[r], &mn)) {
+                if (m[r] != -INFINITY) { /* acc and the sum are zero until the row's first key */
                     if (pending >= 0) { /* the previous block's p @ V belongs to the old maximum */
                         add_block(accb, ot[pending & 1], D);
                         pending = -1;
                     }
-                    const __m512 al = exp2_ps(_mm512_set1_ps(m[r] - mn));
-                    _mm512_store_ps(l[r], _mm512_mul_ps(_mm512_load_ps(l[r]), al));
-                    for (int64_t c = 0; c < D; c += 16) _mm512_store_ps(accb + r * D + c, _mm512_mul_ps(_mm512_load_ps(accb + r * D + c), al));
+                    rescale_row(&l[r], accb + r * D, D, m[r], mn);
                 }
                 m[r] = mn;
             }
-            const __m512 mv = _mm512_set1_ps(m[r]);
-            __m512 p0 = exp2_ps(_mm512_sub_ps(s0, mv)), p1 = exp2_ps(_mm512_sub_ps(s1, mv));
-            if (diag) {
-                p0 = _mm512_maskz_mov_ps(k0, p0);
-                p1 = _mm512_maskz_mov_ps(k1, p1);
-            }
-            _mm512_store_ps(l[r], _mm512_add_ps(_mm512_load_ps(l[r]), _mm512_add_ps(p0, p1)));
-            __m512 x[3], y[3];
-            split3_ps(p0, &x[0], &x[1], &x[2]);
-            split3_ps(p1, &y[0], &y[1], &y[2]);
+            __m512 p[2], x[3], y[3];
+            row_p(sv, vis, diag, m[r], p, &l[r]);
+            split3_ps(p[0], &x[0], &x[1], &x[2]);
+            split3_ps(p[1], &y[0], &y[1], &y[2]);
             for (int t = 0; t < 3; t++) _mm512_store_si512(pa[blk & 1][t][r], bf16_pair(x[t], y[t]));
         }
         if (blk + 1 < nb) amx_scores_store(&s[(blk + 1) & 1][0][0]);
@@ -407,7 +388,7 @@ static void tile_amx(const float* q, int64_t sqp, const uint16_t* kt, const uint
     }
     add_block(accb, ot[pending & 1], D);
     for (int r = 0; r < nq; r++) {
-        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(_mm512_load_ps(l[r])));
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));
         float* orow = o + (i0 + r) * sop;
         for (int64_t c = 0; c < D; c += 16) _mm512_storeu_ps(orow + c, _mm512_mul_ps(_mm512_load_ps(accb + r * D + c), inv));
     }
@@ -429,14 +410,8 @@ static int prefill_amx(const float* q, int64_t B, int64_t P, int64_t Hq, int64_t
             const int64_t b = bg / Hkv, g = bg % Hkv;
             pack_kv_amx(k + b * skb + g * skh, skp, v + b * svb + g * svh, svp, P, D, nblk, kt + bg * per, vt + bg * per);
         }
-        pf_tile_config cfg;
-        memset(&cfg, 0, sizeof cfg);
-        cfg.palette_id = 1;
-        for (int t = 0; t < 8; t++) {
-            cfg.rows[t] = 16;
-            cfg.colsb[t] = 64;
-        }
-        _tile_loadconfig(&cfg);
+        static const uint8_t rows16[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+        amx_configure(8, rows16);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < ntile * heads; t++) { /* the last (heaviest) query tiles first */
             const int64_t blk = ntile - 1 - t / heads, bh = t % heads, b = bh / Hq, h = bh % Hq, g = h / G;
