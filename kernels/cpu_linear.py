@@ -25,6 +25,13 @@ end), whatever register tile computes it. Also row-invariant by construction, 0.
 than MKL up to 256 rows; bfloat16 panels stream half the bytes, about half the float32 panels' time
 at 1-3 rows (perf/CPU_DECODE.md); a packed weight runs it at every row count.
 
+A prompt's float32 calls of at least ``PROMPT_AMX_ROWS`` rows run a third kernel on CPUs with AMX
+(``set_prompt_amx``; ``TRITONSPEC_CPU_PREFILL_AMX=0`` turns it off with the prompt attention's): x and the
+weight split exactly into three bfloat16 parts each (``pack_amx3``, cached per weight: 1.5x the float32
+weights' bytes), six of the nine part products on the tile unit, accumulated in float32. Float32-class error
+(closer to a float64 reference than the panel kernel) at 1.3-1.8x its speed from a few hundred rows; it rounds
+differently, so decode rounds and deterministic mode never run it.
+
 It is a C kernel, not Triton, because Triton has no CPU target here. It is built on first use with
 the system C compiler (``$CC``, else ``gcc``, else ``cc``; ``-O3 -march=native -fopenmp``, about a
 second), cached under ``$TRITONSPEC_CACHE/cpu_kernels`` keyed by the source, the compiler and the
@@ -48,6 +55,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -226,6 +234,10 @@ def _library() -> ctypes.CDLL:
         fn.restype = ctypes.c_int
     lib.tritonspec_amx_enabled.argtypes = []
     lib.tritonspec_amx_enabled.restype = ctypes.c_int
+    lib.tritonspec_linear_f32_amx3.argtypes = [p, i64, i64, p, i64, i64, p, p, i64, ctypes.c_int]
+    lib.tritonspec_linear_f32_amx3.restype = ctypes.c_int
+    lib.tritonspec_pack_f32_amx3.argtypes = [p, i64, i64, p, ctypes.c_int]
+    lib.tritonspec_pack_f32_amx3.restype = None
     _knob_types(lib)
     for name in ("tritonspec_tree_attention_f32", "tritonspec_tree_attention_bf16"):
         fn = getattr(lib, name)
@@ -292,8 +304,14 @@ KNOBS = (
     "tritonspec_panels_tall_rows",
     "tritonspec_attention_kt",
     "tritonspec_prefill_amx",
+    "tritonspec_prompt_linear_amx",
 )
-COUNTERS = ("tritonspec_panels_tall_calls", "tritonspec_attention_kt_blocks", "tritonspec_prefill_amx_calls")
+COUNTERS = (
+    "tritonspec_panels_tall_calls",
+    "tritonspec_attention_kt_blocks",
+    "tritonspec_prefill_amx_calls",
+    "tritonspec_prompt_linear_amx_calls",
+)
 
 
 def _knob_types(lib: ctypes.CDLL) -> None:
@@ -606,6 +624,147 @@ def unpack(weight: torch.Tensor) -> torch.Tensor:  # [N, K]
 unpack_bf16 = unpack  # the name before float32 panels existed
 
 
+# A prompt's float32 calls of at least this many rows run on AMX in three-part bfloat16 splits
+# (``kernels/cpu/linear.c`` ``tritonspec_linear_f32_amx3``; ``set_prompt_amx``). One thread, Xeon with AMX
+# (2026-12-06): 1.2-2.5x the panel kernel's speed from 16-32 rows on the demo's and SmolLM2's shapes;
+# from 64 rows on two threads as well (fewer rows split thinly over two threads).
+PROMPT_AMX_ROWS = 64
+_prompt_amx_on: bool | None = None  # the switch as Python sees it (None: not decided yet)
+_amx3_cache: dict = {}  # weight id -> (weakref, version, packed parts): filled by _amx3_weight
+
+
+def pack_amx3(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K/32, 3, 16, 32] int16 (bfloat16 bits)
+    """A float32 ``weight [N, K]`` (or its ``pack_panels`` form) split exactly into three bfloat16 parts
+    ``w = w0 + w1 + w2`` (``w0``: ``w`` truncated to bfloat16, ``w1``: the remainder truncated, ``w2``: what is
+    left, exact in bfloat16 down to 2^-126), in the AMX tile layout of ``kernels/cpu/linear.c``:
+    ``wp[nb, kb, t, p, 2 j + i]`` = the bits of part ``t`` of ``w[16 nb + j, 32 kb + 2 p + i]``. What a
+    prompt's float32 calls run on AMX (``set_prompt_amx``); 1.5x the float32 weight's bytes. Packed by the C
+    library where it loads (~10x ``pack_amx3_reference``'s speed: SmolLM2's projections in ~0.1 s), else by the
+    reference; the same bits either way.
+
+    Example
+    -------
+    >>> w = torch.randn(32, 64)
+    >>> parts = pack_amx3(w).view(torch.bfloat16).float()  # [2, 2, 3, 16, 32]
+    >>> torch.equal(parts.sum(2).view(2, 2, 16, 16, 2).permute(0, 3, 1, 2, 4).reshape(32, 64), w)
+    True
+    """
+    w = unpack(weight)
+    if w.dtype != torch.float32 or w.dim() != 2 or w.shape[0] % 16 or w.shape[1] % 32:
+        raise ValueError(
+            f"pack_amx3 takes a float32 [N, K] weight with N % 16 == 0 and K % 32 == 0, not {w.dtype} {tuple(w.shape)}"
+        )
+    try:
+        lib = _library()
+    except CpuLinearUnavailable:
+        return pack_amx3_reference(w)
+    N, K = w.shape
+    w = w.contiguous()
+    out = torch.empty(N // 16, K // 32, 3, 16, 32, dtype=torch.int16)
+    lib.tritonspec_pack_f32_amx3(w.data_ptr(), N, K, out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def pack_amx3_reference(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K/32, 3, 16, 32] int16
+    """``pack_amx3`` in PyTorch ops (``weight``: float32 ``[N, K]``, N % 16 == 0, K % 32 == 0)."""
+    N, K = weight.shape
+    top = torch.tensor(-65536, dtype=torch.int32)  # 0xffff0000: sign, exponent and 7 significand bits
+    w = weight.contiguous()
+    w0 = (w.view(torch.int32) & top).view(torch.float32)
+    r = w - w0  # exact
+    w1 = (r.view(torch.int32) & top).view(torch.float32)
+    parts = torch.stack([w0, w1, r - w1])  # [3, N, K], each exact in bfloat16
+    bits = (parts.view(torch.int32) >> 16).to(torch.int16)
+    bits = bits.view(3, N // 16, 16, K // 32, 16, 2).permute(1, 3, 0, 4, 2, 5)
+    return bits.contiguous().view(N // 16, K // 32, 3, 16, 32)
+
+
+def set_prompt_amx(on: bool) -> bool:
+    """Run a prompt's float32 projections of at least ``PROMPT_AMX_ROWS`` rows on AMX (``pack_amx3`` weights,
+    packed on first use and cached, 1.5x the float32 weights' bytes) or on the panel/``[N, K]`` kernels;
+    returns the previous setting. On by default where AMX runs (``amx_available()``;
+    ``TRITONSPEC_CPU_PREFILL_AMX=0`` starts a process with it off, as for the prompt attention); elsewhere
+    it stays off (returns False). The two paths round differently (prompts only: decode rounds never run
+    it), so this is here for side-by-side measurements and tests. Turning it off frees the cached parts.
+
+    Example
+    -------
+    >>> old = set_prompt_amx(False)  # doctest: +SKIP
+    >>> _ = set_prompt_amx(old)  # doctest: +SKIP
+    """
+    global _prompt_amx_on
+    prev = _prompt_amx()
+    _set_rows_knob("tritonspec_prompt_linear_amx", int(on), "the AMX prompt projections")
+    _prompt_amx_on = bool(on) and amx_available() is None
+    if not _prompt_amx_on:
+        _amx3_cache.clear()
+    return prev
+
+
+def prompt_amx_calls() -> int:
+    """How many calls ran the AMX prompt path (``set_prompt_amx``) so far in this process: for tests."""
+    return _count("tritonspec_prompt_linear_amx_calls")
+
+
+def _prompt_amx() -> bool:
+    global _prompt_amx_on
+    if _prompt_amx_on is None:
+        _prompt_amx_on = os.environ.get("TRITONSPEC_CPU_PREFILL_AMX") != "0" and amx_available() is None
+    return _prompt_amx_on
+
+
+def _amx3_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``pack_amx3(weight)``, cached per weight tensor while it lives and until it is written in place."""
+    key = id(weight)
+    hit = _amx3_cache.get(key)
+    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+        return hit[2]
+    packed = pack_amx3(weight)
+    _amx3_cache[key] = (weakref.ref(weight, lambda _, k=key: _amx3_cache.pop(k, None)), weight._version, packed)
+    return packed
+
+
+def _prompt_linear_amx(
+    x: torch.Tensor,  # [..., K] float32
+    weight: torch.Tensor,  # [N, K] or [N/16, K, 16] (panels) float32
+    bias: torch.Tensor | None,  # [N] float32
+) -> torch.Tensor | None:  # [..., N], or None: another kernel runs the call
+    """A prompt's float32 call on AMX (``set_prompt_amx``) where it applies, else None."""
+    K = x.shape[-1]
+    if weight.dim() == 3 and weight.dtype == torch.float32:
+        N = weight.shape[0] * 16
+    elif weight.dim() == 2 and weight.dtype == torch.float32 and weight.shape[1] == K:
+        N = weight.shape[0]
+    else:
+        return None
+    if (
+        K % 32
+        or N % 16
+        or not _prompt_amx()
+        or (bias is not None and (bias.dtype != torch.float32 or bias.shape != (N,)))
+        or torch.is_grad_enabled()
+        and any(t is not None and t.requires_grad for t in (x, weight, bias))
+        or torch.compiler.is_compiling()
+        or get_proxy_mode() is not None
+        or isinstance(x, FakeTensor)
+    ):
+        return None
+    x2 = x.reshape(-1, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = x2.shape[0]
+    wp = _amx3_weight(weight)
+    y = torch.empty(M, N, dtype=torch.float32)
+    b = None if bias is None else bias.contiguous()
+    rc = _library().tritonspec_linear_f32_amx3(
+        x2.data_ptr(), M, x2.stride(0), wp.data_ptr(), N, K, None if b is None else b.data_ptr(), y.data_ptr(), N,
+        torch.get_num_threads(),
+    )  # fmt: skip
+    if rc == -2:
+        raise MemoryError(f"the AMX prompt kernel could not allocate its split rows ({M} x {K})")
+    return y.view(*x.shape[:-1], N) if rc == 0 else None
+
+
 def enabled(dtype: torch.dtype, choice: str = "auto") -> bool:
     """Whether the torch backend routes CPU ``linear`` calls of ``dtype`` to the kernel. ``choice``:
     a runtime's ``cpu_linear`` option; ``"auto"`` defers to ``TRITONSPEC_CPU_LINEAR`` (``mode()``)."""
@@ -760,7 +919,12 @@ def linear(
     (``torch.compile``, ``make_fx``) the kernel is an opaque operator (``tritonspec_cpu::linear``,
     else the Python custom op ``tritonspec::cpu_linear``), so compiled and eager rounds compute the
     same bits. A packed weight (``pack_bf16``, ``pack_panels``) always runs the kernel (any row count; no
-    autograd)."""
+    autograd). A float32 ``prompt`` call of at least ``PROMPT_AMX_ROWS`` rows runs on AMX where it runs
+    (``set_prompt_amx``)."""
+    if prompt and x.dtype == torch.float32 and x.numel() >= PROMPT_AMX_ROWS * max(x.shape[-1], 1):
+        y = _prompt_linear_amx(x, weight, bias)
+        if y is not None:
+            return y
     if is_packed(weight):
         bad_bias = bias is not None and bias.dtype != x.dtype
         if not dtypes_match(x, weight) or in_features(weight) != x.shape[-1] or bad_bias:

@@ -696,7 +696,7 @@ int tritonspec_linear_f32_bf16_panels(const float* x, int64_t M, int64_t ldx, co
 #include <stdlib.h>
 #include <string.h>
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include <sys/syscall.h>
 #include <unistd.h>
 #define ARCH_REQ_XCOMP_PERM 0x1023
@@ -804,6 +804,152 @@ int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, con
     }
     return 0;
 }
+
+/* ---------------------------------------------------------------------------------------------
+ * float32 prompt projections on AMX: y [M, N] = x [M, K] @ w^T (+ b) in three-part bfloat16 splits.
+ *
+ * A prompt's forward runs hundreds of rows through each projection, compute-bound: the AVX-512 panel
+ * kernel reaches this core's float32 peak there (~200 GFLOP/s). The tile unit multiplies bfloat16 at
+ * several times that rate, so each float32 operand is split exactly into three bfloat16 parts (amx.h
+ * split3_ps: x = x0 + x1 + x2) and six of the nine part products are kept (six_terms: the dropped
+ * three are below 2^-21 of the product), each exact in float32 and accumulated by TDPBF16PS in
+ * float32: float32-class error (measured closer to a float64 reference than the panel kernel), at
+ * 1.2-2.2x the panel kernel's speed from 64 rows (one thread; kernels/cpu_linear.py PROMPT_AMX_ROWS).
+ * It rounds differently from the panel kernel, so only a prompt's forward runs it (whose rows need
+ * not round like a decode step's, as with MKL on AVX2 CPUs), never a decode round or deterministic
+ * mode. Each output depends on its x row and weight row only, summed over k blocks in ascending
+ * order: a prompt's rows come out the same in any chunk or batch and on any thread count.
+ *
+ * Weights (kernels/cpu_linear.py pack_amx3, once per weight, cached): wp [N/16][K/32][3][16][32],
+ *     wp[nb][kb][t][p][2 j + i] = part t of w[16 nb + j][32 kb + 2 p + i]
+ * x: each thread splits its chunk of rows into the same layout ([rows/16][K/32][3][16][32]) first.
+ * A task is 16 rows x 32 columns: tiles 0-1 accumulate, 2-4 hold x's parts, 5-7 stream w's.
+ * --------------------------------------------------------------------------------------------- */
+#define AMX3_SCRATCH (1200 * 1024) /* bytes of split x rows per chunk: they stay in L2 while w passes */
+
+static int prompt_amx_on = -1; /* -1 undecided; 0 off; 1 on */
+static int64_t prompt_amx_calls = 0;
+
+/* On where AMX runs unless TRITONSPEC_CPU_PREFILL_AMX=0 at the first call (as prefill.c's attention) */
+static inline int prompt_amx(void) {
+    if (prompt_amx_on < 0) {
+        const char* e = getenv("TRITONSPEC_CPU_PREFILL_AMX");
+        prompt_amx_on = !(e && e[0] == '0') && tritonspec_amx_enabled();
+    }
+    return prompt_amx_on;
+}
+int tritonspec_prompt_linear_amx(int on) { /* 1 on (where AMX runs), 0 off; returns the previous setting */
+    const int prev = prompt_amx();
+    prompt_amx_on = on != 0 && tritonspec_amx_enabled();
+    return prev;
+}
+int64_t tritonspec_prompt_linear_amx_calls(void) { return prompt_amx_calls; }
+
+/* rows m0 .. m0 + rows - 1 of x (rows <= 16; zeros past them) as [K/32][3][16][32] */
+static void amx3_split_rows(const float* x, int64_t ldx, int rows, int64_t KB, uint16_t* xa) {
+    for (int r = 0; r < 16; r++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            __m512 a[3], c[3];
+            if (r < rows) {
+                split3_ps(_mm512_loadu_ps(x + r * ldx + kb * 32), &a[0], &a[1], &a[2]);
+                split3_ps(_mm512_loadu_ps(x + r * ldx + kb * 32 + 16), &c[0], &c[1], &c[2]);
+            } else {
+                a[0] = a[1] = a[2] = c[0] = c[1] = c[2] = _mm512_setzero_ps();
+            }
+            for (int t = 0; t < 3; t++) _mm512_store_si512(xa + ((kb * 3 + t) * 16 + r) * 32, bf16_pair(a[t], c[t]));
+        }
+}
+
+/* tile 0 += x (x) one column block's parts: six_terms for a single accumulator */
+AMX_INLINE void six_terms_one(const uint16_t* w) {
+    _tile_loadd(5, w, 64);
+    _tile_dpbf16ps(0, 2, 5); /* x0 w0 */
+    _tile_dpbf16ps(0, 3, 5); /* x1 w0 */
+    _tile_dpbf16ps(0, 4, 5); /* x2 w0 */
+    _tile_loadd(6, w + 512, 64);
+    _tile_dpbf16ps(0, 2, 6); /* x0 w1 */
+    _tile_dpbf16ps(0, 3, 6); /* x1 w1 */
+    _tile_loadd(7, w + 1024, 64);
+    _tile_dpbf16ps(0, 2, 7); /* x0 w2 */
+}
+
+/* y[m0 .. m0 + rows - 1][n0 .. n0 + 15] = tile t (+ b) */
+static inline void amx3_store(int t, int rows, const float* b, float* y, int64_t ldy, int64_t n0) {
+    float c[16 * 16] __attribute__((aligned(64)));
+    if (rows == 16 && !b) {
+        if (t == 0) _tile_stored(0, y + n0, ldy * 4);
+        else _tile_stored(1, y + n0, ldy * 4);
+        return;
+    }
+    if (t == 0) _tile_stored(0, c, 64);
+    else _tile_stored(1, c, 64);
+    const __m512 bias = b ? _mm512_loadu_ps(b + n0) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; r++) _mm512_storeu_ps(y + r * ldy + n0, _mm512_add_ps(_mm512_load_ps(c + r * 16), bias));
+}
+
+/* 0, or -1 when it does not run here (AMX off, or K % 32 or N % 16 not 0): the caller then runs another kernel */
+int tritonspec_linear_f32_amx3(const float* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t N, int64_t K,
+                               const float* b, float* y, int64_t ldy, int threads) {
+    if (!prompt_amx() || K % 32 || N % 16 || K <= 0) return -1;
+    const int64_t KB = K / 32, NB = N / 16, TILE = 3 * 512; /* a (block, k step)'s three parts */
+    if (M <= 0 || NB <= 0) return 0;
+    int64_t mc = AMX3_SCRATCH / (K * 6) / 16 * 16;
+    mc = mc < 16 ? 16 : mc > 256 ? 256 : mc;
+    const int64_t per = ((M + threads - 1) / threads + 15) / 16 * 16; /* every thread gets rows */
+    if (per < mc) mc = per;
+    const int64_t chunks = (M + mc - 1) / mc;
+    if (chunks < threads) threads = (int)chunks;
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        uint16_t* xa = aligned_alloc(64, (size_t)(mc / 16) * KB * TILE * sizeof(uint16_t));
+        if (!xa) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+            amx_configure(8, rows);
+        }
+#pragma omp for schedule(static)
+        for (int64_t ch = 0; ch < chunks; ch++) {
+            if (!xa) continue;
+            const int64_t m1 = ch * mc, mend = M - m1 < mc ? M : m1 + mc, nmb = (mend - m1 + 15) / 16;
+            for (int64_t i = 0; i < nmb; i++) {
+                const int64_t m0 = m1 + 16 * i;
+                amx3_split_rows(x + m0 * ldx, ldx, mend - m0 < 16 ? (int)(mend - m0) : 16, KB, xa + i * KB * TILE);
+            }
+            /* column pairs outer: a pair's weight parts stay in cache across the chunk's row blocks */
+            for (int64_t nb = 0; nb < NB; nb += 2) {
+                const uint16_t* w0 = wp + nb * KB * TILE;
+                const int two = nb + 1 < NB;
+                for (int64_t i = 0; i < nmb; i++) {
+                    const uint16_t* xb = xa + i * KB * TILE;
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    for (int64_t kb = 0; kb < KB; kb++) {
+                        _tile_loadd(2, xb + kb * TILE, 64);
+                        _tile_loadd(3, xb + kb * TILE + 512, 64);
+                        _tile_loadd(4, xb + kb * TILE + 1024, 64);
+                        if (two) six_terms(w0 + kb * TILE, w0 + (KB + kb) * TILE);
+                        else six_terms_one(w0 + kb * TILE);
+                    }
+                    const int64_t m0 = m1 + 16 * i;
+                    const int rows = mend - m0 < 16 ? (int)(mend - m0) : 16;
+                    amx3_store(0, rows, b, y + m0 * ldy, ldy, nb * 16);
+                    if (two) amx3_store(1, rows, b, y + m0 * ldy, ldy, nb * 16 + 16);
+                }
+            }
+        }
+        if (xa) {
+            _tile_release();
+            free(xa);
+        }
+    }
+    if (failed) return -2;
+#pragma omp atomic
+    prompt_amx_calls++;
+    return 0;
+}
 #else
 int tritonspec_amx_enabled(void) { return 0; }
 int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t N, int64_t K,
@@ -811,6 +957,48 @@ int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, con
     (void)x; (void)M; (void)ldx; (void)wp; (void)N; (void)K; (void)b; (void)y; (void)ldy; (void)threads;
     return -1;
 }
+int tritonspec_prompt_linear_amx(int on) { (void)on; return 0; }
+int64_t tritonspec_prompt_linear_amx_calls(void) { return 0; }
+int tritonspec_linear_f32_amx3(const float* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t N, int64_t K,
+                               const float* b, float* y, int64_t ldy, int threads) {
+    (void)x; (void)M; (void)ldx; (void)wp; (void)N; (void)K; (void)b; (void)y; (void)ldy; (void)threads;
+    return -1;
+}
 #endif
+
+/* A float32 weight w [N, K] (N % 16 == 0, K % 32 == 0) as three exact bfloat16 parts in the AMX tile layout
+ * tritonspec_linear_f32_amx3 reads (kernels/cpu_linear.py pack_amx3, whose PyTorch reference gives the same bits):
+ *     wp[nb][kb][t][p][2 j + i] = part t of w[16 nb + j][32 kb + 2 p + i]
+ * w = w0 + w1 + w2: w0 is w truncated to bfloat16, w1 the remainder truncated, w2 what is left (exact). Plain C:
+ * it runs once per weight and on any CPU. */
+static inline uint32_t f32_bits(float v) {
+    uint32_t u;
+    memcpy(&u, &v, 4);
+    return u;
+}
+static inline float bits_f32(uint32_t u) {
+    float v;
+    memcpy(&v, &u, 4);
+    return v;
+}
+void tritonspec_pack_f32_amx3(const float* w, int64_t N, int64_t K, uint16_t* wp, int threads) {
+    const int64_t KB = K / 32, NB = N / 16;
+#pragma omp parallel for collapse(2) schedule(static) num_threads(threads)
+    for (int64_t nb = 0; nb < NB; nb++)
+        for (int64_t kb = 0; kb < KB; kb++) {
+            uint16_t* t = wp + (nb * KB + kb) * 3 * 512;
+            for (int64_t j = 0; j < 16; j++) {
+                const float* row = w + (16 * nb + j) * K + 32 * kb;
+                for (int64_t k = 0; k < 32; k++) {
+                    const float v = row[k], w0 = bits_f32(f32_bits(v) & 0xffff0000u), r = v - w0;
+                    const float w1 = bits_f32(f32_bits(r) & 0xffff0000u), w2 = r - w1;
+                    const int64_t at = (k / 2) * 32 + 2 * j + k % 2;
+                    t[at] = (uint16_t)(f32_bits(w0) >> 16);
+                    t[512 + at] = (uint16_t)(f32_bits(w1) >> 16);
+                    t[1024 + at] = (uint16_t)(f32_bits(w2) >> 16);
+                }
+            }
+        }
+}
 
 int tritonspec_abi_version(void) { return 1; }

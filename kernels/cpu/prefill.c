@@ -211,18 +211,6 @@ int tritonspec_prefill_amx(int on) { /* 1 on (where AMX runs), 0 off; returns th
 }
 int64_t tritonspec_prefill_amx_calls(void) { return pf_amx_calls; }
 
-/* 16 lanes: x = x0 + x1 + x2 exactly, each part a bfloat16 value held in float32: x0 keeps x's top 8
- * significand bits (truncated), x1 the next 8 of the remainder, x2 the rest (at most 8 bits) */
-ALWAYS_INLINE void split3_ps(__m512 x, __m512* x0, __m512* x1, __m512* x2) {
-    const __m512 hi = _mm512_castsi512_ps(_mm512_set1_epi32((int)0xffff0000u));
-    *x0 = _mm512_and_ps(x, hi);
-    const __m512 r = _mm512_sub_ps(x, *x0);
-    *x1 = _mm512_and_ps(r, hi);
-    *x2 = _mm512_sub_ps(r, *x1);
-}
-/* 32 bfloat16 values (exact in bfloat16, so the conversion does not round): lo's 16 then hi's 16 */
-ALWAYS_INLINE __m512i bf16_pair(__m512 lo, __m512 hi) { return (__m512i)_mm512_cvtne2ps_pbh(hi, lo); }
-
 /* One KV head's K and V as AMX B tiles (1 KB each, three parts in a row), zero past P:
  *   K: tile ((n * DC + dc) * 3 + part): keys 16 n .. 16 n + 15 x head dims 32 dc .. 32 dc + 31, [d / 2][key][d % 2];
  *   V: tile ((blk * C + c) * 3 + part): keys 32 blk .. + 31 x head dims 16 c .. 16 c + 15, [key / 2][d][key % 2]. */
@@ -258,30 +246,6 @@ static void pack_kv_amx(const float* k, int64_t skp, const float* v, int64_t svp
             for (int t = 0; t < 3; t++)
                 _mm512_store_si512(vb + t * 512, _mm512_permutexvar_epi16(zip, bf16_pair(a[t], b[t])));
         }
-}
-
-/* tiles 0 and 1 += A (x) B0 and A (x) B1, where A's three parts are in tiles 2-4 and B0, B1 are three B tiles each
- * (parts 0-2, 1 KB apart): the six part products x0 y0 + x1 y0 + x2 y0 + x0 y1 + x1 y1 + x0 y2 per accumulator, the
- * two chains interleaved (B parts through tiles 5-7) */
-ALWAYS_INLINE void six_terms(const uint16_t* b0, const uint16_t* b1) {
-    _tile_loadd(5, b0, 64);
-    _tile_loadd(6, b1, 64);
-    _tile_dpbf16ps(0, 2, 5); /* x0 y0 */
-    _tile_dpbf16ps(1, 2, 6);
-    _tile_dpbf16ps(0, 3, 5); /* x1 y0 */
-    _tile_dpbf16ps(1, 3, 6);
-    _tile_dpbf16ps(0, 4, 5); /* x2 y0 */
-    _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, b0 + 512, 64);
-    _tile_loadd(5, b1 + 512, 64);
-    _tile_dpbf16ps(0, 2, 7); /* x0 y1 */
-    _tile_dpbf16ps(1, 2, 5);
-    _tile_dpbf16ps(0, 3, 7); /* x1 y1 */
-    _tile_dpbf16ps(1, 3, 5);
-    _tile_loadd(6, b0 + 1024, 64);
-    _tile_loadd(7, b1 + 1024, 64);
-    _tile_dpbf16ps(0, 2, 6); /* x0 y2 */
-    _tile_dpbf16ps(1, 2, 7);
 }
 
 /* the scores of key block blk (log2 units) into tiles 0 (keys 32 blk .. + 15) and 1 (the next 16); stored by
