@@ -29,7 +29,7 @@ A prompt's float32 calls of at least ``PROMPT_AMX_ROWS`` rows run a third kernel
 (``set_prompt_amx``; ``TRITONSPEC_CPU_PREFILL_AMX=0`` turns it off with the prompt attention's): x and the
 weight split exactly into three bfloat16 parts each (``pack_amx3``, cached per weight: 1.5x the float32
 weights' bytes), six of the nine part products on the tile unit, accumulated in float32. Float32-class error
-(closer to a float64 reference than the panel kernel) at 1.3-1.8x its speed from a few hundred rows; it rounds
+(closer to a float64 reference than the panel kernel) at 1.4-2.0x its speed from a few hundred rows; it rounds
 differently, so decode rounds and deterministic mode never run it.
 
 It is a C kernel, not Triton, because Triton has no CPU target here. It is built on first use with
@@ -627,7 +627,7 @@ unpack_bf16 = unpack  # the name before float32 panels existed
 # A prompt's float32 calls of at least this many rows run on AMX in three-part bfloat16 splits
 # (``kernels/cpu/linear.c`` ``tritonspec_linear_f32_amx3``; ``set_prompt_amx``). One thread, Xeon with AMX
 # (2026-12-06): 1.2-2.5x the panel kernel's speed from 16-32 rows on the demo's and SmolLM2's shapes;
-# from 64 rows on two threads as well (fewer rows split thinly over two threads).
+# from 64 rows on two threads as well (fewer rows split thinly over two threads). perf/CPU_DECODE.md.
 PROMPT_AMX_ROWS = 64
 _prompt_amx_on: bool | None = None  # the switch as Python sees it (None: not decided yet)
 _amx3_cache: dict = {}  # weight id -> (weakref, version, packed parts): filled by _amx3_weight

@@ -814,7 +814,8 @@ int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, con
  * split3_ps: x = x0 + x1 + x2) and six of the nine part products are kept (six_terms: the dropped
  * three are below 2^-21 of the product), each exact in float32 and accumulated by TDPBF16PS in
  * float32: float32-class error (measured closer to a float64 reference than the panel kernel), at
- * 1.2-2.2x the panel kernel's speed from 64 rows (one thread; kernels/cpu_linear.py PROMPT_AMX_ROWS).
+ * 1.4-2.0x the panel kernel's speed at 400-2,400 rows (one and two threads; from 64 rows: kernels/cpu_linear.py
+ * PROMPT_AMX_ROWS; perf/CPU_DECODE.md).
  * It rounds differently from the panel kernel, so only a prompt's forward runs it (whose rows need
  * not round like a decode step's, as with MKL on AVX2 CPUs), never a decode round or deterministic
  * mode. Each output depends on its x row and weight row only, summed over k blocks in ascending
@@ -826,6 +827,7 @@ int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, con
  * A task is 16 rows x 32 columns: tiles 0-1 accumulate, 2-4 hold x's parts, 5-7 stream w's.
  * --------------------------------------------------------------------------------------------- */
 #define AMX3_SCRATCH (1200 * 1024) /* bytes of split x rows per chunk: they stay in L2 while w passes */
+#define AMX3_KC 4                  /* k steps per block (4 measured best of 2-18: 1.1-1.25x over one block) */
 
 static int prompt_amx_on = -1; /* -1 undecided; 0 off; 1 on */
 static int64_t prompt_amx_calls = 0;
@@ -903,7 +905,11 @@ int tritonspec_linear_f32_amx3(const float* x, int64_t M, int64_t ldx, const uin
 #pragma omp parallel num_threads(threads)
     {
         uint16_t* xa = aligned_alloc(64, (size_t)(mc / 16) * KB * TILE * sizeof(uint16_t));
-        if (!xa) {
+        float* acc = aligned_alloc(64, (size_t)(mc / 16) * 512 * sizeof(float)); /* [row block][2 tiles][16][16] */
+        if (!xa || !acc) {
+            free(xa);
+            free(acc);
+            xa = NULL;
 #pragma omp atomic write
             failed = 1;
         } else {
@@ -918,31 +924,48 @@ int tritonspec_linear_f32_amx3(const float* x, int64_t M, int64_t ldx, const uin
                 const int64_t m0 = m1 + 16 * i;
                 amx3_split_rows(x + m0 * ldx, ldx, mend - m0 < 16 ? (int)(mend - m0) : 16, KB, xa + i * KB * TILE);
             }
-            /* column pairs outer: a pair's weight parts stay in cache across the chunk's row blocks */
+            /* column pairs outer, then k blocks of AMX3_KC steps, then the chunk's row blocks: a pair's weight
+             * parts for one k block (AMX3_KC x 6 KB) stay in L1 while every row block passes, and the partial
+             * sums wait in acc (exact: float32 stored and reloaded) */
             for (int64_t nb = 0; nb < NB; nb += 2) {
                 const uint16_t* w0 = wp + nb * KB * TILE;
                 const int two = nb + 1 < NB;
-                for (int64_t i = 0; i < nmb; i++) {
-                    const uint16_t* xb = xa + i * KB * TILE;
-                    _tile_zero(0);
-                    _tile_zero(1);
-                    for (int64_t kb = 0; kb < KB; kb++) {
-                        _tile_loadd(2, xb + kb * TILE, 64);
-                        _tile_loadd(3, xb + kb * TILE + 512, 64);
-                        _tile_loadd(4, xb + kb * TILE + 1024, 64);
-                        if (two) six_terms(w0 + kb * TILE, w0 + (KB + kb) * TILE);
-                        else six_terms_one(w0 + kb * TILE);
+                for (int64_t k0 = 0; k0 < KB; k0 += AMX3_KC) {
+                    const int64_t k1 = k0 + AMX3_KC < KB ? k0 + AMX3_KC : KB;
+                    for (int64_t i = 0; i < nmb; i++) {
+                        const uint16_t* xb = xa + i * KB * TILE;
+                        float* ai = acc + i * 512;
+                        if (k0 == 0) {
+                            _tile_zero(0);
+                            _tile_zero(1);
+                        } else {
+                            _tile_loadd(0, ai, 64);
+                            _tile_loadd(1, ai + 256, 64);
+                        }
+                        for (int64_t kb = k0; kb < k1; kb++) {
+                            _tile_loadd(2, xb + kb * TILE, 64);
+                            _tile_loadd(3, xb + kb * TILE + 512, 64);
+                            _tile_loadd(4, xb + kb * TILE + 1024, 64);
+                            if (two) six_terms(w0 + kb * TILE, w0 + (KB + kb) * TILE);
+                            else six_terms_one(w0 + kb * TILE);
+                        }
+                        if (k1 < KB) {
+                            _tile_stored(0, ai, 64);
+                            _tile_stored(1, ai + 256, 64);
+                            continue;
+                        }
+                        const int64_t m0 = m1 + 16 * i;
+                        const int rows = mend - m0 < 16 ? (int)(mend - m0) : 16;
+                        amx3_store(0, rows, b, y + m0 * ldy, ldy, nb * 16);
+                        if (two) amx3_store(1, rows, b, y + m0 * ldy, ldy, nb * 16 + 16);
                     }
-                    const int64_t m0 = m1 + 16 * i;
-                    const int rows = mend - m0 < 16 ? (int)(mend - m0) : 16;
-                    amx3_store(0, rows, b, y + m0 * ldy, ldy, nb * 16);
-                    if (two) amx3_store(1, rows, b, y + m0 * ldy, ldy, nb * 16 + 16);
                 }
             }
         }
         if (xa) {
             _tile_release();
             free(xa);
+            free(acc);
         }
     }
     if (failed) return -2;
