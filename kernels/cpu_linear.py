@@ -55,13 +55,13 @@ import platform
 import shutil
 import subprocess
 import tempfile
-import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.fx.experimental.proxy_tensor import get_proxy_mode
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .store import cache_base
 
@@ -630,7 +630,7 @@ unpack_bf16 = unpack  # the name before float32 panels existed
 # from 64 rows on two threads as well (fewer rows split thinly over two threads). perf/CPU_DECODE.md.
 PROMPT_AMX_ROWS = 64
 _prompt_amx_on: bool | None = None  # the switch as Python sees it (None: not decided yet)
-_amx3_cache: dict = {}  # weight id -> (weakref, version, packed parts): filled by _amx3_weight
+_amx3_cache: dict = {}  # _amx3_key -> (storage weak reference, version, packed parts): _amx3_weight
 
 
 def pack_amx3(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K/32, 3, 16, 32] int16 (bfloat16 bits)
@@ -713,14 +713,23 @@ def _prompt_amx() -> bool:
     return _prompt_amx_on
 
 
+def _amx3_key(weight: torch.Tensor) -> tuple:
+    """Where ``weight``'s values live: views made afresh per call (a slice of packed panels) share one entry."""
+    return (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()))
+
+
 def _amx3_weight(weight: torch.Tensor) -> torch.Tensor:
-    """``pack_amx3(weight)``, cached per weight tensor while it lives and until it is written in place."""
-    key = id(weight)
+    """``pack_amx3(weight)``, cached per storage, offset, shape and strides while the storage lives (a weak
+    reference: a freed storage whose address comes back is packed afresh) and until it is written in place
+    (the version counter, shared by a tensor and its views). Entries of freed storages go at the next miss."""
+    key = _amx3_key(weight)
     hit = _amx3_cache.get(key)
-    if hit is not None and hit[0]() is weight and hit[1] == weight._version:
+    if hit is not None and not hit[0].expired() and hit[1] == weight._version:
         return hit[2]
+    for k in [k for k, v in _amx3_cache.items() if v[0].expired()]:
+        del _amx3_cache[k]
     packed = pack_amx3(weight)
-    _amx3_cache[key] = (weakref.ref(weight, lambda _, k=key: _amx3_cache.pop(k, None)), weight._version, packed)
+    _amx3_cache[key] = (StorageWeakRef(weight.untyped_storage()), weight._version, packed)
     return packed
 
 

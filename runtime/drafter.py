@@ -412,7 +412,7 @@ class Eagle3Drafter(nn.Module):
                 f"keep= selects one row of a prompt per batch row: it needs meta.prefill and a [{B}] int64 "
                 f"tensor (got prefill={meta.prefill}, {tuple(keep.shape)} {keep.dtype})"
             )
-        ops.begin_forward()
+        ops.begin_forward(prompt=meta.prefill)  # a prompt's rows need not round like a decode step's
         packed = self._cpu_weights(ops, meta.prefill)
         if packed is not None and self.native_step and not meta.prefill and type(ops) is TorchOps:
             out = cpu_drafter.drafter_step(

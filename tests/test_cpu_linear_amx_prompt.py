@@ -155,17 +155,22 @@ def test_packed_weights_are_cached_and_repacked_after_a_write():
     g = torch.Generator().manual_seed(2)
     x, w = torch.randn(ROWS, 64, generator=g), torch.randn(32, 64, generator=g)
     y1, _ = _run(x, w)
-    assert id(w) in cl._amx3_cache
-    parts = cl._amx3_cache[id(w)][2]
+    parts = cl._amx3_cache[cl._amx3_key(w)][2]
     _run(x, w)
-    assert cl._amx3_cache[id(w)][2] is parts  # not packed again
+    assert cl._amx3_cache[cl._amx3_key(w)][2] is parts  # not packed again
+    panels = cl.pack_panels(torch.cat([w, w]))
+    _run(x, panels[:2])  # a view made afresh per call (the first two panels: w's rows) ...
+    view_parts = cl._amx3_cache[cl._amx3_key(panels[:2])][2]
+    assert torch.equal(_run(x, panels[:2])[0], y1)
+    assert cl._amx3_cache[cl._amx3_key(panels[:2])][2] is view_parts  # ... hits the same entry
     w.mul_(2.0)  # in place: the version moves
     y2, ran = _run(x, w)
-    assert ran and cl._amx3_cache[id(w)][2] is not parts
+    assert ran and cl._amx3_cache[cl._amx3_key(w)][2] is not parts
     assert torch.equal(y2, 2 * y1)  # x 2 is exact in every part
-    key = id(w)
-    del w, parts
-    assert key not in cl._amx3_cache  # freed with its weight
+    n = len(cl._amx3_cache)
+    del w, panels, parts, view_parts
+    _run(x, torch.randn(16, 64, generator=g))  # a miss sweeps the freed storages' entries
+    assert len(cl._amx3_cache) == n - 1
     cl.set_prompt_amx(False)
     assert not cl._amx3_cache
 
