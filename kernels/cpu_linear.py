@@ -628,6 +628,8 @@ unpack_bf16 = unpack  # the name before float32 panels existed
 # (``kernels/cpu/linear.c`` ``tritonspec_linear_f32_amx3``; ``set_prompt_amx``). One thread, Xeon with AMX
 # (2026-12-06): 1.2-2.5x the panel kernel's speed from 16-32 rows on the demo's and SmolLM2's shapes;
 # from 64 rows on two threads as well (fewer rows split thinly over two threads). perf/CPU_DECODE.md.
+# The choice goes by the call's rows, so in the default mode a short prompt prefilled alone (under 64 rows) and
+# in a batch (64+) can round differently in the last bits, as with MKL above; deterministic mode never runs it.
 PROMPT_AMX_ROWS = 64
 _prompt_amx_on: bool | None = None  # the switch as Python sees it (None: not decided yet)
 _amx3_cache: dict = {}  # _amx3_key -> (storage weak reference, version, packed parts): _amx3_weight
@@ -684,8 +686,9 @@ def set_prompt_amx(on: bool) -> bool:
     packed on first use and cached, 1.5x the float32 weights' bytes) or on the panel/``[N, K]`` kernels;
     returns the previous setting. On by default where AMX runs (``amx_available()``;
     ``TRITONSPEC_CPU_PREFILL_AMX=0`` starts a process with it off, as for the prompt attention); elsewhere
-    it stays off (returns False). The two paths round differently (prompts only: decode rounds never run
-    it), so this is here for side-by-side measurements and tests. Turning it off frees the cached parts.
+    it stays off (returns False). The two paths round differently (prompts only: decode rounds and deterministic
+    mode never run it; a short prompt alone and in a batch may take different paths), so this is here for
+    side-by-side measurements and tests. Turning it off frees the cached parts.
 
     Example
     -------

@@ -5,6 +5,7 @@
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The LDTILECFG operand: palette 1, per tile its rows and bytes per row. */
@@ -27,6 +28,25 @@ static inline void amx_configure(int n, const uint8_t* rows) {
 }
 
 #define AMX_INLINE static inline __attribute__((always_inline))
+
+/* linear.c: 1 where AMX runs here (the CPU flags, TRITONSPEC_CPU_AMX != 0, the OS granted the tile state) */
+int tritonspec_amx_enabled(void);
+
+/* The switch of a prompt path on the tile unit (prefill.c's attention, linear.c's projections): *state -1
+ * undecided, 0 off, 1 on. On where AMX runs unless TRITONSPEC_CPU_PREFILL_AMX=0 at the first call;
+ * prompt_amx_set sets it for side-by-side runs and returns the previous setting. */
+static inline int prompt_amx_get(int* state) {
+    if (*state < 0) {
+        const char* e = getenv("TRITONSPEC_CPU_PREFILL_AMX");
+        *state = !(e && e[0] == '0') && tritonspec_amx_enabled();
+    }
+    return *state;
+}
+static inline int prompt_amx_set(int* state, int on) {
+    const int prev = prompt_amx_get(state);
+    *state = on != 0 && tritonspec_amx_enabled();
+    return prev;
+}
 
 #ifdef __AVX512BF16__
 /* The three-part bfloat16 splits both AMX float32 kernels use (prefill.c's prompt attention, linear.c's
@@ -68,9 +88,6 @@ AMX_INLINE void six_terms(const uint16_t* b0, const uint16_t* b1) {
 }
 
 #endif
-
-/* linear.c: 1 where AMX runs here (the CPU flags, TRITONSPEC_CPU_AMX != 0, the OS granted the tile state) */
-int tritonspec_amx_enabled(void);
 
 #endif
 #endif

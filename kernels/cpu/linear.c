@@ -832,19 +832,8 @@ int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, con
 static int prompt_amx_on = -1; /* -1 undecided; 0 off; 1 on */
 static int64_t prompt_amx_calls = 0;
 
-/* On where AMX runs unless TRITONSPEC_CPU_PREFILL_AMX=0 at the first call (as prefill.c's attention) */
-static inline int prompt_amx(void) {
-    if (prompt_amx_on < 0) {
-        const char* e = getenv("TRITONSPEC_CPU_PREFILL_AMX");
-        prompt_amx_on = !(e && e[0] == '0') && tritonspec_amx_enabled();
-    }
-    return prompt_amx_on;
-}
-int tritonspec_prompt_linear_amx(int on) { /* 1 on (where AMX runs), 0 off; returns the previous setting */
-    const int prev = prompt_amx();
-    prompt_amx_on = on != 0 && tritonspec_amx_enabled();
-    return prev;
-}
+static inline int prompt_amx(void) { return prompt_amx_get(&prompt_amx_on); }
+int tritonspec_prompt_linear_amx(int on) { return prompt_amx_set(&prompt_amx_on, on); } /* amx.h */
 int64_t tritonspec_prompt_linear_amx_calls(void) { return prompt_amx_calls; }
 
 /* rows m0 .. m0 + rows - 1 of x (rows <= 16; zeros past them) as [K/32][3][16][32] */

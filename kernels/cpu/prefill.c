@@ -195,20 +195,8 @@ static void tile(const float* q, int64_t sqp, const float* kt, const float* v, i
 static int pf_amx_on = -1; /* -1 undecided; 0 off; 1 on */
 static int64_t pf_amx_calls = 0; /* calls the AMX path ran (kernels/cpu_prefill.py amx_calls: tests see the path) */
 
-/* On where linear.c's AMX is (the CPU flags, TRITONSPEC_CPU_AMX != 0, the OS's permission) unless
- * TRITONSPEC_CPU_PREFILL_AMX=0 at the first call; tritonspec_prefill_amx sets it for side-by-side runs. */
-static inline int pf_amx(void) {
-    if (pf_amx_on < 0) {
-        const char* e = getenv("TRITONSPEC_CPU_PREFILL_AMX");
-        pf_amx_on = !(e && e[0] == '0') && tritonspec_amx_enabled();
-    }
-    return pf_amx_on;
-}
-int tritonspec_prefill_amx(int on) { /* 1 on (where AMX runs), 0 off; returns the previous setting */
-    const int prev = pf_amx();
-    pf_amx_on = on != 0 && tritonspec_amx_enabled();
-    return prev;
-}
+static inline int pf_amx(void) { return prompt_amx_get(&pf_amx_on); }
+int tritonspec_prefill_amx(int on) { return prompt_amx_set(&pf_amx_on, on); } /* amx.h */
 int64_t tritonspec_prefill_amx_calls(void) { return pf_amx_calls; }
 
 /* One KV head's K and V as AMX B tiles (1 KB each, three parts in a row), zero past P:
