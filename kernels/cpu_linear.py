@@ -721,18 +721,30 @@ def _amx3_key(weight: torch.Tensor) -> tuple:
     return (weight.untyped_storage().data_ptr(), weight.storage_offset(), tuple(weight.shape), tuple(weight.stride()))
 
 
+def _amx3_version(weight: torch.Tensor) -> object:
+    """What tells an in-place write: the version counter, or for an inference tensor (which keeps none) the bytes of
+    256 values spread over it (a write that changes none of them goes unseen; the runtime never writes its weights
+    in place in inference mode)."""
+    if not weight.is_inference():
+        return weight._version
+    flat = weight.reshape(-1)
+    return hash(flat[:: max(1, flat.numel() // 256)].contiguous().numpy().tobytes())
+
+
 def _amx3_weight(weight: torch.Tensor) -> torch.Tensor:
     """``pack_amx3(weight)``, cached per storage, offset, shape and strides while the storage lives (a weak
     reference: a freed storage whose address comes back is packed afresh) and until it is written in place
-    (the version counter, shared by a tensor and its views). Entries of freed storages go at the next miss."""
-    key = _amx3_key(weight)
+    (``_amx3_version``: the version counter, shared by a tensor and its views). Entries of freed storages go at the
+    next miss."""
+    key, version = _amx3_key(weight), _amx3_version(weight)
     hit = _amx3_cache.get(key)
-    if hit is not None and not hit[0].expired() and hit[1] == weight._version:
+    if hit is not None and not hit[0].expired() and hit[1] == version:
         return hit[2]
-    for k in [k for k, v in _amx3_cache.items() if v[0].expired()]:
-        del _amx3_cache[k]
+    for k, v in list(_amx3_cache.items()):  # a snapshot: another thread may insert meanwhile
+        if v[0].expired():
+            _amx3_cache.pop(k, None)
     packed = pack_amx3(weight)
-    _amx3_cache[key] = (StorageWeakRef(weight.untyped_storage()), weight._version, packed)
+    _amx3_cache[key] = (StorageWeakRef(weight.untyped_storage()), version, packed)
     return packed
 
 

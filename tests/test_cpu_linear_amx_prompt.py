@@ -176,6 +176,24 @@ def test_packed_weights_are_cached_and_repacked_after_a_write():
 
 
 @needs_amx
+def test_inference_tensor_weights():
+    """Weights made in inference mode keep no version counter: they run, stay cached, and a write in place (in
+    inference mode) is still seen."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(ROWS, 64, generator=g)
+    with torch.inference_mode():
+        w = torch.randn(32, 64, generator=g)
+        y1, ran = _run(x, w)
+        assert ran and torch.allclose(y1, x @ w.T, atol=1e-5)
+        parts = cl._amx3_cache[cl._amx3_key(w)][2]
+        _run(x, w)
+        assert cl._amx3_cache[cl._amx3_key(w)][2] is parts
+        w.mul_(2.0)
+        y2, _ = _run(x, w)
+    assert torch.equal(y2, 2 * y1)
+
+
+@needs_amx
 def test_runtime_prompts_only_and_greedy_output_unchanged():
     """End to end on the demo pair: a prompt's forward runs the AMX projections, decode rounds never do (the
     count after a 1-token and a 16-token generation is the same), and greedy tokens match the panel kernel's,
