@@ -626,8 +626,8 @@ unpack_bf16 = unpack  # the name before float32 panels existed
 
 # A prompt's float32 calls of at least this many rows run on AMX in three-part bfloat16 splits
 # (``kernels/cpu/linear.c`` ``tritonspec_linear_f32_amx3``; ``set_prompt_amx``). One thread, Xeon with AMX
-# (2026-12-06): 1.2-2.5x the panel kernel's speed from 16-32 rows on the demo's and SmolLM2's shapes;
-# from 64 rows on two threads as well (fewer rows split thinly over two threads). perf/CPU_DECODE.md.
+# (2026-12-06): faster than the panel kernel from ~16 rows on the demo's shapes and ~32 on SmolLM2's, 1.4-2.0x at
+# 400-2,400 rows; on two threads from ~64 (fewer rows split thinly over two threads). perf/CPU_DECODE.md.
 # The choice goes by the call's rows, so in the default mode a short prompt prefilled alone (under 64 rows) and
 # in a batch (64+) can round differently in the last bits, as with MKL above; deterministic mode never runs it.
 PROMPT_AMX_ROWS = 64
@@ -641,7 +641,7 @@ def pack_amx3(weight: torch.Tensor) -> torch.Tensor:  # [N/16, K/32, 3, 16, 32] 
     left, exact in bfloat16 down to 2^-126), in the AMX tile layout of ``kernels/cpu/linear.c``:
     ``wp[nb, kb, t, p, 2 j + i]`` = the bits of part ``t`` of ``w[16 nb + j, 32 kb + 2 p + i]``. What a
     prompt's float32 calls run on AMX (``set_prompt_amx``); 1.5x the float32 weight's bytes. Packed by the C
-    library where it loads (~10x ``pack_amx3_reference``'s speed: SmolLM2's projections in ~0.1 s), else by the
+    library where it loads (~4x ``pack_amx3_reference``'s speed: SmolLM2's projections in ~0.25 s), else by the
     reference; the same bits either way.
 
     Example

@@ -819,7 +819,8 @@ int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, con
  * It rounds differently from the panel kernel, so only a prompt's forward runs it (whose rows need
  * not round like a decode step's, as with MKL on AVX2 CPUs), never a decode round or deterministic
  * mode. Each output depends on its x row and weight row only, summed over k blocks in ascending
- * order: a prompt's rows come out the same in any chunk or batch and on any thread count.
+ * order: a row comes out the same in any chunk or batch and on any thread count on this path (which
+ * kernels/cpu_linear.py picks by the call's row count).
  *
  * Weights (kernels/cpu_linear.py pack_amx3, once per weight, cached): wp [N/16][K/32][3][16][32],
  *     wp[nb][kb][t][p][2 j + i] = part t of w[16 nb + j][32 kb + 2 p + i]
