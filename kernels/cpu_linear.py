@@ -631,7 +631,6 @@ unpack_bf16 = unpack  # the name before float32 panels existed
 # The choice goes by the call's rows, so in the default mode a short prompt prefilled alone (under 64 rows) and
 # in a batch (64+) can round differently in the last bits, as with MKL above; deterministic mode never runs it.
 PROMPT_AMX_ROWS = 64
-_prompt_amx_on: bool | None = None  # the switch as Python sees it (None: not decided yet)
 _amx3_cache: dict = {}  # _amx3_key -> (storage weak reference, version, packed parts): _amx3_weight
 
 
@@ -695,11 +694,8 @@ def set_prompt_amx(on: bool) -> bool:
     >>> old = set_prompt_amx(False)  # doctest: +SKIP
     >>> _ = set_prompt_amx(old)  # doctest: +SKIP
     """
-    global _prompt_amx_on
-    prev = _prompt_amx()
-    _set_rows_knob("tritonspec_prompt_linear_amx", int(on), "the AMX prompt projections")
-    _prompt_amx_on = bool(on) and amx_available() is None
-    if not _prompt_amx_on:
+    prev = bool(_set_rows_knob("tritonspec_prompt_linear_amx", int(on), "the AMX prompt projections"))
+    if not _prompt_amx():
         _amx3_cache.clear()
     return prev
 
@@ -710,10 +706,9 @@ def prompt_amx_calls() -> int:
 
 
 def _prompt_amx() -> bool:
-    global _prompt_amx_on
-    if _prompt_amx_on is None:
-        _prompt_amx_on = os.environ.get("TRITONSPEC_CPU_PREFILL_AMX") != "0" and amx_available() is None
-    return _prompt_amx_on
+    """The switch as the C library holds it (``kernels/cpu/amx.h`` ``prompt_amx_set``: -1 only asks), the one
+    place that reads ``TRITONSPEC_CPU_PREFILL_AMX`` and whether AMX runs."""
+    return bool(_library().tritonspec_prompt_linear_amx(-1))
 
 
 def _amx3_key(weight: torch.Tensor) -> tuple:

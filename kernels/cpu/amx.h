@@ -34,7 +34,7 @@ int tritonspec_amx_enabled(void);
 
 /* The switch of a prompt path on the tile unit (prefill.c's attention, linear.c's projections): *state -1
  * undecided, 0 off, 1 on. On where AMX runs unless TRITONSPEC_CPU_PREFILL_AMX=0 at the first call;
- * prompt_amx_set sets it for side-by-side runs and returns the previous setting. */
+ * prompt_amx_set sets it for side-by-side runs (on < 0: only asks) and returns the previous setting. */
 static inline int prompt_amx_get(int* state) {
     if (*state < 0) {
         const char* e = getenv("TRITONSPEC_CPU_PREFILL_AMX");
@@ -44,7 +44,7 @@ static inline int prompt_amx_get(int* state) {
 }
 static inline int prompt_amx_set(int* state, int on) {
     const int prev = prompt_amx_get(state);
-    *state = on != 0 && tritonspec_amx_enabled();
+    if (on >= 0) *state = on != 0 && tritonspec_amx_enabled();
     return prev;
 }
 

@@ -970,7 +970,7 @@ int tritonspec_linear_bf16_packed(const uint16_t* x, int64_t M, int64_t ldx, con
     (void)x; (void)M; (void)ldx; (void)wp; (void)N; (void)K; (void)b; (void)y; (void)ldy; (void)threads;
     return -1;
 }
-int tritonspec_prompt_linear_amx(int on) { (void)on; return 0; }
+int tritonspec_prompt_linear_amx(int on) { (void)on; return 0; } /* built without AMX: never on */
 int64_t tritonspec_prompt_linear_amx_calls(void) { return 0; }
 int tritonspec_linear_f32_amx3(const float* x, int64_t M, int64_t ldx, const uint16_t* wp, int64_t N, int64_t K,
                                const float* b, float* y, int64_t ldy, int threads) {
