@@ -67,6 +67,14 @@ KV_BUCKET_MIN = 256  # smallest attention bound of a compiled round (``Decoder.k
 # state are then those of its solo run.
 PREFILL_SPLIT_PAD = 0.125
 PREFILL_SPLIT_MIN_TOKENS = 256
+# ... and whatever the padding, when the batch holds at least this many padded tokens: the activations of
+# so many rows fall out of the caches, and every op runs slower per row than on one prompt's rows. Intel
+# Xeon (AMX), 2026-12-06, equal-length prompts, prompt by prompt over batched: the demo pair (one thread)
+# 8 x 1,024 tokens 0.77x, 4 x 1,024 0.84x, 8 x 512 0.91x, 4 x 512 1.02x, 8 x 256 1.21x; SmolLM2 (two
+# threads) 8 x 512 0.91x, 4 x 512 1.02x, 8 x 256 1.03x, 8 x 128 1.32x (short prompts gain from one forward:
+# each forward reads every weight once and pays every op's call). 8 long demo prompts of 1,522-1,766 tokens
+# (7 % padding): 1.52-1.90 s batched, 1.13-1.26 s prompt by prompt.
+PREFILL_SPLIT_TOKENS = 4096
 
 
 @dataclass
@@ -385,14 +393,16 @@ class Decoder:
 
     def _prefill_groups(self, batch: list[list[int]]) -> list[tuple[int, list[list[int]]]]:
         """``(first row, prompts)`` per prompt forward: the whole batch, or on a CPU each prompt alone
-        where padding to the longest would be much of the work (``PREFILL_SPLIT_PAD``)."""
+        where padding to the longest would be much of the work (``PREFILL_SPLIT_PAD``) or the batch is
+        large (``PREFILL_SPLIT_TOKENS``)."""
         padded = len(batch) * max(map(len, batch))
         waste = padded - sum(map(len, batch))
         split = (
             self.device.type == "cpu"
             and not self.rows_in_place
+            and len(batch) > 1
             and padded >= PREFILL_SPLIT_MIN_TOKENS
-            and waste > PREFILL_SPLIT_PAD * padded
+            and (waste > PREFILL_SPLIT_PAD * padded or padded >= PREFILL_SPLIT_TOKENS)
         )
         return [(b, [p]) for b, p in enumerate(batch)] if split else [(0, batch)]
 

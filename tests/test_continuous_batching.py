@@ -129,6 +129,30 @@ def test_a_ragged_batch_prefills_prompt_by_prompt(pair, monkeypatch, temperature
             assert out.stats.num_accepted_tokens == sum(s.stats.num_accepted_tokens for s in solo)
 
 
+@pytest.mark.parametrize("split_tokens, forwards", [(256, [1, 1, 1]), (280, [3])])
+def test_a_large_batch_prefills_prompt_by_prompt(pair, monkeypatch, split_tokens, forwards):
+    """Prompts of about one length also run one at a time once the batch holds ``PREFILL_SPLIT_TOKENS``
+    padded tokens (3 x 93 = 279 here; their activations would fall out of the caches), and each output is
+    still its solo run's; the inverse: a batch just under the bound runs one forward."""
+    from tritonspec.runtime import decode
+
+    monkeypatch.setattr(decode, "PREFILL_SPLIT_TOKENS", split_tokens)
+    rt = runtime(*pair, SPEC, max_batch_size=3, max_seq_len=200)
+    prompts = random_prompts(24, [90, 88, 93], seed=12)
+    rows = []
+    forward = rt.decoder.target.forward
+
+    def counted(ops, tokens, meta, *a, **k):
+        if meta.prefill:
+            rows.append(tokens.shape[0])
+        return forward(ops, tokens, meta, *a, **k)
+
+    monkeypatch.setattr(rt.decoder.target, "forward", counted)
+    out = rt.generate(prompts, max_new_tokens=12, stop_token_ids=[])
+    assert rows == forwards
+    assert out.token_ids == [s.token_ids[0] for s in _solo(rt, prompts, max_new_tokens=12, stop_token_ids=[])]
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("speculative", [True, False])
 def test_the_last_running_row_moves_into_a_finished_one_and_the_round_narrows(pair, temperature, speculative):
