@@ -144,8 +144,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument(
         "--no-adaptive-shape",
         action="store_true",
-        help="keep a request's tuned tree shape fixed (default: a batch-1 greedy request re-chooses it between "
-        "rounds among the shapes the tuner measured, by the acceptance it shows; runtime/adaptive.py)",
+        help="keep a request's tuned tree shape fixed (default: a greedy request takes the profile's shape for "
+        "the rows each round runs as a batch narrows, and a row running alone re-chooses it between rounds among "
+        "the shapes the tuner measured, by the acceptance it shows; runtime/adaptive.py)",
     )
     g.add_argument("--quiet-stats", action="store_true", help="print the stats line on stderr")
     g.set_defaults(fn=cmd_generate)

@@ -29,13 +29,23 @@ candidate carries the same one), so a_i counts the drafter's tree only (``Decode
 records it when ``track_drafted`` is set), and a round whose accepted path ran on along the
 lookup branch past the tree is left out (what the tree alone would have accepted is unknown).
 
-Where it runs: a batch-1 greedy request whose shape came from a tuned profile with measured
-``costs`` and ``acceptance`` (the profile's short-context row: long-context rows and larger
-batches keep their measured shape), on eager rounds (a compiled or CUDA-graph round is one
-artifact per shape), with no drift observer. Greedy output is the target's whatever the shape, so
-switching never changes tokens. ``SpeculativeRuntime(adaptive_shape=False)`` or the CLI's
-``--no-adaptive-shape`` turns it off; ``SpecStats.shape_switches`` and ``rounds_per_shape`` say
-what it did.
+Where it runs: a greedy row running alone (a batch-1 request, or the last row of a batch) whose
+shape came from a tuned profile with measured ``costs`` and ``acceptance`` (the profile's
+short-context row: long-context rows and larger batches keep their measured shape), on eager rounds
+(a compiled or CUDA-graph round is one artifact per shape), with no drift observer. Greedy output is
+the target's whatever the shape, so switching never changes tokens.
+
+By the rows (``SpeculativeRuntime._by_width``, the same conditions but any number of rows): a greedy
+request also re-chooses its shape from the policy whenever the rows a round runs change (a static
+batch narrowing as its rows stop, a continuous batch refilled or draining, a long prompt joining or
+leaving): the profile's row for that many rows and that context. A batch-4 chain verified on the one
+row left is much shorter than that row's batch-1 shape. Demo pair, Intel Xeon, one thread, 8 standard
+prompts at batch 4 (2026-12-06): EAGLE-3.1 1.15x → 1.17x over plain decoding, EAGLE-3 1.24x → 1.23x,
+tokens unchanged.
+
+``SpeculativeRuntime(adaptive_shape=False)`` or the CLI's ``--no-adaptive-shape`` turns both off;
+``SpecStats.shape_switches`` (changes while a row ran on: a new request's first shape is none) and
+``rounds_per_shape`` say what they did.
 
 Per round: a few host integer operations here, and in ``commit`` four tiny tensor ops whose
 result the round's one sync (``collect``) reads with the emitted tokens.

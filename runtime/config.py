@@ -152,9 +152,11 @@ class SpecStats:
     rounds_per_shape: dict[str, int] = field(default_factory=dict)  # "(D,K,N)+lookupL" -> rounds (not rows x rounds)
 
     def count_shape(self, spec: SpecConfig) -> None:
-        """Count one round run with ``spec``."""
+        """Count one round run with ``spec`` (``accepted_per_position`` grows to its depth: a request
+        may switch to a deeper shape, ``runtime/adaptive.py``)."""
         key = spec.label
         self.rounds_per_shape[key] = self.rounds_per_shape.get(key, 0) + 1
+        self.accepted_per_position += [0] * (spec.tree_depth - len(self.accepted_per_position))
 
     def count_round(self, accepted: list[int], draft_tokens: int) -> None:
         """Count one verify round of each row that ran it: ``accepted[i]`` draft tokens accepted of

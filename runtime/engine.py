@@ -33,6 +33,7 @@ import torch
 
 from ..kernels.cpu_linear import MODES as CPU_LINEAR_MODES
 from ..kernels.cpu_linear import available as cpu_kernel_unavailable
+from .adaptive import ShapeTracker
 from .config import GenerationOutput, SpecConfig, SpecStats, StreamPiece
 from .decode import Decoder, DraftObserver
 from .deterministic import DeterministicOps
@@ -123,7 +124,7 @@ class SpeculativeRuntime:
         self.max_batch_size = max_batch_size
         if not isinstance(adaptive_shape, bool):
             raise UserError(f"adaptive_shape={adaptive_shape!r} must be True or False")
-        self.adaptive_shape = adaptive_shape  # a profile's batch-1 greedy requests re-choose their shape (_adapts)
+        self.adaptive_shape = adaptive_shape  # greedy requests re-choose their shape as they run (_adapts)
         self.cuda_graphs = cuda_graphs
         self.compile = compile
         self._graphs = graph_runner(cuda_graphs, self.device, max_batch_size, cuda_graph_sizes, compile)  # None: eager
@@ -379,10 +380,12 @@ class SpeculativeRuntime:
             the drafter's dtype. ``None`` / ``"float32"``: the drafter runs in the target's dtype. Lossless as ever
             (the target verifies): greedy output is unchanged; the proposals (so τ, and seeded sampled output)
             may move slightly. Prompts keep float32 weights.
-        adaptive_shape : ``True`` (default): a batch-1 greedy request whose shape comes from a tuned
-            profile re-chooses it between rounds among the shapes the tuner measured, by the
-            acceptance it shows (``runtime/adaptive.py``: deep trees where the drafter is accepted
-            deep, small ones where it is not); eager rounds only. Output is unchanged (greedy).
+        adaptive_shape : ``True`` (default): a greedy request re-chooses its shape from the policy
+            whenever the rows a round runs change (a batch narrowing as its rows stop: the
+            profile's row for that many rows), and a row running alone on a tuned profile's shape
+            re-chooses it between rounds among the shapes the tuner measured, by the acceptance it
+            shows (``runtime/adaptive.py``: deep trees where the drafter is accepted deep, small
+            ones where it is not); eager rounds, no caller's ``spec``. Output is unchanged (greedy).
             ``False``: every request keeps the shape it started with.
 
         A drafter object already on ``device`` in the target's dtype is used as is; otherwise the
@@ -589,14 +592,15 @@ class SpeculativeRuntime:
         use_draft = choice.spec is not None
         if use_draft:
             dec.spec = choice.spec
-        ladder = choice.ladder if use_draft and self._adapts(sampling, len(batch)) else None
-        depth = max(s.tree_depth for s in ladder.shapes) if ladder is not None else self.spec.tree_depth
-        stats = SpecStats(accepted_per_position=[0] * depth if use_draft else [])
+        # greedy rows re-choose their shape as the rows a round runs change, a row alone by its acceptance too
+        by_width = use_draft and self._adapts(sampling)  # (_by_width)
+        if by_width:  # the caches fit every shape the policy may pick (the prefill regrows the round buffers)
+            dec.fit([self._policy.largest(self.max_batch_size)])
+        stats = SpecStats(accepted_per_position=[0] * self.spec.tree_depth if use_draft else [])  # + deeper shapes run
         stats.spec, stats.spec_source = choice.spec, choice.source
-        tracker = ladder.track(choice.spec) if ladder is not None else None
-        if ladder is not None:
-            dec.fit(ladder.shapes)
-        dec.track_drafted = tracker is not None  # commit records each row's accepted drafter nodes
+        tracker: ShapeTracker | None = None  # a row alone on a profile's ladder (runtime/adaptive.py)
+        rows_key: tuple[int, int] | None = None  # (running rows, their longest prompt) the shape was chosen for
+        fresh = min(len(batch), self.max_batch_size)  # rows that have run no round yet (their shape is no switch)
         t0 = time.perf_counter()
         first_batch = min(len(batch), self.max_batch_size)
         slot_req: list[int | None] = list(range(first_batch))  # the request each row decodes
@@ -623,9 +627,8 @@ class SpeculativeRuntime:
                 if free:  # refill finished rows, lowest first (keeps the round's rows few)
                     for b in free[: len(waiting)]:
                         r = waiting.pop()
-                        if tracker is not None:  # a new request: its own acceptance, from the row's shape
-                            tracker = ladder.track(choice.spec)
-                            dec.spec = choice.spec
+                        rows_key = None  # a new request: its shape (and acceptance) chosen anew (_by_width)
+                        fresh += 1
                         with torch.inference_mode(), self._pinned():
                             tok = dec.admit(b, batch[r], seeds[r], timings=stats.time_split_s)
                         slot_req += [None] * (b + 1 - len(slot_req))
@@ -642,12 +645,16 @@ class SpeculativeRuntime:
                 live = max(b for b, a in enumerate(dec.running) if a) + 1
                 if self._rows(live) != dec.rows:  # finished rows at the end shrink the round; newcomers widen it
                     dec.narrow(self._rows(live))
+                if by_width and (key := self._rows_key(dec, slot_req, batch)) != rows_key:
+                    rows_key = key
+                    tracker = self._by_width(dec, stats, sampling, *key, switch=fresh < key[0])
+                fresh = 0
                 with torch.inference_mode(), self._pinned():
                     self._dispatch_round(stats)
                     new = dec.collect()
                 if use_draft:
-                    stats.count_round([len(t) - 1 for t in new if t], dec.take_draft_nodes())
                     stats.count_shape(dec.spec)
+                    stats.count_round([len(t) - 1 for t in new if t], dec.take_draft_nodes())
                 self._emit(dec, requests, slot_req, new)
                 if tracker is not None:  # rows still running: the drafter nodes they accepted, + 1 (the
                     # model's tokens per round); a round whose lookup branch went further says nothing of it
@@ -660,7 +667,7 @@ class SpeculativeRuntime:
                 yield requests
         finally:  # rt.spec: the shape the request started with, whatever it switched to
             dec.track_drafted = False
-            if tracker is not None:
+            if by_width:
                 dec.spec = choice.spec
         stats.wall_time_s = time.perf_counter() - t0
         stats.num_new_tokens = sum(len(o) for o in requests.outs)
@@ -669,13 +676,46 @@ class SpeculativeRuntime:
             texts = [requests.text(b) for b in range(len(requests.outs))]
         return GenerationOutput(token_ids=requests.outs, texts=texts, stats=stats, finish_reasons=requests.reasons)
 
-    def _adapts(self, sampling: SamplingParams, prompts: int) -> bool:
-        """Whether a request may re-choose its shape between rounds (``runtime/adaptive.py``): the
-        runtime allows it, greedy, one row at a time, eager rounds (a compiled or captured round is
-        one artifact per shape) and no drift observer (it records one shape's depths)."""
+    def _adapts(self, sampling: SamplingParams) -> bool:
+        """Whether a request may re-choose its shape between rounds (``_by_width``, ``runtime/adaptive.py``):
+        the runtime allows it, the policy is not the caller's one shape, greedy (a seeded sampled row's
+        draws follow its rounds, so its output would depend on the batch it shares), eager rounds (a
+        compiled or captured round is one artifact per shape) and no drift observer (it records one
+        shape's depths)."""
         eager = self._graphs is None or not self._graphable()
-        one_row = min(prompts, self.max_batch_size) == 1
-        return self.adaptive_shape and sampling.greedy and one_row and eager and self.decoder.observer is None
+        return (
+            self.adaptive_shape
+            and self._policy.fixed is None
+            and sampling.greedy
+            and eager
+            and self.decoder.observer is None
+        )
+
+    @staticmethod
+    def _rows_key(dec: Decoder, slot_req: list[int | None], batch: list[list[int]]) -> tuple[int, int]:
+        """(running rows, the longest prompt among them): what ``_by_width`` chooses the shape for."""
+        live = [b for b, a in enumerate(dec.running) if a]
+        return len(live), max(len(batch[slot_req[b]]) for b in live)
+
+    def _by_width(
+        self, dec: Decoder, stats: SpecStats, sampling: SamplingParams, rows: int, context: int, *, switch: bool
+    ) -> ShapeTracker | None:
+        """Re-choose the running shape when the rows a round runs change: a static batch narrowing as its
+        rows stop, a continuous batch refilled or draining, a long prompt joining or leaving. The policy's
+        shape for ``rows`` rows whose longest prompt has ``context`` tokens (a profile measures one per batch
+        size: a batch-4 chain verified on the one row left is far shorter than that row's batch-1 shape).
+        A row alone takes the profile's ladder (``runtime/adaptive.py``): returns its tracker, else None.
+        Where the policy would decode plainly at this width the drafted shape stays (switching back would
+        need the drafter's cache caught up). Greedy output is the target's whatever the shape. ``switch``: some
+        row ran a round before (a change counts in ``SpecStats.shape_switches``; a new request's first shape
+        does not)."""
+        c = self._choose_shape(rows, sampling, True, context)
+        if c.spec is not None and c.spec != dec.spec:
+            dec.spec = c.spec
+            stats.shape_switches += switch
+        lad = c.ladder if rows == 1 and c.spec is not None and c.spec == dec.spec else None
+        dec.track_drafted = lad is not None
+        return lad.track(dec.spec) if lad is not None else None
 
     def _compact(self, dec: Decoder, slot_req: list[int | None]) -> int:
         """No prompt waits: move the last running rows into finished rows below them (``Decoder.move_row``),

@@ -12,11 +12,13 @@ Where the shapes come from, first match wins:
    with the package for this device or for this *kind* of device (a CPU profile applies to every
    CPU of the same architecture and vector ISA, e.g. ``cpu-x86_64-avx512``). A profile's
    ``shapes`` table gives the measured best shape per batch size and mode (``tritonspec autotune
-   tree --batch-sizes 1,2,4,8``); a batch it did not measure runs the rule below within the rows
-   the next smaller measured batch verified (budget = that batch x its greedy row's
-   ``num_draft_tokens``; plain decoding if plain won that row), never a smaller batch's shape on
-   more rows (a batch-1 shape run at batch 4 verifies four times its rows: SmolLM2's
-   (3,2,5)+lookup4 ran at 0.49-0.77x of plain decoding there, 2026-12-03);
+   tree --batch-sizes 1,2,4,8``); a batch it did not measure runs the next larger measured batch's
+   shape (a batch of 3 the batch-4 row's: it paid on more rows than 3 rows verify with it; 2026-12-06,
+   a batch of 4 narrowing as its rows stop), or, above every measured batch (or where plain decoding
+   won the larger one), the rule below within the rows the next smaller measured batch verified
+   (budget = that batch x its greedy row's ``num_draft_tokens``; plain decoding if plain won that
+   row), never a smaller batch's shape on more rows (a batch-1 shape run at batch 4 verifies four
+   times its rows: SmolLM2's (3,2,5)+lookup4 ran at 0.49-0.77x of plain decoding there, 2026-12-03);
 3. the rule (``source="heuristic"``), derived from the tree tuner's cost model: a verify forward
    costs about one decode step as long as the rows it verifies, summed over the batch, stay within
    the device's *row budget* R (``verify(N) ~ verify(1)`` up to N ~ R on the measured cost curves:
@@ -39,7 +41,8 @@ largest threshold at or below its longest prompt; a bucket's rows and rule work 
 
 Adaptive shapes: a profile's batch-1 greedy row also carries a ``ShapeLadder`` (``runtime/adaptive.py``):
 the shapes the tuner measured there, among which a request re-chooses between rounds by the
-acceptance it shows (``ShapeChoice.ladder``; the engine decides whether it applies).
+acceptance it shows (``ShapeChoice.ladder``; the engine decides whether it applies). A greedy
+request asks the policy again whenever the rows a round runs change (``SpeculativeRuntime._by_width``).
 """
 
 from __future__ import annotations
@@ -127,6 +130,10 @@ class ShapePolicy:
                 ladder = None
             return ShapeChoice(spec, self.source, self.path, ladder)
         source = "heuristic" if self.source == "heuristic" else f"{self.source} rule"
+        above = sorted(b for b, m in self.table if m == mode and b > batch_size)
+        if above and self.table[above[0], mode] is not None:  # between measured batches: the larger one's
+            # shape, which paid on more rows than this batch verifies with it (a batch of 4 narrowing to 3)
+            return ShapeChoice(self.table[above[0], mode], f"{self.source}, batch {above[0]}'s row", self.path)
         # a batch the table did not measure: a smaller batch's shape would verify more rows than it was
         # measured at (SmolLM2's batch-1 (3,2,5)+lookup4 ran 0.49-0.77x of plain decoding at batch 4), so
         # the rule, within the rows the next smaller measured batch verified (its greedy row's)

@@ -50,8 +50,12 @@ def test_rule_shrinks_the_verified_rows_as_the_batch_grows(batch, greedy, budget
 def test_policy_table_rows_then_the_rule():
     p = ShapePolicy("profile", 7, table={(1, "greedy"): C(5), (4, "greedy"): C(2), (2, "sampled"): None}, path="f")
     assert p.choose(1, True).spec == C(5) and p.choose(4, True).spec == C(2) and p.choose(4, True).source == "profile"
-    # batches between and above the rows: the rule within the rows the next smaller row verified
-    assert p.choose(3, True).spec == rule_shape(3, True, 1 * 6) == C(1) and p.choose(3, True).source == "profile rule"
+    # a batch between rows: the larger row's shape (it paid on more rows); above the rows, the rule within
+    # the rows the next smaller row verified
+    assert p.choose(3, True).spec == C(2) and p.choose(3, True).source == "profile, batch 4's row"
+    assert p.choose(2, True).spec == C(2) and p.choose(2, True).path == "f"
+    q = ShapePolicy("profile", 7, table={(1, "greedy"): C(5), (4, "greedy"): None})  # plain won at 4: the rule
+    assert q.choose(3, True).spec == rule_shape(3, True, 1 * 6) == C(1) and q.choose(3, True).source == "profile rule"
     assert p.choose(6, True).spec == rule_shape(6, True, 4 * 3) == C(1)
     assert p.choose(12, True).spec is None  # 4 x 3 rows over 12 requests: plain decoding
     assert p.choose(2, False).spec is None and p.choose(8, False).spec is None  # plain decoding won at 2
@@ -83,11 +87,10 @@ def test_a_batch_one_table_says_nothing_about_larger_batches():
     assert filed.choose(1, True).spec == b1 and filed.choose(1, False).spec == C(3)
     assert filed.choose(4, True).spec is None and filed.choose(4, True).source == "shipped profile rule"
     assert filed.choose(2, False).spec == C(1)
-    # nor does a larger measured batch's row: batch 3 of a table measured at 1, 2 and 4 is the rule
-    # within batch 2's verified rows, never batch 2's shape on 3 rows
+    # batch 3 of a table measured at 1, 2 and 4 runs batch 4's shape (paid on 4 rows), never batch 2's on 3 rows
     q = ShapePolicy("profile", 5, table={(1, "greedy"): b1, (2, "greedy"): C(2), (4, "greedy"): C(1)}, path="f")
     assert q.choose(2, True).spec == C(2) and q.choose(4, True).spec == C(1) and q.choose(4, True).source == "profile"
-    assert q.choose(3, True).spec == rule_shape(3, True, 2 * 3) == C(1) and q.choose(3, True).source == "profile rule"
+    assert q.choose(3, True).spec == C(1) and q.choose(3, True).source == "profile, batch 4's row"
     assert q.choose(8, True).spec is None  # 4 x 2 rows over 8 requests
     # the inverse: rows measured at every batch are taken as measured
     full = ShapePolicy("profile", 5, table={(b, "greedy"): C(3) for b in (1, 2, 3, 4)}, path="f")
@@ -215,7 +218,10 @@ def test_runtime_without_profile_runs_the_rule_per_request(tuned_dir):
         if want is None:
             assert out.stats.num_drafts == 0  # plain decoding
         else:
-            assert out.stats.num_drafts > 0 and len(out.stats.accepted_per_position) == want.num_speculative_tokens
+            # the batch's first rounds run the shape; rows left alone later may run the narrower batch's
+            # (test_rows_shape.py), whose depth extends the per-position counts
+            assert out.stats.num_drafts > 0 and out.stats.rounds_per_shape.get(want.label, 0) >= 1
+            assert len(out.stats.accepted_per_position) >= want.num_speculative_tokens
         if greedy:  # whatever the shape, greedy output is the target's
             assert out.token_ids == rt.generate(prompts[:n], max_new_tokens=6, speculative=False).token_ids
     pinned = runtime(model, drafter, spec=C(2), max_batch_size=8).generate(prompts, max_new_tokens=4)
