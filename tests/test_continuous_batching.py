@@ -98,6 +98,20 @@ def test_per_prompt_budgets_are_checked(pair):
     assert same == rt.generate(prompts, max_new_tokens=6).token_ids
 
 
+def prefill_rows(rt, monkeypatch) -> list[int]:
+    """A list that records the rows of each prompt forward ``rt``'s target runs from now on."""
+    rows: list[int] = []
+    forward = rt.decoder.target.forward
+
+    def counted(ops, tokens, meta, *a, **k):
+        if meta.prefill:
+            rows.append(tokens.shape[0])
+        return forward(ops, tokens, meta, *a, **k)
+
+    monkeypatch.setattr(rt.decoder.target, "forward", counted)
+    return rows
+
+
 @pytest.mark.parametrize("spec", [SPEC, ts.SpecConfig.chain(3)])  # a tree, and sampled chains at temperature 1
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("lengths, forwards", [([150, 9, 40], [1, 1, 1]), ([90, 88, 93], [3])])
@@ -110,15 +124,7 @@ def test_a_ragged_batch_prefills_prompt_by_prompt(pair, monkeypatch, temperature
     prompts = random_prompts(24, lengths, seed=12)
     kw = dict(max_new_tokens=16, temperature=temperature, stop_token_ids=[])
     seeds = [7, 8, 9]
-    rows = []
-    forward = rt.decoder.target.forward
-
-    def counted(ops, tokens, meta, *a, **k):
-        if meta.prefill:
-            rows.append(tokens.shape[0])
-        return forward(ops, tokens, meta, *a, **k)
-
-    monkeypatch.setattr(rt.decoder.target, "forward", counted)
+    rows = prefill_rows(rt, monkeypatch)
     for speculative in (True, False):
         rows.clear()
         out = rt.generate(prompts, seed=seeds, speculative=speculative, **kw)
@@ -139,15 +145,7 @@ def test_a_large_batch_prefills_prompt_by_prompt(pair, monkeypatch, split_tokens
     monkeypatch.setattr(decode, "PREFILL_SPLIT_TOKENS", split_tokens)
     rt = runtime(*pair, SPEC, max_batch_size=3, max_seq_len=200)
     prompts = random_prompts(24, [90, 88, 93], seed=12)
-    rows = []
-    forward = rt.decoder.target.forward
-
-    def counted(ops, tokens, meta, *a, **k):
-        if meta.prefill:
-            rows.append(tokens.shape[0])
-        return forward(ops, tokens, meta, *a, **k)
-
-    monkeypatch.setattr(rt.decoder.target, "forward", counted)
+    rows = prefill_rows(rt, monkeypatch)
     out = rt.generate(prompts, max_new_tokens=12, stop_token_ids=[])
     assert rows == forwards
     assert out.token_ids == [s.token_ids[0] for s in _solo(rt, prompts, max_new_tokens=12, stop_token_ids=[])]
