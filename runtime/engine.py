@@ -600,9 +600,9 @@ class SpeculativeRuntime:
         stats.spec, stats.spec_source = choice.spec, choice.source
         tracker: ShapeTracker | None = None  # a row alone on a profile's ladder (runtime/adaptive.py)
         rows_key: tuple[int, int] | None = None  # (running rows, their longest prompt) the shape was chosen for
-        fresh = min(len(batch), self.max_batch_size)  # rows that have run no round yet (their shape is no switch)
         t0 = time.perf_counter()
         first_batch = min(len(batch), self.max_batch_size)
+        fresh = first_batch  # rows that have run no round yet (their shape is no switch)
         slot_req: list[int | None] = list(range(first_batch))  # the request each row decodes
         waiting = list(range(len(batch) - 1, first_batch - 1, -1))  # the rest, next one last (pop())
         with torch.inference_mode(), self._pinned():  # never across a yield: the caller's code runs between rounds
@@ -713,7 +713,7 @@ class SpeculativeRuntime:
         if c.spec is not None and c.spec != dec.spec:
             dec.spec = c.spec
             stats.shape_switches += switch
-        lad = c.ladder if rows == 1 and c.spec is not None and c.spec == dec.spec else None
+        lad = c.ladder if rows == 1 and c.spec is not None else None  # (choose gives a ladder holding c.spec)
         dec.track_drafted = lad is not None
         return lad.track(dec.spec) if lad is not None else None
 
