@@ -238,11 +238,15 @@ def test_shared_prefix_path_is_each_query_alone(dtype, B, Q, heads, prefixes, th
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("Q, heads, prefix", [(12, (4, 2, 32), 800), (7, (9, 3, 64), 130), (16, (4, 1, 48), 64)])
+@pytest.mark.parametrize(
+    "Q, heads, prefix",
+    [(12, (4, 2, 32), 800), (7, (9, 3, 64), 130), (16, (4, 1, 48), 64), (2, (4, 2, 32), 700), (4, (4, 4, 32), 200)],
+)
 def test_transposed_scores_are_the_lane_sum_scores(dtype, Q, heads, prefix):
     """The shared-prefix path's transposed scores (``set_transposed_scores``; AVX-512) give the bits of the
     lane-sum path they replace: head dims 32, 64 and 48 (a masked last chunk), bfloat16 storage, rows with
-    different prefixes. Inverse: the transposed blocks counter moves only while they are on."""
+    different prefixes, groups of as few as ``KT_MIN_ROWS`` = 4 (query, head) rows (2 queries x 2 heads, 4 x 1).
+    Inverse: the transposed blocks counter moves only while they are on."""
     if cl.native_op() is not None:
         pytest.skip(f"native operator not built: {cl.native_op()}")
     Hq, Hkv, D = heads
