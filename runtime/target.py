@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import cpu_linear as _cpu_linear
+from ..kernels import cpu_target as _cpu_target
 from .errors import UserError
 from .metadata import AttentionMetadata
+from .ops import TorchOps
 from .rope import Rope, rope_parameters
 from .weights import load_state_dict
 
@@ -526,8 +528,15 @@ class TargetModel:
         assert self.k_cache is not None, "call allocate_cache() first"
         B, Q = tokens.shape
         ops.begin_forward(prompt=meta.prefill)
-        h = F.embedding(tokens, self.embed)  # [B, Q, H]
         aux_ids = self.aux_layer_ids if capture_aux else ()
+        if not meta.prefill and not cache_row and (w := self._native_weights(ops)) is not None:
+            out = _cpu_target.target_step(
+                w, tokens, meta.positions, meta.slots, self.k_cache, self.v_cache, meta.prefix_lens, meta.tree_mask,
+                self.eps, self.head_dim**-0.5, meta.kv_len, aux_ids,
+            )  # fmt: skip
+            if out is not None:
+                return out
+        h = F.embedding(tokens, self.embed)  # [B, Q, H]
         captured = {0: h} if 0 in aux_ids else {}
         scale = self.head_dim**-0.5
         rope = self.rope.tables(meta.positions)
@@ -558,6 +567,27 @@ class TargetModel:
                 captured[i + 1] = h
         aux = torch.cat([captured[b] for b in aux_ids], dim=-1) if aux_ids else None
         return ops.rms_norm(h, self.norm, self.eps), aux
+
+    # decode forwards as one C++ operator where it applies (False: the Python forward, the reference)
+    native_step = True
+
+    def _native_weights(self, ops: Ops) -> _cpu_target.TargetWeights | None:
+        """The weights as ``kernels.cpu_target``'s operator takes them, where a decode forward runs on it: the
+        torch backend itself (not a proxy that watches its calls) with the CPU kernels on for this dtype, and
+        weights it takes (``cpu_target.prepare``: float32, projections in panels, no biases or q/k norms).
+        Checked once per rope table (the cache's growth may replace it); None: the Python forward."""
+        if not self.native_step or type(ops) is not TorchOps or not ops._cpu_kernel(self.dtype):
+            return None
+        key = self.rope
+        cached = self.__dict__.get("_native")
+        if cached is None or cached[0] is not key:
+            w = None
+            if all(L.bqkv is None and L.bo is None and L.q_norm is None for L in self.layers):
+                layers = [(L.ln1, L.wqkv, L.wo, L.ln2, L.gate_up, L.down) for L in self.layers]
+                heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+                w = _cpu_target.prepare(self.embed, layers, self.norm, self.rope.cos, self.rope.sin, heads)
+            cached = self.__dict__["_native"] = (key, w)
+        return cached[1]
 
     def drafter_info(self) -> dict:
         """What a drafter keeps of its target (``Eagle3Drafter.attach_target_embedding``)."""

@@ -1,6 +1,6 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
 // .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .aux_gather, .silu_mul, .drafter_step,
-// .draft_chain, .draft_tree, .catch_up and .commit_history: the kernels of linear.c, attention.c,
+// .draft_chain, .draft_tree, .catch_up, .commit_history and .target_step: the kernels of linear.c, attention.c,
 // norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
@@ -1028,6 +1028,150 @@ at::Tensor draft_chain(const at::Tensor& hn0, const at::Tensor& carry0, const at
   return toks;
 }
 
+// ---- the target's decode forward on raw buffers (runtime/target.py TargetModel.forward, kernels/cpu_target.py) ----
+// Every layer of a decode step, verify or catch-up forward (not a prompt's) as one operator: the calls the Python
+// forward makes through the torch backend's wrappers (linear, rms_norm, rope, kv_write, tree_attention, silu_mul),
+// each kernel of linear.c, norm.c, rope_kv.c and attention.c called with the same arguments on the same values, on
+// one work buffer, so the same bits. The residual add is one IEEE addition per element, as ATen's. Weights packed
+// into panels (float32 or weight-only bfloat16), no biases, no q/k norms (the Python forward runs those); caches
+// [L, B_max, S, Hkv, D] float32, layer i written at slots and read up to kv_len. aux_ids: the residual-stream
+// boundaries (0 = the embedding, i = after layer i) concatenated into aux [B, Q, n_aux * H] (empty: none).
+// Returns (hn, aux): the final norm of the last residual stream [B, Q, H], and aux.
+std::tuple<at::Tensor, at::Tensor> target_step(
+    const at::Tensor& tokens, const at::Tensor& embed, at::TensorList ln1, at::TensorList qkv, at::TensorList o,
+    at::TensorList ln2, at::TensorList gate_up, at::TensorList down, const at::Tensor& final_norm,
+    const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& positions, const at::Tensor& slots,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& prefix_lens, const at::Tensor& tree_mask,
+    double eps, double scale, int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    at::IntArrayRef aux_ids) {
+  const char* what = "tritonspec_cpu::target_step: ";
+  TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
+                  positions.sizes() == tokens.sizes() && positions.scalar_type() == at::kLong &&
+                  positions.is_contiguous() && slots.sizes() == tokens.sizes() && slots.scalar_type() == at::kLong &&
+                  slots.is_contiguous(),
+              what, "tokens, positions and slots must be contiguous int64 [B, Q] tensors");
+  const int64_t B = tokens.size(0), Q = tokens.size(1), R = B * Q, NL = ln1.size();
+  TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.is_contiguous(), what,
+              "the embedding must be a contiguous float32 [V, H] tensor");
+  const int64_t V = embed.size(0), H = embed.size(1), D = head_dim, hq = num_heads * D, hkv = num_kv_heads * D;
+  const int64_t W = hq + 2 * hkv;
+  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 16 && D <= 256 &&
+                  D % 2 == 0,
+              what, "heads ", num_heads, " / ", num_kv_heads, " of ", D, " not supported");
+  TORCH_CHECK(qkv.size() == NL && o.size() == NL && ln2.size() == NL && gate_up.size() == NL && down.size() == NL &&
+                  NL >= 1,
+              what, "one weight per layer in every list");
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 5 &&
+                  v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == NL && k_cache.size(1) >= B &&
+                  k_cache.size(3) == num_kv_heads && k_cache.size(4) == D && k_cache.stride(4) == 1 &&
+                  k_cache.stride(3) == D && v_cache.stride(4) == 1 && v_cache.stride(3) == D,
+              what, "the caches must be float32 [", NL, ", >= ", B, ", S, ", num_kv_heads, ", ", D,
+              "] with contiguous heads");
+  TORCH_CHECK(prefix_lens.scalar_type() == at::kLong && prefix_lens.numel() == B && prefix_lens.is_contiguous(), what,
+              "prefix_lens must be a contiguous int64 [B] tensor");
+  TORCH_CHECK(tree_mask.scalar_type() == at::kBool && tree_mask.dim() == 3 && tree_mask.size(0) == B &&
+                  tree_mask.size(1) == Q,
+              what, "tree_mask must be a bool [B, Q, T] tensor");
+  auto panel = [&](const at::Tensor& w, int64_t n, int64_t k) {
+    return w.dim() == 3 && w.size(2) == 16 && w.is_contiguous() && w.size(0) * 16 == n && w.size(1) == k &&
+           (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16);
+  };
+  const int64_t I = down[0].dim() == 3 ? down[0].size(1) : -1;
+  for (int64_t i = 0; i < NL; i++) {
+    TORCH_CHECK(panel(qkv[i], W, H) && panel(o[i], H, hq) && panel(gate_up[i], 2 * I, H) && panel(down[i], H, I), what,
+                "layer ", i, ": projections must be packed into panels (cpu_linear.pack_panels) for hidden ", H,
+                ", ", num_heads, " + 2 x ", num_kv_heads, " heads of ", D, " and intermediate ", I);
+    for (const at::Tensor* n : {&ln1[i], &ln2[i]})
+      TORCH_CHECK(n->scalar_type() == at::kFloat && n->dim() == 1 && n->numel() == H && n->is_contiguous(), what,
+                  "layer ", i, ": norm weights must be contiguous float32 [", H, "]");
+  }
+  TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H && final_norm.is_contiguous(), what,
+              "the final norm must be a contiguous float32 [", H, "]");
+  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && cos_table.dim() == 2 && cos_table.size(1) == D &&
+                  cos_table.is_contiguous() && sin_table.sizes() == cos_table.sizes() &&
+                  sin_table.scalar_type() == at::kFloat && sin_table.is_contiguous(),
+              what, "the rope tables must be contiguous float32 [max_pos, ", D, "]");
+  const int64_t* tok = tokens.const_data_ptr<int64_t>();
+  const int64_t* pos = positions.const_data_ptr<int64_t>();
+  const int64_t npos = cos_table.size(0);
+  for (int64_t i = 0; i < R; i++) {
+    TORCH_CHECK(tok[i] >= 0 && tok[i] < V, what, "token id ", tok[i], " outside the embedding [0, ", V, ")");
+    TORCH_CHECK(pos[i] >= 0 && pos[i] < npos, what, "position ", pos[i], " outside the rope table [0, ", npos, ")");
+  }
+  std::vector<char> at_aux(NL + 1, 0);
+  for (int64_t a : aux_ids) {
+    TORCH_CHECK(a >= 0 && a <= NL, what, "aux layer id ", a, " outside [0, ", NL, "]");
+    at_aux[a] = 1;
+  }
+  const int64_t n_aux = aux_ids.size();
+  at::Tensor hn = at::empty({B, Q, H}, embed.options());
+  at::Tensor aux = at::empty({n_aux ? B : 0, Q, n_aux * H}, embed.options());
+  if (R == 0) return {hn, aux};
+  const int64_t sizes[] = {H, H, H, W, hq, hkv, hq, H, 2 * I, I, H};
+  int64_t total = 0;
+  for (int64_t sz : sizes) total += R * sz;
+  at::Tensor buf = at::empty({total}, embed.options());
+  float* at_ = buf.mutable_data_ptr<float>();
+  float *h, *x, *r, *qkvb, *qr, *kr, *att, *o2, *gu, *act, *dn;
+  float** ptrs[] = {&h, &x, &r, &qkvb, &qr, &kr, &att, &o2, &gu, &act, &dn};
+  for (int i = 0; i < 11; i++) {
+    *ptrs[i] = at_;
+    at_ += R * sizes[i];
+  }
+  const float fe = float(eps);
+  const int nt = at::get_num_threads();
+  const float* E = embed.const_data_ptr<float>();
+  for (int64_t i = 0; i < R; i++) std::copy(E + tok[i] * H, E + (tok[i] + 1) * H, h + i * H);
+  float* ax = n_aux ? aux.mutable_data_ptr<float>() : nullptr;
+  auto capture = [&](int64_t boundary) {  // aux chunks in aux_ids' order
+    for (int64_t c = 0; c < n_aux; c++)
+      if (aux_ids[c] == boundary)
+        for (int64_t i = 0; i < R; i++) std::copy(h + i * H, h + (i + 1) * H, ax + i * n_aux * H + c * H);
+  };
+  if (at_aux[0]) capture(0);
+  const float* ct = cos_table.const_data_ptr<float>();
+  const float* st = sin_table.const_data_ptr<float>();
+  const int64_t S = k_cache.size(2), es = k_cache.element_size();
+  const int64_t Sv = std::min<int64_t>(kv_len >= 0 ? kv_len : S, S);
+  const uint8_t* mask = cbytes(tree_mask);
+  const int64_t* pl = prefix_lens.const_data_ptr<int64_t>();
+  const int64_t* sl = slots.const_data_ptr<int64_t>();
+  for (int64_t l = 0; l < NL; l++) {
+    tritonspec_rms_norm_f32(h, H, nullptr, 0, ln1[l].const_data_ptr<float>(), R, H, fe, x, nullptr, nt);
+    lin_raw(x, R, H, qkv[l], qkvb);
+    for (int64_t i = 0; i < R; i++) {  // rope on q and k: the table rows at each row's position
+      const float* c = ct + pos[i] * D;
+      const float* s = st + pos[i] * D;
+      tritonspec_rope_f32(qkvb + i * W, 1, 1, num_heads, D, 0, 0, D, c, s, 0, 0, qr + i * hq);
+      tritonspec_rope_f32(qkvb + i * W + hq, 1, 1, num_kv_heads, D, 0, 0, D, c, s, 0, 0, kr + i * hkv);
+    }
+    char* kl = static_cast<char*>(k_cache.data_ptr()) + l * k_cache.stride(0) * es;
+    char* vl = static_cast<char*>(v_cache.data_ptr()) + l * v_cache.stride(0) * es;
+    int64_t bad = tritonspec_kv_write(kl, k_cache.stride(1), k_cache.stride(2), S, reinterpret_cast<const char*>(kr),
+                                      Q * hkv, hkv, sl, B, Q, hkv * es, es);
+    bad += tritonspec_kv_write(vl, v_cache.stride(1), v_cache.stride(2), S,
+                               reinterpret_cast<const char*>(qkvb + hq + hkv), Q * W, W, sl, B, Q, hkv * es, es);
+    TORCH_CHECK(bad == 0, "tritonspec_cpu::kv_write: ", bad, " slot(s) outside [-1, ", S, ")");
+    const int rc = tritonspec_tree_attention_f32(
+        qr, B, Q, num_heads, D, Q * hq, hq, D, reinterpret_cast<const float*>(kl), reinterpret_cast<const float*>(vl),
+        num_kv_heads, k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), v_cache.stride(1), v_cache.stride(2),
+        v_cache.stride(3), pl, mask, tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2), tree_mask.size(2),
+        Sv, float(scale), att, nt);
+    TORCH_CHECK(rc != -2, "tritonspec_cpu::tree_attention: out of memory for the shared-prefix scratch");
+    TORCH_CHECK(rc == 0, "tritonspec_cpu::tree_attention: unsupported head shape");
+    lin_raw(att, R, hq, o[l], o2);
+    tritonspec_rms_norm_f32(o2, H, h, H, ln2[l].const_data_ptr<float>(), R, H, fe, x, r, nt);
+    lin_raw(x, R, H, gate_up[l], gu);
+    tritonspec_silu_mul_f32(gu, 2 * I, R, I, act, nt);
+    lin_raw(act, R, I, down[l], dn);
+    for (int64_t i = 0; i < R * H; i++) h[i] = r[i] + dn[i];
+    if (at_aux[l + 1]) capture(l + 1);
+  }
+  tritonspec_rms_norm_f32(h, H, nullptr, 0, final_norm.const_data_ptr<float>(), R, H, fe, hn.mutable_data_ptr<float>(),
+                          nullptr, nt);
+  return {hn, aux};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(tritonspec_cpu, m) {
@@ -1067,6 +1211,10 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
         "Tensor positions, Tensor slots, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor prefix_lens, Tensor tree_mask, "
         "float eps, float scale, int kv_len, int num_heads, int num_kv_heads, int head_dim, bool norm_before_residual) "
         "-> (Tensor, Tensor)");
+  m.def("target_step(Tensor tokens, Tensor embed, Tensor[] ln1, Tensor[] qkv, Tensor[] o, Tensor[] ln2, "
+        "Tensor[] gate_up, Tensor[] down, Tensor final_norm, Tensor cos, Tensor sin, Tensor positions, Tensor slots, "
+        "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor prefix_lens, Tensor tree_mask, float eps, float scale, "
+        "int kv_len, int num_heads, int num_kv_heads, int head_dim, int[] aux_ids) -> (Tensor, Tensor)");
   m.def("draft_chain(Tensor hn0, Tensor carry0, Tensor head, Tensor d2t, Tensor L, Tensor active, Tensor embed, "
         "Tensor in_norm, Tensor hidden_norm, Tensor qkv, Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, "
         "Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, float scale, "
@@ -1095,4 +1243,5 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("draft_tree", &draft_tree);
   m.impl("commit_history", &commit_history);
   m.impl("verify_chain", &verify_chain);
+  m.impl("target_step", &target_step);
 }
