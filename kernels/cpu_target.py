@@ -1,7 +1,7 @@
 """The target's decode forward as one C++ operator (``tritonspec_cpu::target_step``, ``kernels/cpu/linear_op.cpp``).
 
-A target forward of a decode round (``runtime/target.py`` ``TargetModel.forward`` for a plain step, a verify or
-nothing else: not a prompt's causal forward) is ~16 small calls a layer: the input RMSNorm, the fused q/k/v
+A target forward of a decode round (``runtime/target.py`` ``TargetModel.forward`` for a plain step or a verify,
+not a prompt's causal forward) is ~16 small calls a layer: the input RMSNorm, the fused q/k/v
 projection, its split, rope on q and k, the K/V write, tree attention, the output projection, the
 post-attention RMSNorm with its residual, the fused gate/up projection, SwiGLU's product, the down projection
 and the residual add; then the final RMSNorm. On the demo target (12 layers, hidden 128) each is a few

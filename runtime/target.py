@@ -529,7 +529,7 @@ class TargetModel:
         B, Q = tokens.shape
         ops.begin_forward(prompt=meta.prefill)
         aux_ids = self.aux_layer_ids if capture_aux else ()
-        if not meta.prefill and not cache_row and (w := self._native_weights(ops)) is not None:
+        if not meta.prefill and meta.tree_mask is not None and not cache_row and (w := self._native_weights(ops)):
             out = _cpu_target.target_step(
                 w, tokens, meta.positions, meta.slots, self.k_cache, self.v_cache, meta.prefix_lens, meta.tree_mask,
                 self.eps, self.head_dim**-0.5, meta.kv_len, aux_ids,
