@@ -33,6 +33,7 @@ from torch import nn
 
 from ..kernels import cpu_drafter, cpu_linear
 from .checkpoint import FORMATS, read_checkpoint, write_checkpoint
+from .deterministic import DeterministicOps
 from .drafter_config import DrafterConfig
 from .metadata import AttentionMetadata, KVCache
 from .ops import TorchOps
@@ -414,7 +415,7 @@ class Eagle3Drafter(nn.Module):
             )
         ops.begin_forward(prompt=meta.prefill)  # a prompt's rows need not round like a decode step's
         packed = self._cpu_weights(ops, meta.prefill)
-        if packed is not None and self.native_step and not meta.prefill and type(ops) is TorchOps:
+        if packed is not None and self.native_step and not meta.prefill and self._native_ops(ops) is not None:
             out = cpu_drafter.drafter_step(
                 hidden, tokens, self._native_layer(packed), meta.positions, meta.slots, cache.k, cache.v,
                 meta.prefix_lens, meta.tree_mask, meta.kv_len,
@@ -537,12 +538,20 @@ class Eagle3Drafter(nn.Module):
 
     def _native_ready(self, ops: Any) -> cpu_drafter.DrafterLayer | None:
         """``_native_layer`` where the native drafter operators may run (``native_chain``, ``native_tree``,
-        ``native_catch_up``): packed CPU weights, ``native_step``, the torch backend itself (not a subclass that
-        changes ops), an attached embedding; else None."""
+        ``native_catch_up``): packed CPU weights, ``native_step``, the torch backend itself (``_native_ops``), an
+        attached embedding; else None."""
         packed = self._cpu_weights(ops)
-        if packed is None or not self.native_step or type(ops) is not TorchOps or self.embed_tokens is None:
+        if packed is None or not self.native_step or self._native_ops(ops) is None or self.embed_tokens is None:
             return None
         return self._native_layer(packed)
+
+    def _native_ops(self, ops: Any) -> TorchOps | None:
+        """The torch backend's ops where the native drafter operators compute what ``ops`` would: the backend
+        itself (not a subclass or a proxy that watches its calls), or deterministic mode's where every op of the
+        drafter's step is probed as its row-invariant kernel (``DeterministicOps.native_drafter_ops``)."""
+        if type(ops) is DeterministicOps:
+            ops = ops.native_drafter_ops(self)
+        return ops if type(ops) is TorchOps else None
 
     def _native_layer(self, packed: dict[str, torch.Tensor]) -> cpu_drafter.DrafterLayer:
         """The native operators' drafter arguments (``kernels.cpu_drafter.DrafterLayer``): ``packed`` with the

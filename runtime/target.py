@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from ..kernels import cpu_linear as _cpu_linear
 from ..kernels import cpu_target as _cpu_target
+from .deterministic import DeterministicOps
 from .errors import UserError
 from .metadata import AttentionMetadata
 from .ops import TorchOps
@@ -573,10 +574,16 @@ class TargetModel:
 
     def _native_weights(self, ops: Ops) -> _cpu_target.TargetWeights | None:
         """The weights as ``kernels.cpu_target``'s operator takes them, where a decode forward runs on it: the
-        torch backend itself (not a proxy that watches its calls) with the CPU kernels on for this dtype, and
-        weights it takes (``cpu_target.prepare``: float32, projections in panels, no biases or q/k norms).
-        Checked once per rope table (the cache's growth may replace it); None: the Python forward."""
-        if not self.native_step or type(ops) is not TorchOps or not ops._cpu_kernel(self.dtype):
+        torch backend itself (not a proxy that watches its calls; deterministic mode's where every op of the
+        forward runs its row-invariant kernel, ``DeterministicOps.native_forward_ops``) with the CPU kernels on
+        for this dtype, and weights it takes (``cpu_target.prepare``: float32, projections in panels, no biases
+        or q/k norms). Checked once per rope table (the cache's growth may replace it); None: the Python
+        forward."""
+        if not self.native_step:
+            return None
+        if type(ops) is DeterministicOps:  # where each op of its forward runs the kernel the operator calls
+            ops = ops.native_forward_ops(self)
+        if type(ops) is not TorchOps or not ops._cpu_kernel(self.dtype):
             return None
         key = self.rope
         cached = self.__dict__.get("_native")

@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tritonspec.kernels import cpu_drafter, cpu_target
 from tritonspec.kernels import cpu_linear as cl
-from tritonspec.kernels import cpu_target
 from tritonspec.runtime.metadata import AttentionMetadata
 from tritonspec.runtime.ops import TorchOps
 from tritonspec.runtime.target import TargetModel
@@ -190,3 +190,42 @@ def test_decoding_runs_it_with_the_python_forwards_tokens(tmp_path, temperature,
             outs[native, spec] = out.token_ids
     assert outs[True, False] == outs[False, False]
     assert outs[True, True] == outs[False, True]
+
+
+def test_deterministic_mode_runs_it_where_every_op_is_its_kernel(tmp_path, monkeypatch):
+    """Deterministic mode on the CPU kernels (every probe of the target's forward "kernel") runs the operator,
+    and the drafter's operators too (counted), and its greedy and seeded sampled tokens are those of its Python
+    forward and step; on probed PyTorch ops it does not."""
+    if not cl.panels_default(torch.float32):
+        pytest.skip(
+            "this CPU keeps float32 weights [N, K] by default (cpu_linear.panels_default): the operator declines"
+        )
+    from tritonspec.runtime.tiny import tiny_random_pair
+
+    target, drafter = tiny_random_pair(tmp_path)
+    prompts = random_prompts(257, [7, 19, 4], seed=3)
+    ran = []  # the drafter operators that ran (returned a result)
+    for name in ("drafter_step", "draft_chain", "catch_up"):
+        fn = getattr(cpu_drafter, name)
+
+        def counted(*a, _fn=fn, **kw):
+            out = _fn(*a, **kw)
+            ran.append(out is not None and out is not False)
+            return out
+
+        monkeypatch.setattr(cpu_drafter, name, counted)
+    outs = {}
+    for native in (True, False):
+        rt = runtime(target, drafter, max_batch_size=3, deterministic=True)
+        assert rt.ops.native_forward_ops(rt.target) is not None
+        assert rt.ops.native_drafter_ops(rt.drafter) is not None
+        rt.target.native_step = rt.drafter.native_step = native
+        for temperature in (0.0, 1.0):
+            before, steps = cpu_target.calls(), len(ran)
+            out = rt.generate(prompts, max_new_tokens=10, temperature=temperature, seed=11)
+            assert (cpu_target.calls() > before) == native and any(ran[steps:]) == native
+            outs[native, temperature] = out.token_ids
+    assert outs[True, 0.0] == outs[False, 0.0] and outs[True, 1.0] == outs[False, 1.0]
+    # inverse: without the CPU kernels (probed PyTorch ops) the operator would not compute the proxy's bits
+    probed = runtime(target, drafter, max_batch_size=3, deterministic=True, cpu_linear="torch")
+    assert probed.ops.native_forward_ops(probed.target) is None
