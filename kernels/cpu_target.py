@@ -113,7 +113,7 @@ def supported(
 ) -> bool:
     """Whether the operator takes one forward's tensors with the results of the Python forward: each check is
     one the Python wrappers make before they run a kernel instead of a reference (float32 caches with
-    contiguous heads, int64 indices, a bool mask, no autograd)."""
+    contiguous heads, int64 indices of one shape (made contiguous for the call), a bool mask, no autograd)."""
     _, hkv, d = w.heads
     if k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32 or k_cache.dim() != 5:
         return False
@@ -122,7 +122,7 @@ def supported(
     if k_cache.shape[3:] != (hkv, d) or any(c.stride(4) != 1 or c.stride(3) != d for c in (k_cache, v_cache)):
         return False
     idx = (tokens, positions, slots)
-    if any(t.dtype != torch.int64 or t.dim() != 2 or t.shape != tokens.shape or not t.is_contiguous() for t in idx):
+    if any(t.dtype != torch.int64 or t.dim() != 2 or t.shape != tokens.shape for t in idx):
         return False
     return (
         prefix_lens.dtype == torch.int64
@@ -161,6 +161,8 @@ def target_step(
         return None
     if not supported(w, tokens, positions, slots, k_cache, v_cache, prefix_lens, tree_mask):
         return None
+    # a grafted tree's tokens may be a strided view (the lookup branch): the operator reads rows of B x Q ids
+    tokens, positions, slots = tokens.contiguous(), positions.contiguous(), slots.contiguous()
     hn, aux = torch.ops.tritonspec_cpu.target_step(
         tokens, *w.tensors(), positions, slots, k_cache, v_cache, prefix_lens, tree_mask, float(eps), float(scale),
         -1 if kv_len is None else int(kv_len), *w.heads, list(aux_ids),

@@ -229,3 +229,19 @@ def test_deterministic_mode_runs_it_where_every_op_is_its_kernel(tmp_path, monke
     # inverse: without the CPU kernels (probed PyTorch ops) the operator would not compute the proxy's bits
     probed = runtime(target, drafter, max_batch_size=3, deterministic=True, cpu_linear="torch")
     assert probed.ops.native_forward_ops(probed.target) is None
+
+
+def test_strided_token_ids_run_it():
+    """A grafted tree's tokens can be a strided view (the prompt-lookup branch): the operator takes them (counted)
+    and gives the Python forward's values. Before, such forwards fell back to the Python forward."""
+    c = dict(heads=4, kv_heads=2, D=16, B=3, Q=4, T=4, S=50, prefix=[30, 9, 21], seed=5, trash=False, bound=True)
+    t = _target(4, 2, 16)
+    tokens, meta = _inputs(c, t)
+    wide = torch.stack([tokens, tokens.flip(-1)], -1)  # [B, Q, 2]
+    strided = wide[..., 0]
+    assert not strided.is_contiguous() and torch.equal(strided, tokens)
+    before = cpu_target.calls()
+    got = _forward(t, True, strided, meta, aux=False)
+    assert cpu_target.calls() == before + 1
+    want = _forward(t, False, tokens, meta, aux=False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]) and torch.equal(got[3], want[3])
