@@ -5,7 +5,8 @@ not a prompt's causal forward) is ~16 small calls a layer: the input RMSNorm, th
 projection, its split, rope on q and k, the K/V write, tree attention, the output projection, the
 post-attention RMSNorm with its residual, the fused gate/up projection, SwiGLU's product, the down projection
 and the residual add; then the final RMSNorm. On the demo target (12 layers, hidden 128) each is a few
-microseconds of work behind ~5-10 us of Python and dispatch: ~1-1.5 ms of a ~4.5 ms batch-4 step. The operator
+microseconds of work behind ~10-15 us of Python and dispatch: a batch-4 plain step of the standard set's short
+prompts took 4.4 ms through the Python forward and 1.6 ms through this operator (one thread). The operator
 makes the same kernel calls from C++ on one work buffer:
 
     h_0 = E[tokens]
