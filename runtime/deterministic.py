@@ -813,34 +813,29 @@ class DeterministicOps:
         target's forward runs its row-invariant kernel here (its projections' probes say "kernel" when packed
         into panels, which the operator requires; its norms' and attention's probes say so too), that operator
         makes the same kernel calls, so a row's bits are this proxy's. Decided once per target."""
-        key = ("native", id(target))
-        hit = self._fast.get(key)
-        if hit is None or hit[0] is not target:
-            ok = self._gpu is None and self.name == "torch" and self._cpu_kernels(target.dtype)
-            if ok:
-                att = self._sdpa_probe(target.num_heads, target.num_kv_heads, target.head_dim, target.dtype)
-                norms = [self._norm_probe(target.hidden_size, target.dtype, r) for r in (False, True)]
-                ok = att.method == "kernel" and all(p.method == "kernel" for p in norms)
-            hit = self._fast[key] = (target, self.ops if ok else None)
-        return hit[1]
+        heads = (target.num_heads, target.num_kv_heads, target.head_dim)
+        return self._kernels_only(target, target.dtype, heads, {target.hidden_size})
 
     def native_drafter_ops(self, drafter: Any) -> Any | None:
         """``native_forward_ops`` for the drafter's native operators (``kernels.cpu_drafter``: its decode step,
-        chains, trees and catch-up): the backend's ops where its norms and attention are probed as their row-
-        invariant kernels (its projections run the kernel when packed into panels, which the operators require),
-        else None. Decided once per drafter."""
-        key = ("native-drafter", id(drafter))
+        chains, trees and catch-up), by its norms' widths and attention heads. Decided once per drafter."""
+        c = drafter.config
+        widths = {c.hidden_size, c.target_hidden_size, c.num_aux_hidden_states * c.target_hidden_size}
+        heads = (c.num_attention_heads, c.num_key_value_heads, c.head_dim)
+        return self._kernels_only(drafter, next(drafter.parameters()).dtype, heads, widths)
+
+    def _kernels_only(self, model: Any, dtype: torch.dtype, heads: tuple[int, int, int], widths: set[int]) -> Any:
+        """``self.ops`` where ``model``'s attention (``heads``) and its norms of ``widths`` (with and without a
+        residual) are probed as the CPU kernels, else None; kept per model object."""
+        key = ("native", id(model))
         hit = self._fast.get(key)
-        if hit is None or hit[0] is not drafter:
-            c = drafter.config
-            dt = next(drafter.parameters()).dtype
-            ok = self._gpu is None and self.name == "torch" and self._cpu_kernels(dt)
+        if hit is None or hit[0] is not model:
+            ok = self._gpu is None and self.name == "torch" and self._cpu_kernels(dtype)
             if ok:
-                att = self._sdpa_probe(c.num_attention_heads, c.num_key_value_heads, c.head_dim, dt)
-                widths = {c.hidden_size, c.target_hidden_size, c.num_aux_hidden_states * c.target_hidden_size}
-                norms = [self._norm_probe(h, dt, r) for h in widths for r in (False, True)]
-                ok = att.method == "kernel" and all(p.method == "kernel" for p in norms)
-            hit = self._fast[key] = (drafter, self.ops if ok else None)
+                probes = [self._sdpa_probe(*heads, dtype)]
+                probes += [self._norm_probe(h, dtype, r) for h in widths for r in (False, True)]
+                ok = all(p.method == "kernel" for p in probes)
+            hit = self._fast[key] = (model, self.ops if ok else None)
         return hit[1]
 
     @contextlib.contextmanager

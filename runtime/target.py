@@ -395,6 +395,7 @@ class TargetModel:
         self.aux_layer_ids: tuple[int, ...] = ()
         self.k_cache: torch.Tensor | None = None
         self.decode_lock = DecodeLock()  # one request at a time on this cache (runtimes may share it)
+        self._native: tuple[Rope, _cpu_target.TargetWeights | None] | None = None  # (rope, weights): _native_weights
         self.v_cache: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ construction
@@ -586,14 +587,14 @@ class TargetModel:
         if type(ops) is not TorchOps or not ops._cpu_kernel(self.dtype):
             return None
         key = self.rope
-        cached = self.__dict__.get("_native")
+        cached = self._native
         if cached is None or cached[0] is not key:
             w = None
             if all(L.bqkv is None and L.bo is None and L.q_norm is None for L in self.layers):
                 layers = [(L.ln1, L.wqkv, L.wo, L.ln2, L.gate_up, L.down) for L in self.layers]
                 heads = (self.num_heads, self.num_kv_heads, self.head_dim)
                 w = _cpu_target.prepare(self.embed, layers, self.norm, self.rope.cos, self.rope.sin, heads)
-            cached = self.__dict__["_native"] = (key, w)
+            cached = self._native = (key, w)
         return cached[1]
 
     def drafter_info(self) -> dict:

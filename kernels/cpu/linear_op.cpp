@@ -595,6 +595,39 @@ struct RawBufs {  // the work buffer of R = B * Q rows; gu/act/gate as tensors f
   }
 };
 
+// One layer's float32 cache [B_max, S, Hkv, D] on raw pointers, strides in elements (row, slot, head).
+struct RawCache {
+  char *k, *v;
+  int64_t kb, ks, kh, vb, vs, vh, S;
+};
+
+// The attention half of a layer on raw buffers (raw_step, target_step): rope on q and k at each row's position
+// (the table rows), the K/V write at slots, tree attention over the slots below kv_len. qkv [R, W] = q | k | v
+// rows (R = B x Q); writes qr [R, Hq D], kr [R, Hkv D] and att [R, Hq D]. The wrappers' calls, so their bits.
+void raw_attention(const float* qkv, int64_t B, int64_t Q, int64_t nh, int64_t nkv, int64_t D, const float* ct,
+                   const float* st, const int64_t* positions, const RawCache& c, const int64_t* slots, int64_t kv_len,
+                   const int64_t* prefix_lens, const uint8_t* mask, int64_t smb, int64_t smq, int64_t smt, int64_t T,
+                   float scale, int nt, float* qr, float* kr, float* att) {
+  const int64_t R = B * Q, hq = nh * D, hkv = nkv * D, W = hq + 2 * hkv, es = sizeof(float);
+  for (int64_t i = 0; i < R; i++) {
+    const float* cr = ct + positions[i] * D;
+    const float* sr = st + positions[i] * D;
+    tritonspec_rope_f32(qkv + i * W, 1, 1, nh, D, 0, 0, D, cr, sr, 0, 0, qr + i * hq);
+    tritonspec_rope_f32(qkv + i * W + hq, 1, 1, nkv, D, 0, 0, D, cr, sr, 0, 0, kr + i * hkv);
+  }
+  int64_t bad = tritonspec_kv_write(c.k, c.kb, c.ks, c.S, reinterpret_cast<const char*>(kr), Q * hkv, hkv, slots, B, Q,
+                                    hkv * es, es);
+  bad += tritonspec_kv_write(c.v, c.vb, c.vs, c.S, reinterpret_cast<const char*>(qkv + hq + hkv), Q * W, W, slots, B, Q,
+                             hkv * es, es);
+  TORCH_CHECK(bad == 0, "tritonspec_cpu::kv_write: ", bad, " slot(s) outside [-1, ", c.S, ")");
+  const int64_t Sv = std::min<int64_t>(kv_len >= 0 ? kv_len : c.S, c.S);
+  const int rc = tritonspec_tree_attention_f32(
+      qr, B, Q, nh, D, Q * hq, hq, D, reinterpret_cast<const float*>(c.k), reinterpret_cast<const float*>(c.v), nkv,
+      c.kb, c.ks, c.kh, c.vb, c.vs, c.vh, prefix_lens, mask, smb, smq, smt, T, Sv, scale, att, nt);
+  TORCH_CHECK(rc != -2, "tritonspec_cpu::tree_attention: out of memory for the shared-prefix scratch");
+  TORCH_CHECK(rc == 0, "tritonspec_cpu::tree_attention: unsupported head shape");
+}
+
 // One float32 drafter step over R = B x Q rows (Eagle3Drafter.step's math, drafter_step's order of calls):
 // hidden [R, H] rows at stride H, tokens, positions and slots [R] int64, prefix_lens [B], the mask [B, Q, T]
 // at strides (smb, smq, smt); writes h and hn [R, H]. hidden may be h or hn of the previous step (read before
@@ -622,29 +655,12 @@ void raw_step(const RawStep& p, RawBufs& w, const float* hidden, const int64_t* 
     std::copy(w.vn + i * H, w.vn + (i + 1) * H, w.z + i * 2 * H + H);
   }
   lin_raw(w.z, R, 2 * H, p.qkv_w, w.qkv);
-  const float* ct = p.cos_table.const_data_ptr<float>();
-  const float* st = p.sin_table.const_data_ptr<float>();
-  for (int64_t i = 0; i < R; i++) {  // rope on q and k: the table rows at each row's position
-    const float* c = ct + positions[i] * D;
-    const float* s = st + positions[i] * D;
-    tritonspec_rope_f32(w.qkv + i * W, 1, 1, p.num_heads, D, 0, 0, D, c, s, 0, 0, w.qr + i * w.hq);
-    tritonspec_rope_f32(w.qkv + i * W + w.hq, 1, 1, p.num_kv_heads, D, 0, 0, D, c, s, 0, 0, w.kr + i * w.hkv);
-  }
-  const int64_t S = p.k_cache.size(1), es = p.k_cache.element_size();
-  int64_t bad = tritonspec_kv_write(static_cast<char*>(p.k_cache.data_ptr()), p.k_cache.stride(0), p.k_cache.stride(1),
-                                    S, reinterpret_cast<const char*>(w.kr), Q * w.hkv, w.hkv, slots, B, Q, w.hkv * es,
-                                    es);
-  bad += tritonspec_kv_write(static_cast<char*>(p.v_cache.data_ptr()), p.v_cache.stride(0), p.v_cache.stride(1), S,
-                             reinterpret_cast<const char*>(w.qkv + w.hq + w.hkv), Q * W, W, slots, B, Q, w.hkv * es, es);
-  TORCH_CHECK(bad == 0, "tritonspec_cpu::kv_write: ", bad, " slot(s) outside [-1, ", S, ")");
-  const int64_t Sv = std::min<int64_t>(p.kv_len >= 0 ? p.kv_len : S, S);
   const at::Tensor &kc = p.k_cache, &vc = p.v_cache;
-  const int rc = tritonspec_tree_attention_f32(
-      w.qr, B, Q, p.num_heads, D, Q * w.hq, w.hq, D, kc.const_data_ptr<float>(), vc.const_data_ptr<float>(),
-      p.num_kv_heads, kc.stride(0), kc.stride(1), kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), prefix_lens,
-      mask, smb, smq, smt, T, Sv, float(p.scale), w.o, nt);
-  TORCH_CHECK(rc != -2, "tritonspec_cpu::tree_attention: out of memory for the shared-prefix scratch");
-  TORCH_CHECK(rc == 0, "tritonspec_cpu::tree_attention: unsupported head shape");
+  const RawCache cache{static_cast<char*>(kc.data_ptr()), static_cast<char*>(vc.data_ptr()), kc.stride(0), kc.stride(1),
+                       kc.stride(2), vc.stride(0), vc.stride(1), vc.stride(2), kc.size(1)};
+  raw_attention(w.qkv, B, Q, p.num_heads, p.num_kv_heads, D, p.cos_table.const_data_ptr<float>(),
+                p.sin_table.const_data_ptr<float>(), positions, cache, slots, p.kv_len, prefix_lens, mask, smb, smq,
+                smt, T, float(p.scale), nt, w.qr, w.kr, w.o);
   lin_raw(w.o, R, w.hq, p.o_w, w.o2);
   tritonspec_rms_norm_f32(w.o2, H, p.norm_before_residual ? w.vn : hidden, H, p.post_norm.const_data_ptr<float>(), R,
                           H, eps, w.x, w.r, nt);
@@ -1132,33 +1148,19 @@ std::tuple<at::Tensor, at::Tensor> target_step(
   const float* ct = cos_table.const_data_ptr<float>();
   const float* st = sin_table.const_data_ptr<float>();
   const int64_t S = k_cache.size(2), es = k_cache.element_size();
-  const int64_t Sv = std::min<int64_t>(kv_len >= 0 ? kv_len : S, S);
   const uint8_t* mask = cbytes(tree_mask);
   const int64_t* pl = prefix_lens.const_data_ptr<int64_t>();
   const int64_t* sl = slots.const_data_ptr<int64_t>();
   for (int64_t l = 0; l < NL; l++) {
     tritonspec_rms_norm_f32(h, H, nullptr, 0, ln1[l].const_data_ptr<float>(), R, H, fe, x, nullptr, nt);
     lin_raw(x, R, H, qkv[l], qkvb);
-    for (int64_t i = 0; i < R; i++) {  // rope on q and k: the table rows at each row's position
-      const float* c = ct + pos[i] * D;
-      const float* s = st + pos[i] * D;
-      tritonspec_rope_f32(qkvb + i * W, 1, 1, num_heads, D, 0, 0, D, c, s, 0, 0, qr + i * hq);
-      tritonspec_rope_f32(qkvb + i * W + hq, 1, 1, num_kv_heads, D, 0, 0, D, c, s, 0, 0, kr + i * hkv);
-    }
-    char* kl = static_cast<char*>(k_cache.data_ptr()) + l * k_cache.stride(0) * es;
-    char* vl = static_cast<char*>(v_cache.data_ptr()) + l * v_cache.stride(0) * es;
-    int64_t bad = tritonspec_kv_write(kl, k_cache.stride(1), k_cache.stride(2), S, reinterpret_cast<const char*>(kr),
-                                      Q * hkv, hkv, sl, B, Q, hkv * es, es);
-    bad += tritonspec_kv_write(vl, v_cache.stride(1), v_cache.stride(2), S,
-                               reinterpret_cast<const char*>(qkvb + hq + hkv), Q * W, W, sl, B, Q, hkv * es, es);
-    TORCH_CHECK(bad == 0, "tritonspec_cpu::kv_write: ", bad, " slot(s) outside [-1, ", S, ")");
-    const int rc = tritonspec_tree_attention_f32(
-        qr, B, Q, num_heads, D, Q * hq, hq, D, reinterpret_cast<const float*>(kl), reinterpret_cast<const float*>(vl),
-        num_kv_heads, k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), v_cache.stride(1), v_cache.stride(2),
-        v_cache.stride(3), pl, mask, tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2), tree_mask.size(2),
-        Sv, float(scale), att, nt);
-    TORCH_CHECK(rc != -2, "tritonspec_cpu::tree_attention: out of memory for the shared-prefix scratch");
-    TORCH_CHECK(rc == 0, "tritonspec_cpu::tree_attention: unsupported head shape");
+    const int64_t ko = l * k_cache.stride(0) * es, vo = l * v_cache.stride(0) * es;
+    const RawCache cache{static_cast<char*>(k_cache.data_ptr()) + ko, static_cast<char*>(v_cache.data_ptr()) + vo,
+                         k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), v_cache.stride(1), v_cache.stride(2),
+                         v_cache.stride(3), S};
+    raw_attention(qkvb, B, Q, num_heads, num_kv_heads, D, ct, st, pos, cache, sl, kv_len, pl, mask,
+                  tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2), tree_mask.size(2), float(scale), nt,
+                  qr, kr, att);
     lin_raw(att, R, hq, o[l], o2);
     tritonspec_rms_norm_f32(o2, H, h, H, ln2[l].const_data_ptr<float>(), R, H, fe, x, r, nt);
     lin_raw(x, R, H, gate_up[l], gu);
