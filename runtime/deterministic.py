@@ -814,7 +814,10 @@ class DeterministicOps:
         into panels, which the operator requires; its norms' and attention's probes say so too), that operator
         makes the same kernel calls, so a row's bits are this proxy's. Decided once per target."""
         heads = (target.num_heads, target.num_kv_heads, target.head_dim)
-        return self._kernels_only(target, target.dtype, heads, {target.hidden_size})
+        widths = {target.hidden_size}
+        if any(L.q_norm is not None for L in target.layers):  # Qwen3's per-head q/k norms
+            widths.add(target.head_dim)
+        return self._kernels_only(target, target.dtype, heads, widths)
 
     def native_drafter_ops(self, drafter: Any) -> Any | None:
         """``native_forward_ops`` for the drafter's native operators (``kernels.cpu_drafter``: its decode step,

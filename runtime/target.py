@@ -577,9 +577,9 @@ class TargetModel:
         """The weights as ``kernels.cpu_target``'s operator takes them, where a decode forward runs on it: the
         torch backend itself (not a proxy that watches its calls; deterministic mode's where every op of the
         forward runs its row-invariant kernel, ``DeterministicOps.native_forward_ops``) with the CPU kernels on
-        for this dtype, and weights it takes (``cpu_target.prepare``: float32, projections in panels, no biases
-        or q/k norms). Checked once per rope table (the cache's growth may replace it); None: the Python
-        forward."""
+        for this dtype, and weights it takes (``cpu_target.prepare``: float32, projections in panels, biases and
+        Qwen3's q/k norms as float32 vectors). Checked once per rope table (the cache's growth may replace it);
+        None: the Python forward."""
         if not self.native_step:
             return None
         if type(ops) is DeterministicOps:  # where each op of its forward runs the kernel the operator calls
@@ -589,11 +589,11 @@ class TargetModel:
         key = self.rope
         cached = self._native
         if cached is None or cached[0] is not key:
-            w = None
-            if all(L.bqkv is None and L.bo is None and L.q_norm is None for L in self.layers):
-                layers = [(L.ln1, L.wqkv, L.wo, L.ln2, L.gate_up, L.down) for L in self.layers]
-                heads = (self.num_heads, self.num_kv_heads, self.head_dim)
-                w = _cpu_target.prepare(self.embed, layers, self.norm, self.rope.cos, self.rope.sin, heads)
+            layers = [
+                (L.ln1, L.wqkv, L.wo, L.ln2, L.gate_up, L.down, L.bqkv, L.bo, L.q_norm, L.k_norm) for L in self.layers
+            ]
+            heads = (self.num_heads, self.num_kv_heads, self.head_dim)
+            w = _cpu_target.prepare(self.embed, layers, self.norm, self.rope.cos, self.rope.sin, heads)
             cached = self._native = (key, w)
         return cached[1]
 

@@ -1,8 +1,9 @@
 """The target's decode forward as one native operator (``kernels/cpu_target.py``, ``tritonspec_cpu::target_step``):
 on drawn shapes (batches, query rows, GQA groups, head dims, ragged prefixes, tree masks, trash slots, attention
-bounds, captured boundaries, float32 and weight-only bfloat16 panels) it returns the Python forward's hidden
+bounds, captured boundaries, float32 and weight-only bfloat16 panels, Llama, Qwen2's q/k/v biases and Qwen3's
+per-head q/k norms, an output bias) it returns the Python forward's hidden
 states and aux features and writes its K/V bit for bit; it declines what the Python forward would run
-differently (biases, q/k norms, bfloat16, weights not in panels, other ops, a traced call, a prompt); and
+differently (a bias in some layers only, bfloat16, weights not in panels, other ops, a traced call, a prompt); and
 decoding runs it (counted) with the Python forward's tokens."""
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def case(draw):
         trash=draw(st.booleans()),
         bound=draw(st.booleans()),
         weight_bf16=draw(st.booleans()),
+        arch=draw(st.sampled_from(["llama", "qwen2", "qwen3"])),  # q/k/v biases; per-head q/k norms
+        out_bias=draw(st.booleans()),
         seed=draw(st.integers(0, 2**16)),
     )  # fmt: skip
 
@@ -97,7 +100,13 @@ def _inputs(c, t: TargetModel):
 @settings(max_examples=40, deadline=None)
 def test_target_step_is_the_python_forward(c):
     """Hidden states, aux features and the K/V written: the Python forward's, bit for bit, and the operator ran."""
-    t = _target(c["heads"], c["kv_heads"], c["D"], c["inter"], seed=c["seed"] % 7, weight_bf16=c["weight_bf16"])
+    t = _target(
+        c["heads"], c["kv_heads"], c["D"], c["inter"], arch=c["arch"], seed=c["seed"] % 7, weight_bf16=c["weight_bf16"]
+    )
+    if c["out_bias"]:  # an output projection bias (no family here has one; the operator takes it)
+        g = torch.Generator().manual_seed(c["seed"])
+        for L in t.layers:
+            L.bo = torch.randn(96, generator=g)
     t.set_aux_layer_ids(c["aux"])
     tokens, meta = _inputs(c, t)
     before = cpu_target.calls()
@@ -131,12 +140,14 @@ def test_the_comparison_is_not_vacuous():
 
 
 @pytest.mark.parametrize(
-    "why", ["bias", "q_norm", "bfloat16", "nk", "torch-ops", "prompt", "cache-row", "native_step-off", "traced"]
+    "why", ["mixed-bias", "bfloat16", "nk", "torch-ops", "prompt", "cache-row", "native_step-off", "traced"]
 )
 def test_declines_what_the_python_forward_runs_otherwise(why):
     """Each of these runs the Python forward (the operator is not called) and still decodes its values."""
-    arch = {"bias": "qwen2", "q_norm": "qwen3"}.get(why, "llama")
+    arch = "qwen2" if why == "mixed-bias" else "llama"
     t = _target(4, 2, 16, arch=arch, dtype=torch.bfloat16 if why == "bfloat16" else torch.float32)
+    if why == "mixed-bias":  # a kind of weight in some layers only: the operator takes each kind in all or none
+        t.layers[1].bqkv = None
     if why == "nk":
         t = TargetModel.from_pretrained(
             tiny_target(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=80),
@@ -165,18 +176,21 @@ def test_declines_what_the_python_forward_runs_otherwise(why):
     assert cpu_target.calls() == before, why
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("batch", [1, 3])
-def test_decoding_runs_it_with_the_python_forwards_tokens(tmp_path, temperature, batch):
+@pytest.mark.parametrize(
+    "temperature, batch, arch", [(0.0, 1, "llama"), (0.0, 3, "llama"), (1.0, 1, "llama"), (1.0, 3, "llama"),
+                                 (0.0, 3, "qwen2"), (1.0, 1, "qwen3"), (0.0, 3, "qwen3")]
+)  # fmt: skip
+def test_decoding_runs_it_with_the_python_forwards_tokens(tmp_path, temperature, batch, arch):
     """Plain and speculative decoding (greedy, and seeded sampling) through the operator emit the tokens of the
-    Python forward, prompt by prompt, and the operator ran the decode forwards."""
+    Python forward, prompt by prompt, and the operator ran the decode forwards: Llama, Qwen2 (q/k/v biases) and
+    Qwen3 (per-head q/k norms) targets."""
     if not cl.panels_default(torch.float32):
         pytest.skip(
             "this CPU keeps float32 weights [N, K] by default (cpu_linear.panels_default): the operator declines"
         )
     from tritonspec.runtime.tiny import tiny_random_pair
 
-    target, drafter = tiny_random_pair(tmp_path)
+    target, drafter = tiny_random_pair(tmp_path, arch=arch)
     prompts = random_prompts(257, [5, 17, 3, 30, 9], seed=batch)
     outs = {}
     for native in (True, False):
@@ -192,17 +206,18 @@ def test_decoding_runs_it_with_the_python_forwards_tokens(tmp_path, temperature,
     assert outs[True, True] == outs[False, True]
 
 
-def test_deterministic_mode_runs_it_where_every_op_is_its_kernel(tmp_path, monkeypatch):
-    """Deterministic mode on the CPU kernels (every probe of the target's forward "kernel") runs the operator,
-    and the drafter's operators too (counted), and its greedy and seeded sampled tokens are those of its Python
-    forward and step; on probed PyTorch ops it does not."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_deterministic_mode_runs_it_where_every_op_is_its_kernel(tmp_path, monkeypatch, arch):
+    """Deterministic mode on the CPU kernels (every probe of the target's forward "kernel", Qwen3's head-wide
+    q/k norms included) runs the operator, and the drafter's operators too (counted), and its greedy and seeded
+    sampled tokens are those of its Python forward and step; on probed PyTorch ops it does not."""
     if not cl.panels_default(torch.float32):
         pytest.skip(
             "this CPU keeps float32 weights [N, K] by default (cpu_linear.panels_default): the operator declines"
         )
     from tritonspec.runtime.tiny import tiny_random_pair
 
-    target, drafter = tiny_random_pair(tmp_path)
+    target, drafter = tiny_random_pair(tmp_path, arch=arch)
     prompts = random_prompts(257, [7, 19, 4], seed=3)
     ran = []  # the drafter operators that ran (returned a result)
     for name in ("drafter_step", "draft_chain", "catch_up"):

@@ -519,15 +519,15 @@ at::Tensor argmax(const at::Tensor& x) {
 // operations (or copies), the same in any loop.
 
 // float32 activations against panels [N/16, K, 16] of float32 or (weight-only) bfloat16: y [M, N] contiguous
-void lin_raw(const float* x, int64_t M, int64_t ldx, const at::Tensor& w, float* y) {
+void lin_raw(const float* x, int64_t M, int64_t ldx, const at::Tensor& w, float* y, const float* b = nullptr) {
   const int64_t N = w.size(0) * 16, K = w.size(1);
   const int nt = M * N * K >= kSmall ? at::get_num_threads() : 1;
   if (w.scalar_type() == at::kBFloat16) {
     const int rc = tritonspec_linear_f32_bf16_panels(
-        x, M, ldx, reinterpret_cast<const uint16_t*>(w.const_data_ptr<c10::BFloat16>()), N, K, nullptr, y, N, nt);
+        x, M, ldx, reinterpret_cast<const uint16_t*>(w.const_data_ptr<c10::BFloat16>()), N, K, b, y, N, nt);
     TORCH_CHECK(rc == 0, "tritonspec_cpu: the weight-only bfloat16 kernel failed");
   } else {
-    tritonspec_linear_f32_panels(x, M, ldx, w.const_data_ptr<float>(), N, K, nullptr, y, N, nt);
+    tritonspec_linear_f32_panels(x, M, ldx, w.const_data_ptr<float>(), N, K, b, y, N, nt);
   }
 }
 
@@ -1059,7 +1059,7 @@ std::tuple<at::Tensor, at::Tensor> target_step(
     const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& positions, const at::Tensor& slots,
     const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& prefix_lens, const at::Tensor& tree_mask,
     double eps, double scale, int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    at::IntArrayRef aux_ids) {
+    at::IntArrayRef aux_ids, at::TensorList bqkv, at::TensorList bo, at::TensorList q_norm, at::TensorList k_norm) {
   const char* what = "tritonspec_cpu::target_step: ";
   TORCH_CHECK(tokens.dim() == 2 && tokens.scalar_type() == at::kLong && tokens.is_contiguous() &&
                   positions.sizes() == tokens.sizes() && positions.scalar_type() == at::kLong &&
@@ -1101,6 +1101,19 @@ std::tuple<at::Tensor, at::Tensor> target_step(
       TORCH_CHECK(n->scalar_type() == at::kFloat && n->dim() == 1 && n->numel() == H && n->is_contiguous(), what,
                   "layer ", i, ": norm weights must be contiguous float32 [", H, "]");
   }
+  // optional per-layer weights (Qwen2's q/k/v biases, an output bias, Qwen3's per-head q/k norms): empty lists,
+  // or one contiguous float32 vector per layer
+  auto vectors = [&](at::TensorList ts, int64_t n, const char* name) {
+    TORCH_CHECK(ts.empty() || int64_t(ts.size()) == NL, what, name, ": none, or one per layer");
+    for (const at::Tensor& t : ts)
+      TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n && t.is_contiguous(), what, name,
+                  " must be contiguous float32 [", n, "] vectors");
+  };
+  vectors(bqkv, W, "bqkv");
+  vectors(bo, H, "bo");
+  vectors(q_norm, D, "q_norm");
+  vectors(k_norm, D, "k_norm");
+  TORCH_CHECK(q_norm.size() == k_norm.size(), what, "q_norm and k_norm come together");
   TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H && final_norm.is_contiguous(), what,
               "the final norm must be a contiguous float32 [", H, "]");
   TORCH_CHECK(cos_table.scalar_type() == at::kFloat && cos_table.dim() == 2 && cos_table.size(1) == D &&
@@ -1153,7 +1166,15 @@ std::tuple<at::Tensor, at::Tensor> target_step(
   const int64_t* sl = slots.const_data_ptr<int64_t>();
   for (int64_t l = 0; l < NL; l++) {
     tritonspec_rms_norm_f32(h, H, nullptr, 0, ln1[l].const_data_ptr<float>(), R, H, fe, x, nullptr, nt);
-    lin_raw(x, R, H, qkv[l], qkvb);
+    lin_raw(x, R, H, qkv[l], qkvb, bqkv.empty() ? nullptr : bqkv[l].const_data_ptr<float>());
+    if (!q_norm.empty()) {  // per-head RMSNorm of q and k (Qwen3), in place, before rope (the kernel's rows)
+      const float *qw = q_norm[l].const_data_ptr<float>(), *kw = k_norm[l].const_data_ptr<float>();
+      for (int64_t i = 0; i < R; i++) {
+        float* row = qkvb + i * W;
+        tritonspec_rms_norm_f32(row, D, nullptr, 0, qw, num_heads, D, fe, row, nullptr, 1);
+        tritonspec_rms_norm_f32(row + hq, D, nullptr, 0, kw, num_kv_heads, D, fe, row + hq, nullptr, 1);
+      }
+    }
     const int64_t ko = l * k_cache.stride(0) * es, vo = l * v_cache.stride(0) * es;
     const RawCache cache{static_cast<char*>(k_cache.data_ptr()) + ko, static_cast<char*>(v_cache.data_ptr()) + vo,
                          k_cache.stride(1), k_cache.stride(2), k_cache.stride(3), v_cache.stride(1), v_cache.stride(2),
@@ -1161,7 +1182,7 @@ std::tuple<at::Tensor, at::Tensor> target_step(
     raw_attention(qkvb, B, Q, num_heads, num_kv_heads, D, ct, st, pos, cache, sl, kv_len, pl, mask,
                   tree_mask.stride(0), tree_mask.stride(1), tree_mask.stride(2), tree_mask.size(2), float(scale), nt,
                   qr, kr, att);
-    lin_raw(att, R, hq, o[l], o2);
+    lin_raw(att, R, hq, o[l], o2, bo.empty() ? nullptr : bo[l].const_data_ptr<float>());
     tritonspec_rms_norm_f32(o2, H, h, H, ln2[l].const_data_ptr<float>(), R, H, fe, x, r, nt);
     lin_raw(x, R, H, gate_up[l], gu);
     tritonspec_silu_mul_f32(gu, 2 * I, R, I, act, nt);
@@ -1216,7 +1237,8 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
   m.def("target_step(Tensor tokens, Tensor embed, Tensor[] ln1, Tensor[] qkv, Tensor[] o, Tensor[] ln2, "
         "Tensor[] gate_up, Tensor[] down, Tensor final_norm, Tensor cos, Tensor sin, Tensor positions, Tensor slots, "
         "Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor prefix_lens, Tensor tree_mask, float eps, float scale, "
-        "int kv_len, int num_heads, int num_kv_heads, int head_dim, int[] aux_ids) -> (Tensor, Tensor)");
+        "int kv_len, int num_heads, int num_kv_heads, int head_dim, int[] aux_ids, Tensor[] bqkv, Tensor[] bo, "
+        "Tensor[] q_norm, Tensor[] k_norm) -> (Tensor, Tensor)");
   m.def("draft_chain(Tensor hn0, Tensor carry0, Tensor head, Tensor d2t, Tensor L, Tensor active, Tensor embed, "
         "Tensor in_norm, Tensor hidden_norm, Tensor qkv, Tensor o, Tensor post_norm, Tensor gate_up, Tensor down, "
         "Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, float scale, "
