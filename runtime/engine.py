@@ -55,7 +55,7 @@ from .requests import (
     row_seeds,
 )
 from .sampling import SamplingParams
-from .spec_policy import ShapeChoice, ShapePolicy
+from .spec_policy import ShapeChoice, ShapePolicy, prompt_pass_pays, prompt_pass_ratio
 from .target import TargetModel, default_aux_layer_ids, resolve_layout
 from .weights import load_tokenizer
 
@@ -549,6 +549,14 @@ class SpeculativeRuntime:
             warnings.warn("no drafter loaded: speculative=True runs plain decoding", stacklevel=3)
         context = max(len(p) for p in batch)  # long prompts may get smaller trees (a profile's context rows)
         choice = self._choose_shape(min(len(batch), self.max_batch_size), sampling, speculative, context)
+        if choice.spec is not None and choice.source != "caller" and self.device.type == "cpu":
+            prompt, new, ratio = sum(map(len, batch)), sum(budgets), self._prompt_pass_ratio()
+            if not prompt_pass_pays(prompt, new, max(budgets), ratio):
+                why = (
+                    f"plain: {new} new token(s) do not pay for the drafter's pass over {prompt} prompt tokens "
+                    f"(from {ratio:.3f} a prompt token, or more than one a prompt; runtime/spec_policy.py)"
+                )
+                choice = ShapeChoice(None, why)
         requests = RequestRows(
             [len(p) for p in batch],
             max_new_tokens=budgets,
@@ -560,6 +568,26 @@ class SpeculativeRuntime:
             tokenizer=self.tokenizer,
         )
         return _Run(self._decode(batch, requests, sampling, seeds, choice), sampling, self._lock)
+
+    def _prompt_pass_ratio(self) -> float:
+        """``spec_policy.prompt_pass_ratio`` of this pair, computed once: the drafter's prompt FLOPs per token (its
+        parameters but the embedding and head, twice) over the target's weight bytes read per decode step (its
+        layers and head; the embedding reads one row)."""
+        r = getattr(self, "_pass_ratio", None)
+        if r is None:
+            d = self.drafter
+            skip = {id(p) for m in (d.embed_tokens, d.lm_head) if m is not None for p in m.parameters()}
+            flops = 2.0 * sum(p.numel() for p in d.parameters() if id(p) not in skip)
+            t = self.target
+            tensors = [w for L in t.layers for w in vars(L).values() if isinstance(w, torch.Tensor)] + [t.lm_head]
+            seen: set[int] = set()
+            nbytes = 0
+            for w in tensors:
+                if id(w) not in seen:
+                    seen.add(id(w))
+                    nbytes += w.numel() * w.element_size()
+            r = self._pass_ratio = prompt_pass_ratio(flops, nbytes)
+        return r
 
     def _choose_shape(
         self, batch_size: int, sampling: SamplingParams, speculative: bool, context: int = 0

@@ -39,6 +39,13 @@ prompts, marked ``"context": T`` (they apply to prompts of at least T tokens; ``
 one sub-policy per threshold, with its own table and budget). A request takes the bucket of the
 largest threshold at or below its longest prompt; a bucket's rows and rule work as above.
 
+Short requests on long prompts (CPU): speculation first runs the drafter over every prompt token, which
+pays only through the tokens it then drafts. On the demo pair (one thread, 2026-12-07) that pass costs ~14 %
+of the target's prompt forward, and the standard set (3,513 prompt tokens over 8 prompts) ran 0.85-0.92x of
+plain decoding at 1-8 new tokens a prompt, 1.03x at 16. ``prompt_pass_pays`` decodes plainly a request
+whose new tokens fall below ``prompt_pass_ratio`` x its prompt tokens (or that asks for one token, which
+the prompt's forward alone gives), a policy-chosen shape only: a caller's ``spec`` always runs.
+
 Adaptive shapes: a profile's batch-1 greedy row also carries a ``ShapeLadder`` (``runtime/adaptive.py``):
 the shapes the tuner measured there, among which a request re-chooses between rounds by the
 acceptance it shows (``ShapeChoice.ladder``; the engine decides whether it applies). A greedy
@@ -56,6 +63,25 @@ from .config import SpecConfig
 
 ROW_BUDGET = {"cpu": 8, "cuda": 64}  # rows a verify forward takes at about one decode step's cost
 SAMPLED_CHAIN_MAX = 4  # longest sampled chain the rule drafts
+# bytes of weights read per FLOP of prompt forward at break-even (prompt_pass_ratio): the demo pair's measured
+# break-even, 8-16 new tokens per 439 prompt tokens (0.018-0.036, 0.027 taken), over its drafter's prompt FLOPs
+# per target decode byte (0.048): a CPU's memory bandwidth over its prompt FLOP rate, over the fraction of a
+# plain step that speculation saves
+PROMPT_PASS_BYTES_PER_FLOP = 0.56
+
+
+def prompt_pass_ratio(drafter_flops_per_token: float, target_bytes_per_step: float) -> float:
+    """New tokens per prompt token from which the drafter's pass over the prompt pays on a CPU: the pass costs
+    ``drafter_flops_per_token`` (compute-bound) per prompt token, and each new token saves a fraction of a plain
+    step that reads ``target_bytes_per_step`` (memory-bound); ``PROMPT_PASS_BYTES_PER_FLOP`` converts."""
+    return PROMPT_PASS_BYTES_PER_FLOP * drafter_flops_per_token / max(target_bytes_per_step, 1.0)
+
+
+def prompt_pass_pays(prompt_tokens: int, new_tokens: int, max_new_tokens: int, ratio: float) -> bool:
+    """Whether speculation pays for the drafter's pass over ``prompt_tokens`` (summed over the request's prompts)
+    when they ask for ``new_tokens`` in all (``max_new_tokens`` at most a prompt): not for one token a prompt
+    (the prompt's forward gives it, nothing is drafted), else from ``ratio`` new tokens per prompt token on."""
+    return max_new_tokens > 1 and new_tokens >= ratio * prompt_tokens
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,14 @@ import torch
 import tritonspec as ts
 from tritonspec.kernels import store
 from tritonspec.runtime import profiles as prof
-from tritonspec.runtime.spec_policy import ROW_BUDGET, ShapePolicy, rule_shape
+from tritonspec.runtime.spec_policy import (
+    PROMPT_PASS_BYTES_PER_FLOP,
+    ROW_BUDGET,
+    ShapePolicy,
+    prompt_pass_pays,
+    prompt_pass_ratio,
+    rule_shape,
+)
 
 from _util import perm_pair, random_prompts, runtime
 
@@ -460,3 +467,49 @@ def test_every_shipped_profile_names_a_shipped_drafter():
         assert data["drafter"] in shipped, f"{f.name}: no shipped drafter has fingerprint {data['drafter']}"
         named.add(data["drafter"])
     assert named == set(shipped), {shipped[d].name for d in set(shipped) - named}
+
+
+@pytest.mark.parametrize(
+    "prompt, new, most, ratio, want",
+    [
+        (786, 4, 4, 0.027, False),  # 4 < 21.2
+        (786, 22, 22, 0.027, True),
+        (58, 2, 2, 0.027, True),  # a short prompt pays from two tokens
+        (58, 1, 1, 0.027, False),  # one token: the prompt's forward gives it
+        (8 * 58, 8, 1, 0.0, False),  # one token a prompt, whatever the total
+        (3513, 96, 12, 0.027, True),  # summed over the prompts: 96 >= 94.9
+        (3513, 94, 12, 0.027, False),
+    ],
+)
+def test_the_drafters_prompt_pass_must_pay(prompt, new, most, ratio, want):
+    assert prompt_pass_pays(prompt, new, most, ratio) is want
+
+
+def test_prompt_pass_ratio_scales_with_the_drafters_flops_over_the_targets_bytes():
+    r = prompt_pass_ratio(2e6, 1e8)
+    assert r == pytest.approx(PROMPT_PASS_BYTES_PER_FLOP * 0.02)
+    assert prompt_pass_ratio(4e6, 1e8) == pytest.approx(2 * r) and prompt_pass_ratio(2e6, 2e8) == pytest.approx(r / 2)
+
+
+def test_a_short_request_on_a_long_prompt_decodes_plainly(fresh_cache, tmp_path, monkeypatch):
+    """The demo pair (its shipped profile): a 786-token prompt asking for 4 tokens decodes plainly (the drafter's
+    pass over the prompt would not pay; the stats say why) with plain decoding's tokens; asking for 40 it
+    speculates (inverse), and so does a short prompt asking for 4, and a caller's spec always runs."""
+    t, d, _, _ = _shipped_here(monkeypatch, tmp_path, "eagle3.1")
+    rt = ts.SpeculativeRuntime.from_pretrained(t, d, max_batch_size=1, max_seq_len=1024, backend="torch")
+    ratio = rt._prompt_pass_ratio()
+    assert 0.01 < ratio < 0.05  # the demo pair's: the calibration's own pair
+    long = ts.demo.prompt_set("standard")[0]["prompt"]
+    n_long = len(rt.tokenizer(long)["input_ids"])
+    assert 4 < ratio * n_long < 40
+    few = rt.generate(long, max_new_tokens=4)
+    assert few.stats.spec is None and few.stats.spec_source.startswith("plain: 4 new token(s)")
+    assert few.stats.num_drafts == 0
+    assert few.token_ids == rt.generate(long, max_new_tokens=4, speculative=False).token_ids
+    many = rt.generate(long, max_new_tokens=40)
+    assert many.stats.spec is not None and many.stats.num_drafts > 0
+    short = rt.generate("def add(a, b):", max_new_tokens=4)
+    assert short.stats.spec is not None and short.stats.num_drafts > 0
+    pinned = ts.SpeculativeRuntime.from_pretrained(t, d, max_batch_size=1, max_seq_len=1024, spec=C(3), backend="torch")
+    one = pinned.generate(long, max_new_tokens=4)
+    assert one.stats.spec == C(3) and one.stats.spec_source == "caller" and one.stats.num_drafts > 0
