@@ -196,7 +196,7 @@ class Decoder:
         self._kv_cap: int | None = None  # attention bound of a whole-cache round (``round(kv_cap=)``)
         self._cut_nodes: int | None = None  # draft nodes of the last eager CPU round that cut its lookup padding
         self.top1_chains = True  # a top-1 tree keeping every candidate is drafted as a chain (``draft``)
-        self.native_chains = True  # greedy chains and top-k trees: one native call where it runs (native_chain/_tree)
+        self.native_chains = True  # chains (greedy, sampled) and top-k trees: one native call where it runs
         self.native_catch_ups = True  # commit's catch-up in one native call where it runs (_native_catch_up)
         self.native_history = True  # commit's token history and drafted count in one C call (_commit_history)
         self.track_drafted = False  # commit records each row's accepted drafter nodes (adaptive shapes)
@@ -764,12 +764,32 @@ class Decoder:
         _, xi = self.rng.draw(0, n * Vd, native=self._cpu_index())
         xi = xi.view(B, n, Vd)  # Exp(1) noise per depth
         d2t = self.d2t  # [Vd] target id of each draft id
-        toks, lps = self.draft_chain(n, lambda s, lp: d2t[(lp - xi[:, s].log()).argmax(-1)], whole_cache=whole_cache)
-        qs = [lp.exp() for lp in lps]
-        q = torch.zeros(B, n, self.target.vocab_size, device=self.device).index_add_(2, d2t, torch.stack(qs, 1))
-        tree = self.chain_tree(torch.cat([self.root[:, None], torch.stack(toks, 1)], 1), draft_probs=q)
+        native = self._native_sampled_chain(n, whole_cache, xi)
+        if native is not None:  # the loop below as one native call: the same tokens and log q
+            chain, lq = native
+        else:
+            toks, lps = self.draft_chain(
+                n, lambda s, lp: d2t[(lp - xi[:, s].log()).argmax(-1)], whole_cache=whole_cache
+            )
+            chain, lq = torch.stack(toks, 1), torch.stack(lps, 1)
+        q = torch.zeros(B, n, self.target.vocab_size, device=self.device).index_add_(2, d2t, lq.exp())
+        tree = self.chain_tree(torch.cat([self.root[:, None], chain], 1), draft_probs=q)
         _add_time(timings, "draft", t0)
         return tree
+
+    def _native_sampled_chain(
+        self, n: int, whole_cache: bool, xi: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (target ids [B, n], log q [B, n, Vd])
+        """``_draft_sampled_chain``'s loop as one native call (``Eagle3Drafter.native_sampled_chain``) where it
+        runs: eager CPU rounds with the native chains on, no observer, temperature-only processing (top-k and
+        top-p run the Python loop)."""
+        s = self.sampling
+        if not self.native_chains or self.observer is not None or s.top_k or s.top_p < 1.0:
+            return None
+        kv_len = self._kv_len(whole_cache, max(n - 1, 1))  # draft_chain's bound for the chain's width
+        return self.drafter.native_sampled_chain(
+            self.ops, self.hn, self.carry, self.L, self.active, self.draft_cache, n, kv_len, xi, s.temperature
+        )
 
     def root_tree(self) -> DraftTree:
         """The tree of plain decoding: the root alone. Deterministic mode on probed ops (``pad_root``)

@@ -483,6 +483,29 @@ class Eagle3Drafter(nn.Module):
             return None
         return cpu_drafter.draft_chain(hn, carry, layer, self.d2t, prefix_lens, active, cache.k, cache.v, kv_len, n)
 
+    def native_sampled_chain(
+        self,
+        ops: Any,
+        hn: torch.Tensor,  # [B, H]
+        carry: torch.Tensor,  # [B, H]
+        prefix_lens: torch.Tensor,  # [B] int64
+        active: torch.Tensor,  # [B] bool
+        cache: KVCache,
+        n: int,
+        kv_len: int | None,
+        xi: torch.Tensor,  # [B, n, Vd] Exp(1) noise
+        temperature: float,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (target ids [B, n], log q [B, n, Vd])
+        """A sampled chain of ``n`` tokens (temperature only) as one native operator
+        (``kernels.cpu_drafter.draft_chain_sampled``): ``Decoder._draft_sampled_chain``'s tokens and log q, bit for
+        bit. None where ``native_chain`` would not run or the operator declines."""
+        layer = self._native_ready(ops)
+        if layer is None:
+            return None
+        return cpu_drafter.draft_chain_sampled(
+            hn, carry, layer, self.d2t, prefix_lens, active, cache.k, cache.v, kv_len, n, xi, temperature
+        )
+
     def native_tree(
         self,
         ops: Any,

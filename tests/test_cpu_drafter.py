@@ -277,6 +277,51 @@ def test_native_chain_drafts_the_python_loops_tokens(variant, shape, monkeypatch
 
 
 @pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_native_sampled_chain_drafts_the_python_loops_tokens_and_log_q(variant, temperature, monkeypatch):
+    """A sampled chain (temperature > 0, ``SpecConfig.chain``) drafted by one native call
+    (``Eagle3Drafter.native_sampled_chain``) is the Python loop's chain and log q, bit for bit, round by round,
+    for both variants and three rows of ragged seeded prompts that finish apart: the same tokens and τ. Inverse:
+    the operator ran in every round of the first pass and in none of the second; top-p keeps the Python loop."""
+    from tritonspec.runtime.decode import Decoder
+
+    rt = runtime(*ts.demo_pair(variant), spec=ts.SpecConfig.chain(3), max_batch_size=4, max_seq_len=256)
+    if not rt.decoder.drafter.packs_on(rt.decoder.ops):
+        pytest.skip("this runtime's drafter does not run packed (dtype or CPU)")
+    prompts = ["import os\n\ndef walk(top):\n", "class Stack:\n    def __init__(self):\n        self.items = []\n", "x"]
+    stops = ["\n\n", "def ", "return"]
+    native, python = [], []
+    real_native, real_loop = cpu_drafter.draft_chain_sampled, Decoder.draft_chain
+
+    def spy_native(*a, **k):
+        out = real_native(*a, **k)
+        native.append(None if out is None else tuple(t.clone() for t in out))
+        return out
+
+    def spy_loop(self, n, pick, **k):
+        toks, lps = real_loop(self, n, pick, **k)
+        python.append((torch.stack(toks, 1).clone(), torch.stack(lps, 1).clone()))
+        return toks, lps
+
+    monkeypatch.setattr(cpu_drafter, "draft_chain_sampled", spy_native)
+    monkeypatch.setattr(Decoder, "draft_chain", spy_loop)
+    kw = dict(max_new_tokens=30, stop=stops, temperature=temperature, seed=[3, 4, 5])
+    a = rt.generate(prompts, **kw)
+    assert native and all(x is not None for x in native) and not python  # the operator drafted every chain
+    rounds = len(native)
+    rt.decoder.native_chains = False
+    b = rt.generate(prompts, **kw)
+    assert len(native) == rounds and len(python) == rounds  # the loop drafted every chain this time
+    for (tn, qn), (tp, qp) in zip(native, python):
+        assert torch.equal(tn, tp) and torch.equal(qn, qp)
+    assert a.token_ids == b.token_ids and a.stats.mean_acceptance_length == b.stats.mean_acceptance_length
+    assert len({len(t) for t in a.token_ids}) > 1  # the rows did finish apart
+    rt.decoder.native_chains = True
+    rt.generate(prompts[:1], max_new_tokens=6, temperature=temperature, top_p=0.9, seed=1)
+    assert len(native) == rounds  # top-p: the Python loop
+
+
+@pytest.mark.parametrize("variant", ["eagle3", "eagle3.1"])
 @pytest.mark.parametrize("spec", ["chain+lookup", "tree"])
 def test_native_catch_up_is_the_python_catch_up(variant, spec, monkeypatch):
     """A decode round's catch-up as one native call (``Decoder._native_catch_up``) leaves the drafter's state

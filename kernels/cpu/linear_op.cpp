@@ -744,9 +744,13 @@ std::tuple<at::Tensor, at::Tensor> drafter_step(
 // draft_chain's float32 path: the same chain on raw buffers. Each depth's pick is the first largest logit of the
 // head (argmax of log_softmax's input: the same token as the top-1 of log q wherever that top-1 is unique;
 // log_softmax only subtracts one constant per row), a NaN first if any (at::topk ranks NaN above numbers).
+// Sampled (xi defined, draft_chain_sampled): each depth's pick is Decoder._draft_sampled_chain's exponential race,
+// argmax(log_softmax(logits / temperature) - log xi[:, s]) by the same ATen calls on the head's logits, and its
+// log q row is written into lps [B, n, Vd].
 at::Tensor draft_chain_raw(const at::Tensor& hn0, const at::Tensor& carry0, const at::Tensor& head_w,
                            const at::Tensor& d2t, const at::Tensor& L, const at::Tensor& active, const RawStep& p,
-                           bool norm_output, int64_t n) {
+                           bool norm_output, int64_t n, const at::Tensor& xi = at::Tensor(), double temperature = 1.0,
+                           at::Tensor* lps = nullptr) {
   const int64_t B = hn0.size(0), H = hn0.size(1), width = std::max<int64_t>(n - 1, 1), Vd = head_w.size(0) * 16;
   TORCH_CHECK(head_w.size(1) == H && d2t.numel() == Vd, "tritonspec_cpu::draft_chain: the head [", Vd, ", ",
               head_w.size(1), "] and d2t [", d2t.numel(), "] do not fit hidden ", H);
@@ -766,15 +770,27 @@ at::Tensor draft_chain_raw(const at::Tensor& hn0, const at::Tensor& carry0, cons
   const int64_t* d2 = d2t.const_data_ptr<int64_t>();
   const at::Tensor hc = hn0.contiguous(), cc = carry0.contiguous();
   const float* hid = cc.const_data_ptr<float>();
+  const at::Tensor lg = at::from_blob(logits, {B, Vd}, hn0.options());  // a view of the logits buffer
   lin_raw(hc.const_data_ptr<float>(), B, H, head_w, logits);
   for (int64_t s = 0; s < n; s++) {
-    for (int64_t b = 0; b < B; b++) {
-      const float* row = logits + b * Vd;
-      int64_t best = 0;
-      for (int64_t j = 1; j < Vd && row[best] == row[best]; j++)  // stops at a NaN
-        if (row[j] > row[best] || row[j] != row[j]) best = j;
-      tok[b] = best + d2[best];
-      out[b * n + s] = tok[b];
+    if (xi.defined()) {  // the race on log q (process_logits at top_k = 0, top_p = 1, then log_softmax)
+      const at::Tensor lp = at::log_softmax(lg.div(temperature), -1);
+      lps->select(1, s).copy_(lp);
+      const at::Tensor pick = lp.sub(xi.select(1, s).log()).argmax(-1).contiguous();
+      const int64_t* pk = pick.const_data_ptr<int64_t>();
+      for (int64_t b = 0; b < B; b++) {
+        tok[b] = pk[b] + d2[pk[b]];
+        out[b * n + s] = tok[b];
+      }
+    } else {
+      for (int64_t b = 0; b < B; b++) {
+        const float* row = logits + b * Vd;
+        int64_t best = 0;
+        for (int64_t j = 1; j < Vd && row[best] == row[best]; j++)  // stops at a NaN
+          if (row[j] > row[best] || row[j] != row[j]) best = j;
+        tok[b] = best + d2[best];
+        out[b * n + s] = tok[b];
+      }
     }
     if (s == n - 1) break;
     for (int64_t b = 0; b < B; b++) {
@@ -1044,12 +1060,46 @@ at::Tensor draft_chain(const at::Tensor& hn0, const at::Tensor& carry0, const at
   return toks;
 }
 
+// Decoder._draft_sampled_chain's chain (temperature only: top_k = 0, top_p = 1) as one operator, float32 raw
+// buffers only: (target ids [B, n], log q [B, n, Vd]), each depth's token drawn by the exponential race on xi
+// [B, n, Vd] (Exp(1) noise, RowRandom.draw's). Empty tensors where the raw path does not apply (the caller then
+// runs its Python loop).
+std::tuple<at::Tensor, at::Tensor> draft_chain_sampled(
+    const at::Tensor& hn0, const at::Tensor& carry0, const at::Tensor& head_w, const at::Tensor& d2t,
+    const at::Tensor& L, const at::Tensor& active, const at::Tensor& embed, const at::Tensor& in_norm,
+    const at::Tensor& hidden_norm, const at::Tensor& qkv_w, const at::Tensor& o_w, const at::Tensor& post_norm,
+    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& final_norm, const at::Tensor& cos_table,
+    const at::Tensor& sin_table, const at::Tensor& k_cache, const at::Tensor& v_cache, double eps, double scale,
+    int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool norm_before_residual,
+    bool norm_output, int64_t n, const at::Tensor& xi, double temperature) {
+  TORCH_CHECK(hn0.dim() == 2 && carry0.sizes() == hn0.sizes() && L.dim() == 1 && L.size(0) == hn0.size(0) &&
+                  active.sizes() == L.sizes() && active.scalar_type() == at::kBool && n >= 1,
+              "tritonspec_cpu::draft_chain_sampled: hn0 and carry0 [B, H], L and active [B] (bool), n >= 1");
+  TORCH_CHECK(head_w.dim() == 3, "tritonspec_cpu::draft_chain_sampled: the head packed into panels");
+  const int64_t B = hn0.size(0), Vd = head_w.size(0) * 16;
+  TORCH_CHECK(xi.scalar_type() == at::kFloat && xi.dim() == 3 && xi.size(0) == B && xi.size(1) >= n &&
+                  xi.size(2) == Vd && temperature > 0,
+              "tritonspec_cpu::draft_chain_sampled: xi float32 [B, >= n, Vd] and a positive temperature");
+  if (!(raw_ok(hn0, embed, {&carry0, &in_norm, &hidden_norm, &post_norm, &final_norm, &cos_table, &sin_table},
+               {&head_w, &qkv_w, &o_w, &gate_up_w, &down_w}) &&
+        k_cache.scalar_type() == at::kFloat && embed.size(1) == hn0.size(1) && d2t.is_contiguous() &&
+        L.is_contiguous() && active.is_contiguous() && d2t.scalar_type() == at::kLong && L.scalar_type() == at::kLong))
+    return {at::empty({0}, L.options()), at::empty({0}, hn0.options())};
+  at::Tensor lps = at::empty({B, n, Vd}, hn0.options());
+  at::Tensor toks = draft_chain_raw(hn0, carry0, head_w, d2t, L, active,
+                                    RawStep{embed, in_norm, hidden_norm, qkv_w, o_w, post_norm, gate_up_w, down_w,
+                                            final_norm, cos_table, sin_table, k_cache, v_cache, eps, scale, kv_len,
+                                            num_heads, num_kv_heads, head_dim, norm_before_residual},
+                                    norm_output, n, xi, temperature, &lps);
+  return {toks, lps};
+}
+
 // ---- the target's decode forward on raw buffers (runtime/target.py TargetModel.forward, kernels/cpu_target.py) ----
 // Every layer of a decode step, verify or catch-up forward (not a prompt's) as one operator: the calls the Python
 // forward makes through the torch backend's wrappers (linear, rms_norm, rope, kv_write, tree_attention, silu_mul),
 // each kernel of linear.c, norm.c, rope_kv.c and attention.c called with the same arguments on the same values, on
 // one work buffer, so the same bits. The residual add is one IEEE addition per element, as ATen's. Weights packed
-// into panels (float32 or weight-only bfloat16), no biases, no q/k norms (the Python forward runs those); caches
+// into panels (float32 or weight-only bfloat16), optional biases and per-head q/k norms (Qwen2, Qwen3); caches
 // [L, B_max, S, Hkv, D] float32, layer i written at slots and read up to kv_len. aux_ids: the residual-stream
 // boundaries (0 = the embedding, i = after layer i) concatenated into aux [B, Q, n_aux * H] (empty: none).
 // Returns (hn, aux): the final norm of the last residual stream [B, Q, H], and aux.
@@ -1244,6 +1294,11 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
         "Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, float scale, "
         "int kv_len, int num_heads, int num_kv_heads, int head_dim, bool norm_before_residual, bool norm_output, int n) "
         "-> Tensor");
+  m.def("draft_chain_sampled(Tensor hn0, Tensor carry0, Tensor head, Tensor d2t, Tensor L, Tensor active, "
+        "Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, Tensor o, Tensor post_norm, Tensor gate_up, "
+        "Tensor down, Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, "
+        "float scale, int kv_len, int num_heads, int num_kv_heads, int head_dim, bool norm_before_residual, "
+        "bool norm_output, int n, Tensor xi, float temperature) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
@@ -1268,4 +1323,5 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("commit_history", &commit_history);
   m.impl("verify_chain", &verify_chain);
   m.impl("target_step", &target_step);
+  m.impl("draft_chain_sampled", &draft_chain_sampled);
 }
