@@ -1,9 +1,11 @@
 """The target's decode forward as one native operator (``kernels/cpu_target.py``, ``tritonspec_cpu::target_step``):
 on drawn shapes (batches, query rows, GQA groups, head dims, ragged prefixes, tree masks, trash slots, attention
-bounds, captured boundaries, float32 and weight-only bfloat16 panels, Llama, Qwen2's q/k/v biases and Qwen3's
+bounds, captured boundaries, float32 and weight-only bfloat16 panels, bfloat16 activations on bfloat16 panels
+or AMX tiles, Llama, Qwen2's q/k/v biases and Qwen3's
 per-head q/k norms, an output bias) it returns the Python forward's hidden
 states and aux features and writes its K/V bit for bit; it declines what the Python forward would run
-differently (a bias in some layers only, bfloat16, weights not in panels, other ops, a traced call, a prompt); and
+differently (a bias in some layers only, weights not packed, other ops, a traced call, a prompt); bfloat16
+activations on bfloat16 panels or AMX tiles run its ATen path with the same bits; and
 decoding runs it (counted) with the Python forward's tokens."""
 
 from __future__ import annotations
@@ -23,17 +25,20 @@ from tritonspec.runtime.tiny import tiny_target
 from _util import random_prompts, runtime
 
 WHY = cl.native_op()
+AMX = cl.amx_available() is None  # bfloat16 weights packed into AMX tiles run here
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the native CPU operators did not build here: {WHY}")
 
 
-def _target(heads, kv_heads, D, inter=48, arch="llama", layers=3, seed=0, dtype=torch.float32, weight_bf16=False):
-    """A tiny random target of these head shapes, its projections packed into panels (hidden 96: a multiple of 16
-    and of every head count drawn)."""
+def _target(
+    heads, kv_heads, D, inter=48, arch="llama", layers=3, seed=0, dtype=torch.float32, weight_bf16=False, layout="panels"
+):
+    """A tiny random target of these head shapes, its projections packed into panels, or for bfloat16 AMX tiles
+    (hidden 96: a multiple of 16 and 32 and of every head count drawn)."""
     hf = tiny_target(
         arch, seed=seed, hidden_size=96, intermediate_size=inter, num_attention_heads=heads,
         num_key_value_heads=kv_heads, head_dim=D, num_hidden_layers=layers, vocab_size=80,
     )  # fmt: skip
-    t = TargetModel.from_pretrained(hf, dtype=dtype, weight_layout="panels")
+    t = TargetModel.from_pretrained(hf, dtype=dtype, weight_layout=layout)
     if weight_bf16:  # weight-only bfloat16 panels under float32 activations
         for L in t.layers:
             for name in ("wqkv", "wo", "gate_up", "down"):
@@ -73,6 +78,8 @@ def case(draw):
         weight_bf16=draw(st.booleans()),
         arch=draw(st.sampled_from(["llama", "qwen2", "qwen3"])),  # q/k/v biases; per-head q/k norms
         out_bias=draw(st.booleans()),
+        # bfloat16 activations: bfloat16 panels, or AMX tiles where this CPU has them (K % 32: inter 32 or 64)
+        act=draw(st.sampled_from(["float32", "float32", "bf16-panels"] + (["bf16-amx"] if AMX else []))),
         seed=draw(st.integers(0, 2**16)),
     )  # fmt: skip
 
@@ -100,13 +107,18 @@ def _inputs(c, t: TargetModel):
 @settings(max_examples=40, deadline=None)
 def test_target_step_is_the_python_forward(c):
     """Hidden states, aux features and the K/V written: the Python forward's, bit for bit, and the operator ran."""
+    bf = c["act"] != "float32"
     t = _target(
-        c["heads"], c["kv_heads"], c["D"], c["inter"], arch=c["arch"], seed=c["seed"] % 7, weight_bf16=c["weight_bf16"]
-    )
+        c["heads"], c["kv_heads"], c["D"], 64 if c["act"] == "bf16-amx" else c["inter"], arch=c["arch"],
+        seed=c["seed"] % 7, weight_bf16=c["weight_bf16"] and not bf, dtype=torch.bfloat16 if bf else torch.float32,
+        layout="amx" if c["act"] == "bf16-amx" else "panels",
+    )  # fmt: skip
+    if c["act"] == "bf16-amx":
+        assert t.layers[0].wqkv.dim() == 4 and t.layers[0].down.dim() == 4  # the tiles, not a fallback
     if c["out_bias"]:  # an output projection bias (no family here has one; the operator takes it)
         g = torch.Generator().manual_seed(c["seed"])
         for L in t.layers:
-            L.bo = torch.randn(96, generator=g)
+            L.bo = torch.randn(96, generator=g).to(t.dtype)
     t.set_aux_layer_ids(c["aux"])
     tokens, meta = _inputs(c, t)
     before = cpu_target.calls()
@@ -140,12 +152,13 @@ def test_the_comparison_is_not_vacuous():
 
 
 @pytest.mark.parametrize(
-    "why", ["mixed-bias", "bfloat16", "nk", "torch-ops", "prompt", "cache-row", "native_step-off", "traced"]
+    "why", ["mixed-bias", "bfloat16-nk", "nk", "torch-ops", "prompt", "cache-row", "native_step-off", "traced"]
 )
 def test_declines_what_the_python_forward_runs_otherwise(why):
     """Each of these runs the Python forward (the operator is not called) and still decodes its values."""
     arch = "qwen2" if why == "mixed-bias" else "llama"
-    t = _target(4, 2, 16, arch=arch, dtype=torch.bfloat16 if why == "bfloat16" else torch.float32)
+    bf = why == "bfloat16-nk"  # bfloat16 weights as loaded ([N, K], not packed)
+    t = _target(4, 2, 16, arch=arch, dtype=torch.bfloat16 if bf else torch.float32, layout="nk" if bf else "panels")
     if why == "mixed-bias":  # a kind of weight in some layers only: the operator takes each kind in all or none
         t.layers[1].bqkv = None
     if why == "nk":
@@ -178,23 +191,25 @@ def test_declines_what_the_python_forward_runs_otherwise(why):
 
 @pytest.mark.parametrize(
     "temperature, batch, arch", [(0.0, 1, "llama"), (0.0, 3, "llama"), (1.0, 1, "llama"), (1.0, 3, "llama"),
-                                 (0.0, 3, "qwen2"), (1.0, 1, "qwen3"), (0.0, 3, "qwen3")]
+                                 (0.0, 3, "qwen2"), (1.0, 1, "qwen3"), (0.0, 3, "qwen3"), (0.0, 3, "llama-bf16"),
+                                 (1.0, 1, "qwen3-bf16")]
 )  # fmt: skip
 def test_decoding_runs_it_with_the_python_forwards_tokens(tmp_path, temperature, batch, arch):
     """Plain and speculative decoding (greedy, and seeded sampling) through the operator emit the tokens of the
     Python forward, prompt by prompt, and the operator ran the decode forwards: Llama, Qwen2 (q/k/v biases) and
-    Qwen3 (per-head q/k norms) targets."""
+    Qwen3 (per-head q/k norms) targets, in float32 and bfloat16."""
     if not cl.panels_default(torch.float32):
         pytest.skip(
             "this CPU keeps float32 weights [N, K] by default (cpu_linear.panels_default): the operator declines"
         )
     from tritonspec.runtime.tiny import tiny_random_pair
 
+    arch, _, bf16 = arch.partition("-")
     target, drafter = tiny_random_pair(tmp_path, arch=arch)
     prompts = random_prompts(257, [5, 17, 3, 30, 9], seed=batch)
     outs = {}
     for native in (True, False):
-        rt = runtime(target, drafter, max_batch_size=batch)
+        rt = runtime(target, drafter, max_batch_size=batch, dtype=torch.bfloat16 if bf16 else torch.float32)
         rt.target.native_step = native
         for spec in (False, True):
             before = cpu_target.calls()

@@ -1103,6 +1103,53 @@ std::tuple<at::Tensor, at::Tensor> draft_chain_sampled(
 // [L, B_max, S, Hkv, D] float32, layer i written at slots and read up to kv_len. aux_ids: the residual-stream
 // boundaries (0 = the embedding, i = after layer i) concatenated into aux [B, Q, n_aux * H] (empty: none).
 // Returns (hn, aux): the final norm of the last residual stream [B, Q, H], and aux.
+// target_step's bfloat16 path: the Python forward's wrapper calls (linear, rms_norm, rope, kv_write, tree_attention,
+// silu_mul, ATen's embedding, add and cat) made from C++ on the same tensors in the same order, so the same bits,
+// without the ~16 Python-level dispatches a layer. Arguments already checked by target_step.
+std::tuple<at::Tensor, at::Tensor> target_step_aten(
+    const at::Tensor& tokens, const at::Tensor& embed, at::TensorList ln1, at::TensorList qkv, at::TensorList o,
+    at::TensorList ln2, at::TensorList gate_up, at::TensorList down, const at::Tensor& final_norm,
+    const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& positions, const at::Tensor& slots,
+    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& prefix_lens, const at::Tensor& tree_mask,
+    double eps, double scale, int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    at::IntArrayRef aux_ids, at::TensorList bqkv, at::TensorList bo, at::TensorList q_norm, at::TensorList k_norm) {
+  const int64_t B = tokens.size(0), Q = tokens.size(1), D = head_dim, NL = ln1.size();
+  const int64_t hq = num_heads * D, hkv = num_kv_heads * D;
+  const std::optional<at::Tensor> none;
+  auto opt = [](at::TensorList ts, int64_t l) { return ts.empty() ? std::optional<at::Tensor>() : ts[l]; };
+  at::Tensor h = at::embedding(embed, tokens);  // [B, Q, H]
+  std::vector<at::Tensor> captured(NL + 1);
+  captured[0] = h;
+  // the rope tables gathered at the positions once per forward (RoPE.tables: cos[positions][:, :, None, :])
+  const at::Tensor flat = positions.reshape({-1});
+  const at::Tensor cos = cos_table.index_select(0, flat).view({B, Q, 1, D});
+  const at::Tensor sin = sin_table.index_select(0, flat).view({B, Q, 1, D});
+  for (int64_t l = 0; l < NL; l++) {
+    at::Tensor x = std::get<0>(rms_norm(h, ln1[l], eps, none, -1));
+    const auto parts = linear(x, qkv[l], opt(bqkv, l), -1).split_with_sizes({hq, hkv, hkv}, -1);
+    at::Tensor q = parts[0].view({B, Q, num_heads, D});
+    at::Tensor k = parts[1].view({B, Q, num_kv_heads, D});
+    const at::Tensor v = parts[2].reshape({B, Q, num_kv_heads, D}).contiguous();
+    if (!q_norm.empty()) {
+      q = std::get<0>(rms_norm(q, q_norm[l], eps, none, -1));
+      k = std::get<0>(rms_norm(k, k_norm[l], eps, none, -1));
+    }
+    q = rope(q, cos, sin);
+    k = rope(k, cos, sin);
+    const at::Tensor kc = k_cache.select(0, l), vc = v_cache.select(0, l);
+    kv_write2(kc, vc, slots, k, v);
+    at::Tensor a = tree_attention(q, kc, vc, prefix_lens, tree_mask, scale, kv_len, -1);
+    a = linear(a.reshape({B, Q, hq}), o[l], opt(bo, l), -1);
+    auto xr = rms_norm(a, ln2[l], eps, h, -1);
+    h = std::get<1>(xr).add(linear(silu_mul(linear(std::get<0>(xr), gate_up[l], none, -1), -1), down[l], none, -1));
+    captured[l + 1] = h;
+  }
+  std::vector<at::Tensor> parts;
+  for (int64_t a : aux_ids) parts.push_back(captured[a]);
+  at::Tensor aux = parts.empty() ? at::empty({0, Q, 0}, embed.options()) : at::cat(parts, -1);
+  return {std::get<0>(rms_norm(h, final_norm, eps, none, -1)), aux};
+}
+
 std::tuple<at::Tensor, at::Tensor> target_step(
     const at::Tensor& tokens, const at::Tensor& embed, at::TensorList ln1, at::TensorList qkv, at::TensorList o,
     at::TensorList ln2, at::TensorList gate_up, at::TensorList down, const at::Tensor& final_norm,
@@ -1117,8 +1164,11 @@ std::tuple<at::Tensor, at::Tensor> target_step(
                   slots.is_contiguous(),
               what, "tokens, positions and slots must be contiguous int64 [B, Q] tensors");
   const int64_t B = tokens.size(0), Q = tokens.size(1), R = B * Q, NL = ln1.size();
-  TORCH_CHECK(embed.scalar_type() == at::kFloat && embed.dim() == 2 && embed.is_contiguous(), what,
-              "the embedding must be a contiguous float32 [V, H] tensor");
+  TORCH_CHECK((embed.scalar_type() == at::kFloat || embed.scalar_type() == at::kBFloat16) && embed.dim() == 2 &&
+                  embed.is_contiguous(),
+              what, "the embedding must be a contiguous float32 or bfloat16 [V, H] tensor");
+  const at::ScalarType dt = embed.scalar_type();  // the activations' dtype: every vector and the caches share it
+  const bool bf = dt == at::kBFloat16;
   const int64_t V = embed.size(0), H = embed.size(1), D = head_dim, hq = num_heads * D, hkv = num_kv_heads * D;
   const int64_t W = hq + 2 * hkv;
   TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 16 && D <= 256 &&
@@ -1127,49 +1177,54 @@ std::tuple<at::Tensor, at::Tensor> target_step(
   TORCH_CHECK(qkv.size() == NL && o.size() == NL && ln2.size() == NL && gate_up.size() == NL && down.size() == NL &&
                   NL >= 1,
               what, "one weight per layer in every list");
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && v_cache.scalar_type() == at::kFloat && k_cache.dim() == 5 &&
+  TORCH_CHECK(k_cache.scalar_type() == dt && v_cache.scalar_type() == dt && k_cache.dim() == 5 &&
                   v_cache.sizes() == k_cache.sizes() && k_cache.size(0) == NL && k_cache.size(1) >= B &&
                   k_cache.size(3) == num_kv_heads && k_cache.size(4) == D && k_cache.stride(4) == 1 &&
                   k_cache.stride(3) == D && v_cache.stride(4) == 1 && v_cache.stride(3) == D,
-              what, "the caches must be float32 [", NL, ", >= ", B, ", S, ", num_kv_heads, ", ", D,
+              what, "the caches must be ", dt, " [", NL, ", >= ", B, ", S, ", num_kv_heads, ", ", D,
               "] with contiguous heads");
   TORCH_CHECK(prefix_lens.scalar_type() == at::kLong && prefix_lens.numel() == B && prefix_lens.is_contiguous(), what,
               "prefix_lens must be a contiguous int64 [B] tensor");
   TORCH_CHECK(tree_mask.scalar_type() == at::kBool && tree_mask.dim() == 3 && tree_mask.size(0) == B &&
                   tree_mask.size(1) == Q,
               what, "tree_mask must be a bool [B, Q, T] tensor");
+  // float32 activations: panels of float32 or weight-only bfloat16; bfloat16 ones: bfloat16 panels or AMX tiles
+  // (cpu_linear.pack_bf16, [N/16, K/32, 16, 32])
   auto panel = [&](const at::Tensor& w, int64_t n, int64_t k) {
+    if (bf && w.dim() == 4)
+      return w.scalar_type() == at::kBFloat16 && w.is_contiguous() && w.size(0) * 16 == n && w.size(1) * 32 == k &&
+             w.size(2) == 16 && w.size(3) == 32;
     return w.dim() == 3 && w.size(2) == 16 && w.is_contiguous() && w.size(0) * 16 == n && w.size(1) == k &&
-           (w.scalar_type() == at::kFloat || w.scalar_type() == at::kBFloat16);
+           (w.scalar_type() == at::kBFloat16 || (!bf && w.scalar_type() == at::kFloat));
   };
-  const int64_t I = down[0].dim() == 3 ? down[0].size(1) : -1;
+  const int64_t I = down[0].dim() == 3 ? down[0].size(1) : down[0].dim() == 4 ? down[0].size(1) * 32 : -1;
   for (int64_t i = 0; i < NL; i++) {
     TORCH_CHECK(panel(qkv[i], W, H) && panel(o[i], H, hq) && panel(gate_up[i], 2 * I, H) && panel(down[i], H, I), what,
                 "layer ", i, ": projections must be packed into panels (cpu_linear.pack_panels) for hidden ", H,
                 ", ", num_heads, " + 2 x ", num_kv_heads, " heads of ", D, " and intermediate ", I);
     for (const at::Tensor* n : {&ln1[i], &ln2[i]})
-      TORCH_CHECK(n->scalar_type() == at::kFloat && n->dim() == 1 && n->numel() == H && n->is_contiguous(), what,
-                  "layer ", i, ": norm weights must be contiguous float32 [", H, "]");
+      TORCH_CHECK(n->scalar_type() == dt && n->dim() == 1 && n->numel() == H && n->is_contiguous(), what,
+                  "layer ", i, ": norm weights must be contiguous ", dt, " [", H, "]");
   }
   // optional per-layer weights (Qwen2's q/k/v biases, an output bias, Qwen3's per-head q/k norms): empty lists,
   // or one contiguous float32 vector per layer
   auto vectors = [&](at::TensorList ts, int64_t n, const char* name) {
     TORCH_CHECK(ts.empty() || int64_t(ts.size()) == NL, what, name, ": none, or one per layer");
     for (const at::Tensor& t : ts)
-      TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == 1 && t.numel() == n && t.is_contiguous(), what, name,
-                  " must be contiguous float32 [", n, "] vectors");
+      TORCH_CHECK(t.scalar_type() == dt && t.dim() == 1 && t.numel() == n && t.is_contiguous(), what, name,
+                  " must be contiguous ", dt, " [", n, "] vectors");
   };
   vectors(bqkv, W, "bqkv");
   vectors(bo, H, "bo");
   vectors(q_norm, D, "q_norm");
   vectors(k_norm, D, "k_norm");
   TORCH_CHECK(q_norm.size() == k_norm.size(), what, "q_norm and k_norm come together");
-  TORCH_CHECK(final_norm.scalar_type() == at::kFloat && final_norm.numel() == H && final_norm.is_contiguous(), what,
-              "the final norm must be a contiguous float32 [", H, "]");
-  TORCH_CHECK(cos_table.scalar_type() == at::kFloat && cos_table.dim() == 2 && cos_table.size(1) == D &&
+  TORCH_CHECK(final_norm.scalar_type() == dt && final_norm.numel() == H && final_norm.is_contiguous(), what,
+              "the final norm must be a contiguous ", dt, " [", H, "]");
+  TORCH_CHECK(cos_table.scalar_type() == dt && cos_table.dim() == 2 && cos_table.size(1) == D &&
                   cos_table.is_contiguous() && sin_table.sizes() == cos_table.sizes() &&
-                  sin_table.scalar_type() == at::kFloat && sin_table.is_contiguous(),
-              what, "the rope tables must be contiguous float32 [max_pos, ", D, "]");
+                  sin_table.scalar_type() == dt && sin_table.is_contiguous(),
+              what, "the rope tables must be contiguous ", dt, " [max_pos, ", D, "]");
   const int64_t* tok = tokens.const_data_ptr<int64_t>();
   const int64_t* pos = positions.const_data_ptr<int64_t>();
   const int64_t npos = cos_table.size(0);
@@ -1182,6 +1237,10 @@ std::tuple<at::Tensor, at::Tensor> target_step(
     TORCH_CHECK(a >= 0 && a <= NL, what, "aux layer id ", a, " outside [0, ", NL, "]");
     at_aux[a] = 1;
   }
+  if (bf)
+    return target_step_aten(tokens, embed, ln1, qkv, o, ln2, gate_up, down, final_norm, cos_table, sin_table, positions,
+                            slots, k_cache, v_cache, prefix_lens, tree_mask, eps, scale, kv_len, num_heads,
+                            num_kv_heads, head_dim, aux_ids, bqkv, bo, q_norm, k_norm);
   const int64_t n_aux = aux_ids.size();
   at::Tensor hn = at::empty({B, Q, H}, embed.options());
   at::Tensor aux = at::empty({n_aux ? B : 0, Q, n_aux * H}, embed.options());
