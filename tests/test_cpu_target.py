@@ -30,7 +30,16 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=f"the native CPU operato
 
 
 def _target(
-    heads, kv_heads, D, inter=48, arch="llama", layers=3, seed=0, dtype=torch.float32, weight_bf16=False, layout="panels"
+    heads,
+    kv_heads,
+    D,
+    inter=48,
+    arch="llama",
+    layers=3,
+    seed=0,
+    dtype=torch.float32,
+    weight_bf16=False,
+    layout="panels",
 ):
     """A tiny random target of these head shapes, its projections packed into panels, or for bfloat16 AMX tiles
     (hidden 96: a multiple of 16 and 32 and of every head count drawn)."""
