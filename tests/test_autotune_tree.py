@@ -517,10 +517,10 @@ def test_a_lookup_branch_within_the_tie_margin_is_kept_at_batch_one(tuned_dir, m
     assert row["spec"] == (ts.SpecConfig(2, 1, 3, prompt_lookup_num_tokens=4) if kept else ts.SpecConfig.chain(2))
 
 
-@pytest.mark.parametrize("gain, wins", [(1.02, False), (1.05, True)])
+@pytest.mark.parametrize("gain, wins", [(1.02, False), (1.06, False), (1.10, True)])
 def test_a_shape_must_beat_plain_decoding_by_the_margin_to_take_a_row(monkeypatch, gain, wins):
-    """``PLAIN_MARGIN``: a row goes to a speculative shape only when it measures more than 3% faster
-    than plain decoding (a tie on the tuning prompts risks a loss elsewhere); 5% faster wins it."""
+    """``PLAIN_MARGIN``: a row goes to a speculative shape only when it measures more than 8% faster
+    than plain decoding (a tie on the tuning prompts risks a loss elsewhere); 10% faster wins it."""
     from tritonspec.autotune.tree_measure import Measured
 
     def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
