@@ -19,7 +19,7 @@ with the same arguments on the same values as the Python forward's wrappers (``c
 ``cpu_rope``, ``cpu_attention``), so its outputs, and the K/V it writes, are the Python forward's bit for bit
 (``tests/test_cpu_target.py``). Qwen2's q/k/v biases (an output bias too) go into the projections' kernel
 calls and Qwen3's per-head q/k norms run before rope, as in the Python forward (a demo-sized Qwen3, 12 layers,
-hidden 128, one thread: a one-token forward 3.1 ms -> 0.77 ms, 8 tokens 4.1 -> 1.2 ms). What it does not take
+hidden 128, one thread: a one-token forward 3.1 ms -> 0.77 ms, 8 tokens 4.1 -> 1.2 ms). Targets with
 bfloat16 activations (weights in bfloat16 panels or AMX tiles) run the operator's ATen path: the Python forward's
 wrapper calls made from C++ in the same order on the same tensors, so the same bits without the Python
 dispatches (SmolLM2 in bfloat16 on AMX, two threads: plain decoding 24.1 -> 16.1 ms/token, EAGLE-3.1 11.4 -> 9.1).
@@ -98,11 +98,12 @@ def prepare(
     sin: torch.Tensor,  # [max_pos, D]
     heads: tuple[int, int, int],  # (Hq, Hkv, D)
 ) -> TargetWeights | None:
-    """The weights in the operator's form, or None where it does not take them: float32 embedding, norms and
-    rope tables; every projection packed into panels of float32 or weight-only bfloat16 (what the Python
-    forward's ``cpu_linear`` calls take); head shapes within the attention kernel's limits. A layer's optional
-    weights (q/k/v bias, output bias, per-head q and k norms; None where absent) are float32 vectors, each kind
-    in every layer or in none."""
+    """The weights in the operator's form, or None where it does not take them: a float32 or bfloat16 embedding
+    (the activations' dtype), norms and rope tables of that dtype; every projection packed as the Python forward's
+    ``cpu_linear`` calls take it (``_packed``: panels, weight-only bfloat16 panels under float32, AMX tiles under
+    bfloat16); head shapes within the attention kernel's limits. A layer's optional weights (q/k/v bias, output
+    bias, per-head q and k norms; None where absent) are vectors of that dtype, each kind in every layer or in
+    none."""
     hq, hkv, d = heads
     dt = embed.dtype  # the activations' dtype: every vector, table and cache shares it
     if dt not in (torch.float32, torch.bfloat16) or embed.dim() != 2 or not embed.is_contiguous() or not layers:

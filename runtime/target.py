@@ -577,9 +577,9 @@ class TargetModel:
         """The weights as ``kernels.cpu_target``'s operator takes them, where a decode forward runs on it: the
         torch backend itself (not a proxy that watches its calls; deterministic mode's where every op of the
         forward runs its row-invariant kernel, ``DeterministicOps.native_forward_ops``) with the CPU kernels on
-        for this dtype, and weights it takes (``cpu_target.prepare``: float32, projections in panels, biases and
-        Qwen3's q/k norms as float32 vectors). Checked once per rope table (the cache's growth may replace it);
-        None: the Python forward."""
+        for this dtype, and weights it takes (``cpu_target.prepare``: float32 or bfloat16, projections packed into
+        panels or, in bfloat16, AMX tiles; biases and Qwen3's q/k norms). Checked once per rope table (the cache's
+        growth may replace it); None: the Python forward."""
         if not self.native_step:
             return None
         if type(ops) is DeterministicOps:  # where each op of its forward runs the kernel the operator calls
