@@ -1094,15 +1094,6 @@ std::tuple<at::Tensor, at::Tensor> draft_chain_sampled(
   return {toks, lps};
 }
 
-// ---- the target's decode forward on raw buffers (runtime/target.py TargetModel.forward, kernels/cpu_target.py) ----
-// Every layer of a decode step, verify or catch-up forward (not a prompt's) as one operator: the calls the Python
-// forward makes through the torch backend's wrappers (linear, rms_norm, rope, kv_write, tree_attention, silu_mul),
-// each kernel of linear.c, norm.c, rope_kv.c and attention.c called with the same arguments on the same values, on
-// one work buffer, so the same bits. The residual add is one IEEE addition per element, as ATen's. Weights packed
-// into panels (float32 or weight-only bfloat16), optional biases and per-head q/k norms (Qwen2, Qwen3); caches
-// [L, B_max, S, Hkv, D] float32, layer i written at slots and read up to kv_len. aux_ids: the residual-stream
-// boundaries (0 = the embedding, i = after layer i) concatenated into aux [B, Q, n_aux * H] (empty: none).
-// Returns (hn, aux): the final norm of the last residual stream [B, Q, H], and aux.
 // target_step's bfloat16 path: the Python forward's wrapper calls (linear, rms_norm, rope, kv_write, tree_attention,
 // silu_mul, ATen's embedding, add and cat) made from C++ on the same tensors in the same order, so the same bits,
 // without the ~16 Python-level dispatches a layer. Arguments already checked by target_step.
@@ -1150,6 +1141,16 @@ std::tuple<at::Tensor, at::Tensor> target_step_aten(
   return {std::get<0>(rms_norm(h, final_norm, eps, none, -1)), aux};
 }
 
+// ---- the target's decode forward on raw buffers (runtime/target.py TargetModel.forward, kernels/cpu_target.py) ----
+// Every layer of a decode step, verify or catch-up forward (not a prompt's) as one operator: the calls the Python
+// forward makes through the torch backend's wrappers (linear, rms_norm, rope, kv_write, tree_attention, silu_mul),
+// each kernel of linear.c, norm.c, rope_kv.c and attention.c called with the same arguments on the same values, on
+// one work buffer, so the same bits (bfloat16 activations: target_step_aten). The residual add is one IEEE addition
+// per element, as ATen's. Weights packed into panels (float32 or weight-only bfloat16; bfloat16 panels or AMX tiles
+// under bfloat16), optional biases and per-head q/k norms (Qwen2, Qwen3); caches [L, B_max, S, Hkv, D] of the
+// activations' dtype, layer i written at slots and read up to kv_len. aux_ids: the residual-stream
+// boundaries (0 = the embedding, i = after layer i) concatenated into aux [B, Q, n_aux * H] (empty: none).
+// Returns (hn, aux): the final norm of the last residual stream [B, Q, H], and aux.
 std::tuple<at::Tensor, at::Tensor> target_step(
     const at::Tensor& tokens, const at::Tensor& embed, at::TensorList ln1, at::TensorList qkv, at::TensorList o,
     at::TensorList ln2, at::TensorList gate_up, at::TensorList down, const at::Tensor& final_norm,
