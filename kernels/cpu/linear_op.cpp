@@ -1097,13 +1097,21 @@ std::tuple<at::Tensor, at::Tensor> draft_chain_sampled(
 // target_step's bfloat16 path: the Python forward's wrapper calls (linear, rms_norm, rope, kv_write, tree_attention,
 // silu_mul, ATen's embedding, add and cat) made from C++ on the same tensors in the same order, so the same bits,
 // without the ~16 Python-level dispatches a layer. Arguments already checked by target_step.
-std::tuple<at::Tensor, at::Tensor> target_step_aten(
-    const at::Tensor& tokens, const at::Tensor& embed, at::TensorList ln1, at::TensorList qkv, at::TensorList o,
-    at::TensorList ln2, at::TensorList gate_up, at::TensorList down, const at::Tensor& final_norm,
-    const at::Tensor& cos_table, const at::Tensor& sin_table, const at::Tensor& positions, const at::Tensor& slots,
-    const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& prefix_lens, const at::Tensor& tree_mask,
-    double eps, double scale, int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    at::IntArrayRef aux_ids, at::TensorList bqkv, at::TensorList bo, at::TensorList q_norm, at::TensorList k_norm) {
+struct TargetArgs {  // target_step's arguments, for its bfloat16 path
+  const at::Tensor &tokens, &embed;
+  at::TensorList ln1, qkv, o, ln2, gate_up, down;
+  const at::Tensor &final_norm, &cos_table, &sin_table, &positions, &slots, &k_cache, &v_cache, &prefix_lens,
+      &tree_mask;
+  double eps, scale;
+  int64_t kv_len, num_heads, num_kv_heads, head_dim;
+  at::IntArrayRef aux_ids;
+  at::TensorList bqkv, bo, q_norm, k_norm;
+};
+
+std::tuple<at::Tensor, at::Tensor> target_step_aten(const TargetArgs& t) {
+  const auto& [tokens, embed, ln1, qkv, o, ln2, gate_up, down, final_norm, cos_table, sin_table, positions, slots,
+               k_cache, v_cache, prefix_lens, tree_mask, eps, scale, kv_len, num_heads, num_kv_heads, head_dim,
+               aux_ids, bqkv, bo, q_norm, k_norm] = t;
   const int64_t B = tokens.size(0), Q = tokens.size(1), D = head_dim, NL = ln1.size();
   const int64_t hq = num_heads * D, hkv = num_kv_heads * D;
   const std::optional<at::Tensor> none;
@@ -1239,9 +1247,9 @@ std::tuple<at::Tensor, at::Tensor> target_step(
     at_aux[a] = 1;
   }
   if (bf)
-    return target_step_aten(tokens, embed, ln1, qkv, o, ln2, gate_up, down, final_norm, cos_table, sin_table, positions,
-                            slots, k_cache, v_cache, prefix_lens, tree_mask, eps, scale, kv_len, num_heads,
-                            num_kv_heads, head_dim, aux_ids, bqkv, bo, q_norm, k_norm);
+    return target_step_aten({tokens, embed, ln1, qkv, o, ln2, gate_up, down, final_norm, cos_table, sin_table,
+                             positions, slots, k_cache, v_cache, prefix_lens, tree_mask, eps, scale, kv_len, num_heads,
+                             num_kv_heads, head_dim, aux_ids, bqkv, bo, q_norm, k_norm});
   const int64_t n_aux = aux_ids.size();
   at::Tensor hn = at::empty({B, Q, H}, embed.options());
   at::Tensor aux = at::empty({n_aux ? B : 0, Q, n_aux * H}, embed.options());
