@@ -92,7 +92,7 @@ def _packed(embed: torch.Tensor, w: torch.Tensor) -> bool:
 
 def prepare(
     embed: torch.Tensor,  # [V, H]
-    layers: list[tuple[torch.Tensor | None, ...]],  # per layer (ln1, qkv, o, ln2, gate_up, down[, bqkv, bo, qn, kn])
+    layers: list[tuple[torch.Tensor | None, ...]],  # per layer (ln1, qkv, o, ln2, gate_up, down, bqkv, bo, qn, kn)
     final_norm: torch.Tensor,  # [H]
     cos: torch.Tensor,  # [max_pos, D]
     sin: torch.Tensor,  # [max_pos, D]
@@ -110,9 +110,8 @@ def prepare(
         return None
     if hkv <= 0 or hq % hkv or hq // hkv > MAX_GROUP or d > MAX_HEAD_DIM or d % 2:
         return None
-    extras = [tuple(L[6:10]) + (None,) * (10 - max(len(L), 6)) for L in layers]
     optional: list[list[torch.Tensor]] = []
-    for kind, n in zip(zip(*extras), ((hq + 2 * hkv) * d, embed.shape[1], d, d)):
+    for kind, n in zip(list(zip(*layers))[6:], ((hq + 2 * hkv) * d, embed.shape[1], d, d), strict=True):
         if all(t is None for t in kind):
             optional.append([])
             continue
@@ -121,7 +120,7 @@ def prepare(
         optional.append(list(kind))
     if bool(optional[2]) != bool(optional[3]):
         return None
-    for ln1, qkv, o, ln2, gate_up, down in (L[:6] for L in layers):
+    for ln1, qkv, o, ln2, gate_up, down, *_ in layers:
         if any(n.dtype != dt or n.dim() != 1 or not n.is_contiguous() for n in (ln1, ln2)):
             return None
         if any(not w.is_contiguous() or not _packed(embed, w) for w in (qkv, o, gate_up, down)):

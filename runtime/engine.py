@@ -23,6 +23,7 @@ that holds an open stream would wait forever, and raises a ``UserError`` instead
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 import warnings
 from collections.abc import Iterable, Iterator, Sequence
@@ -550,7 +551,7 @@ class SpeculativeRuntime:
         context = max(len(p) for p in batch)  # long prompts may get smaller trees (a profile's context rows)
         choice = self._choose_shape(min(len(batch), self.max_batch_size), sampling, speculative, context)
         if choice.spec is not None and choice.source != "caller" and self.device.type == "cpu":
-            prompt, new, ratio = sum(map(len, batch)), sum(budgets), self._prompt_pass_ratio()
+            prompt, new, ratio = sum(map(len, batch)), sum(budgets), self._prompt_pass_ratio
             if not prompt_pass_pays(prompt, new, max(budgets), ratio):
                 why = (
                     f"plain: {new} new token(s) do not pay for the drafter's pass over {prompt} prompt tokens "
@@ -569,25 +570,17 @@ class SpeculativeRuntime:
         )
         return _Run(self._decode(batch, requests, sampling, seeds, choice), sampling, self._lock)
 
+    @functools.cached_property
     def _prompt_pass_ratio(self) -> float:
-        """``spec_policy.prompt_pass_ratio`` of this pair, computed once: the drafter's prompt FLOPs per token (its
-        parameters but the embedding and head, twice) over the target's weight bytes read per decode step (its
-        layers and head; the embedding reads one row)."""
-        r = getattr(self, "_pass_ratio", None)
-        if r is None:
-            d = self.drafter
-            skip = {id(p) for m in (d.embed_tokens, d.lm_head) if m is not None for p in m.parameters()}
-            flops = 2.0 * sum(p.numel() for p in d.parameters() if id(p) not in skip)
-            t = self.target
-            tensors = [w for L in t.layers for w in vars(L).values() if isinstance(w, torch.Tensor)] + [t.lm_head]
-            seen: set[int] = set()
-            nbytes = 0
-            for w in tensors:
-                if id(w) not in seen:
-                    seen.add(id(w))
-                    nbytes += w.numel() * w.element_size()
-            r = self._pass_ratio = prompt_pass_ratio(flops, nbytes)
-        return r
+        """``spec_policy.prompt_pass_ratio`` of this pair: the drafter's prompt FLOPs per token (its parameters but
+        the embedding and head, twice) over the target's weight bytes read per decode step (its layers and head,
+        each tensor once; the embedding reads one row)."""
+        d, t = self.drafter, self.target
+        skip = {id(p) for m in (d.embed_tokens, d.lm_head) if m is not None for p in m.parameters()}
+        flops = 2.0 * sum(p.numel() for p in d.parameters() if id(p) not in skip)
+        tensors = [w for L in t.layers for w in vars(L).values() if isinstance(w, torch.Tensor)] + [t.lm_head]
+        nbytes = sum(w.numel() * w.element_size() for w in {id(w): w for w in tensors}.values())
+        return prompt_pass_ratio(flops, nbytes)
 
     def _choose_shape(
         self, batch_size: int, sampling: SamplingParams, speculative: bool, context: int = 0

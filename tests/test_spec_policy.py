@@ -497,7 +497,7 @@ def test_a_short_request_on_a_long_prompt_decodes_plainly(fresh_cache, tmp_path,
     speculates (inverse), and so does a short prompt asking for 4, and a caller's spec always runs."""
     t, d, _, _ = _shipped_here(monkeypatch, tmp_path, "eagle3.1")
     rt = ts.SpeculativeRuntime.from_pretrained(t, d, max_batch_size=1, max_seq_len=1024, backend="torch")
-    ratio = rt._prompt_pass_ratio()
+    ratio = rt._prompt_pass_ratio
     assert 0.01 < ratio < 0.05  # the demo pair's: the calibration's own pair
     long = ts.demo.prompt_set("standard")[0]["prompt"]
     n_long = len(rt.tokenizer(long)["input_ids"])

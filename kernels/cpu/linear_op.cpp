@@ -1015,6 +1015,21 @@ void commit_history(const at::Tensor& hist, const at::Tensor& L, const at::Tenso
 // seeing the chain so far (mask columns 0..s of width max(n - 1, 1)), whose hn (norm_output) or h feeds the next.
 // The calls of the Python loop with the same arguments in the same order: the same tokens, bit for bit, without
 // its ~15 Python-level calls a depth.
+// draft_chain's and draft_chain_sampled's argument checks (what: the operator's name), and whether their float32
+// raw-buffer path (draft_chain_raw) takes these tensors.
+bool chain_raw_ok(const char* what, const at::Tensor& hn0, const at::Tensor& carry0, const at::Tensor& head_w,
+                  const at::Tensor& d2t, const at::Tensor& L, const at::Tensor& active, const RawStep& p, int64_t n) {
+  TORCH_CHECK(hn0.dim() == 2 && carry0.sizes() == hn0.sizes() && L.dim() == 1 && L.size(0) == hn0.size(0) &&
+                  active.sizes() == L.sizes() && active.scalar_type() == at::kBool && n >= 1,
+              what, ": hn0 and carry0 [B, H], L and active [B] (bool), n >= 1");
+  TORCH_CHECK(head_w.dim() == 3, what, ": the head packed into panels (cpu_linear.pack_panels)");
+  return raw_ok(hn0, p.embed, {&carry0, &p.in_norm, &p.hidden_norm, &p.post_norm, &p.final_norm, &p.cos_table,
+                               &p.sin_table},
+                {&head_w, &p.qkv_w, &p.o_w, &p.gate_up_w, &p.down_w}) &&
+         p.k_cache.scalar_type() == at::kFloat && p.embed.size(1) == hn0.size(1) && d2t.is_contiguous() &&
+         L.is_contiguous() && active.is_contiguous() && d2t.scalar_type() == at::kLong && L.scalar_type() == at::kLong;
+}
+
 at::Tensor draft_chain(const at::Tensor& hn0, const at::Tensor& carry0, const at::Tensor& head_w, const at::Tensor& d2t,
                        const at::Tensor& L, const at::Tensor& active, const at::Tensor& embed, const at::Tensor& in_norm,
                        const at::Tensor& hidden_norm, const at::Tensor& qkv_w, const at::Tensor& o_w,
@@ -1023,21 +1038,13 @@ at::Tensor draft_chain(const at::Tensor& hn0, const at::Tensor& carry0, const at
                        const at::Tensor& k_cache, const at::Tensor& v_cache, double eps, double scale, int64_t kv_len,
                        int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool norm_before_residual,
                        bool norm_output, int64_t n) {
-  TORCH_CHECK(hn0.dim() == 2 && carry0.sizes() == hn0.sizes() && L.dim() == 1 && L.size(0) == hn0.size(0) &&
-                  active.sizes() == L.sizes() && active.scalar_type() == at::kBool && n >= 1,
-              "tritonspec_cpu::draft_chain: hn0 and carry0 [B, H], L and active [B] (bool), n >= 1");
-  TORCH_CHECK(head_w.dim() == 3, "tritonspec_cpu::draft_chain: the head packed into panels (cpu_linear.pack_panels)");
+  const RawStep p{embed,     in_norm,   hidden_norm, qkv_w,   o_w,    post_norm, gate_up_w,
+                  down_w,    final_norm, cos_table,  sin_table, k_cache, v_cache,  eps,
+                  scale,     kv_len,    num_heads,   num_kv_heads, head_dim, norm_before_residual};
+  if (chain_raw_ok("tritonspec_cpu::draft_chain", hn0, carry0, head_w, d2t, L, active, p, n))
+    return draft_chain_raw(hn0, carry0, head_w, d2t, L, active, p, norm_output, n);
   const int64_t B = hn0.size(0), width = std::max<int64_t>(n - 1, 1);
   const std::optional<at::Tensor> none;
-  if (raw_ok(hn0, embed, {&carry0, &in_norm, &hidden_norm, &post_norm, &final_norm, &cos_table, &sin_table},
-             {&head_w, &qkv_w, &o_w, &gate_up_w, &down_w}) &&
-      k_cache.scalar_type() == at::kFloat && embed.size(1) == hn0.size(1) && d2t.is_contiguous() && L.is_contiguous() &&
-      active.is_contiguous() && d2t.scalar_type() == at::kLong && L.scalar_type() == at::kLong)
-    return draft_chain_raw(hn0, carry0, head_w, d2t, L, active,
-                           RawStep{embed, in_norm, hidden_norm, qkv_w, o_w, post_norm, gate_up_w, down_w, final_norm,
-                                   cos_table, sin_table, k_cache, v_cache, eps, scale, kv_len, num_heads,
-                                   num_kv_heads, head_dim, norm_before_residual},
-                           norm_output, n);
   at::Tensor fmask = at::zeros({B, 1, width}, L.options().dtype(at::kBool));
   const at::Tensor col = at::arange(width, L.options());
   at::Tensor hid = carry0.unsqueeze(1);  // [B, 1, H]
@@ -1072,25 +1079,17 @@ std::tuple<at::Tensor, at::Tensor> draft_chain_sampled(
     const at::Tensor& sin_table, const at::Tensor& k_cache, const at::Tensor& v_cache, double eps, double scale,
     int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool norm_before_residual,
     bool norm_output, int64_t n, const at::Tensor& xi, double temperature) {
-  TORCH_CHECK(hn0.dim() == 2 && carry0.sizes() == hn0.sizes() && L.dim() == 1 && L.size(0) == hn0.size(0) &&
-                  active.sizes() == L.sizes() && active.scalar_type() == at::kBool && n >= 1,
-              "tritonspec_cpu::draft_chain_sampled: hn0 and carry0 [B, H], L and active [B] (bool), n >= 1");
-  TORCH_CHECK(head_w.dim() == 3, "tritonspec_cpu::draft_chain_sampled: the head packed into panels");
+  const RawStep p{embed,     in_norm,   hidden_norm, qkv_w,   o_w,    post_norm, gate_up_w,
+                  down_w,    final_norm, cos_table,  sin_table, k_cache, v_cache,  eps,
+                  scale,     kv_len,    num_heads,   num_kv_heads, head_dim, norm_before_residual};
+  const bool raw = chain_raw_ok("tritonspec_cpu::draft_chain_sampled", hn0, carry0, head_w, d2t, L, active, p, n);
   const int64_t B = hn0.size(0), Vd = head_w.size(0) * 16;
   TORCH_CHECK(xi.scalar_type() == at::kFloat && xi.dim() == 3 && xi.size(0) == B && xi.size(1) >= n &&
                   xi.size(2) == Vd && temperature > 0,
               "tritonspec_cpu::draft_chain_sampled: xi float32 [B, >= n, Vd] and a positive temperature");
-  if (!(raw_ok(hn0, embed, {&carry0, &in_norm, &hidden_norm, &post_norm, &final_norm, &cos_table, &sin_table},
-               {&head_w, &qkv_w, &o_w, &gate_up_w, &down_w}) &&
-        k_cache.scalar_type() == at::kFloat && embed.size(1) == hn0.size(1) && d2t.is_contiguous() &&
-        L.is_contiguous() && active.is_contiguous() && d2t.scalar_type() == at::kLong && L.scalar_type() == at::kLong))
-    return {at::empty({0}, L.options()), at::empty({0}, hn0.options())};
+  if (!raw) return {at::empty({0}, L.options()), at::empty({0}, hn0.options())};
   at::Tensor lps = at::empty({B, n, Vd}, hn0.options());
-  at::Tensor toks = draft_chain_raw(hn0, carry0, head_w, d2t, L, active,
-                                    RawStep{embed, in_norm, hidden_norm, qkv_w, o_w, post_norm, gate_up_w, down_w,
-                                            final_norm, cos_table, sin_table, k_cache, v_cache, eps, scale, kv_len,
-                                            num_heads, num_kv_heads, head_dim, norm_before_residual},
-                                    norm_output, n, xi, temperature, &lps);
+  at::Tensor toks = draft_chain_raw(hn0, carry0, head_w, d2t, L, active, p, norm_output, n, xi, temperature, &lps);
   return {toks, lps};
 }
 
@@ -1209,14 +1208,14 @@ std::tuple<at::Tensor, at::Tensor> target_step(
   const int64_t I = down[0].dim() == 3 ? down[0].size(1) : down[0].dim() == 4 ? down[0].size(1) * 32 : -1;
   for (int64_t i = 0; i < NL; i++) {
     TORCH_CHECK(panel(qkv[i], W, H) && panel(o[i], H, hq) && panel(gate_up[i], 2 * I, H) && panel(down[i], H, I), what,
-                "layer ", i, ": projections must be packed into panels (cpu_linear.pack_panels) for hidden ", H,
+                "layer ", i, ": projections must be packed (cpu_linear.pack_panels; bfloat16: or pack_bf16) for hidden ", H,
                 ", ", num_heads, " + 2 x ", num_kv_heads, " heads of ", D, " and intermediate ", I);
     for (const at::Tensor* n : {&ln1[i], &ln2[i]})
       TORCH_CHECK(n->scalar_type() == dt && n->dim() == 1 && n->numel() == H && n->is_contiguous(), what,
                   "layer ", i, ": norm weights must be contiguous ", dt, " [", H, "]");
   }
   // optional per-layer weights (Qwen2's q/k/v biases, an output bias, Qwen3's per-head q/k norms): empty lists,
-  // or one contiguous float32 vector per layer
+  // or one contiguous vector of the activations' dtype per layer
   auto vectors = [&](at::TensorList ts, int64_t n, const char* name) {
     TORCH_CHECK(ts.empty() || int64_t(ts.size()) == NL, what, name, ": none, or one per layer");
     for (const at::Tensor& t : ts)
