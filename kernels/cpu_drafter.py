@@ -221,23 +221,25 @@ def draft_chain_sampled(
     n: int,
     xi: torch.Tensor,  # [B, n, Vd] float32 Exp(1) noise (RowRandom.draw)
     temperature: float,
-) -> tuple[torch.Tensor, torch.Tensor] | None:  # (target ids [B, n], log q [B, n, Vd]), or None
+    vocab: int,  # the target's vocabulary size V
+) -> tuple[torch.Tensor, torch.Tensor] | None:  # (target ids [B, n], q [B, n, V]), or None
     """``Decoder._draft_sampled_chain``'s chain at ``top_k = 0, top_p = 1`` as one native call
     (``tritonspec_cpu::draft_chain_sampled``, float32 activations): per depth s, ``log q = log_softmax(logits /
     temperature)`` of the head, the token ``argmax(log q - log xi[:, s])`` (the exponential race), its target id
-    and below depth n one drafter step on it, by the ATen calls and kernels the Python loop makes in the same
-    order, so the same tokens and log q bits. None where ``draft_chain`` would decline or the activations are not
-    float32 (the caller then runs its Python loop)."""
+    and below depth n one drafter step on it; then q, ``exp(log q)`` placed at the target ids of a ``[B, n, V]``
+    zero tensor. The transcendental functions by the ATen calls the Python loop makes on the same tensors, the
+    rest exact IEEE operations, so the same tokens and q bits. None where ``draft_chain`` would decline or the
+    activations are not float32 (the caller then runs its Python loop)."""
     if hn.dtype != torch.float32 or xi.dtype != torch.float32 or xi.shape != (*hn.shape[:1], n, xi.shape[-1]):
         return None
     if not _drafting_ok(hn, carry, layer, d2t, prefix_lens, active, k_cache, v_cache):
         return None
-    toks, lps = torch.ops.tritonspec_cpu.draft_chain_sampled(
+    toks, q = torch.ops.tritonspec_cpu.draft_chain_sampled(
         hn, carry, layer.packed["head"], d2t, prefix_lens, active, *layer.tensors(), k_cache, v_cache,
         *layer.scalars(kv_len), *layer.heads(), layer.norm_before_residual, layer.norm_output, int(n), xi,
-        float(temperature),
+        float(temperature), int(vocab),
     )  # fmt: skip
-    return None if toks.numel() == 0 and hn.shape[0] > 0 else (toks, lps)
+    return None if toks.numel() == 0 and hn.shape[0] > 0 else (toks, q)
 
 
 def catch_up(

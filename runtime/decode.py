@@ -765,21 +765,20 @@ class Decoder:
         xi = xi.view(B, n, Vd)  # Exp(1) noise per depth
         d2t = self.d2t  # [Vd] target id of each draft id
         native = self._native_sampled_chain(n, whole_cache, xi)
-        if native is not None:  # the loop below as one native call: the same tokens and log q
-            chain, lq = native
+        if native is not None:  # the loop below as one native call: the same tokens and q
+            chain, q = native
         else:
-            toks, lps = self.draft_chain(
-                n, lambda s, lp: d2t[(lp - xi[:, s].log()).argmax(-1)], whole_cache=whole_cache
-            )
+            lxi = xi.log()  # [B, n, Vd], taken once (the native call takes it so too)
+            toks, lps = self.draft_chain(n, lambda s, lp: d2t[(lp - lxi[:, s]).argmax(-1)], whole_cache=whole_cache)
             chain, lq = torch.stack(toks, 1), torch.stack(lps, 1)
-        q = torch.zeros(B, n, self.target.vocab_size, device=self.device).index_add_(2, d2t, lq.exp())
+            q = torch.zeros(B, n, self.target.vocab_size, device=self.device).index_add_(2, d2t, lq.exp())
         tree = self.chain_tree(torch.cat([self.root[:, None], chain], 1), draft_probs=q)
         _add_time(timings, "draft", t0)
         return tree
 
     def _native_sampled_chain(
         self, n: int, whole_cache: bool, xi: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (target ids [B, n], log q [B, n, Vd])
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (target ids [B, n], q [B, n, V])
         """``_draft_sampled_chain``'s loop as one native call (``Eagle3Drafter.native_sampled_chain``) where it
         runs: eager CPU rounds with the native chains on, no observer, temperature-only processing (top-k and
         top-p run the Python loop)."""
@@ -788,7 +787,17 @@ class Decoder:
             return None
         kv_len = self._kv_len(whole_cache, max(n - 1, 1))  # draft_chain's bound for the chain's width
         return self.drafter.native_sampled_chain(
-            self.ops, self.hn, self.carry, self.L, self.active, self.draft_cache, n, kv_len, xi, s.temperature
+            self.ops,
+            self.hn,
+            self.carry,
+            self.L,
+            self.active,
+            self.draft_cache,
+            n,
+            kv_len,
+            xi,
+            s.temperature,
+            self.target.vocab_size,
         )
 
     def root_tree(self) -> DraftTree:

@@ -495,15 +495,17 @@ class Eagle3Drafter(nn.Module):
         kv_len: int | None,
         xi: torch.Tensor,  # [B, n, Vd] Exp(1) noise
         temperature: float,
-    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (target ids [B, n], log q [B, n, Vd])
+        vocab: int,  # the target's vocabulary size V
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (target ids [B, n], q [B, n, V])
         """A sampled chain of ``n`` tokens (temperature only) as one native operator
-        (``kernels.cpu_drafter.draft_chain_sampled``): ``Decoder._draft_sampled_chain``'s tokens and log q, bit for
-        bit. None where ``native_chain`` would not run or the operator declines."""
+        (``kernels.cpu_drafter.draft_chain_sampled``): ``Decoder._draft_sampled_chain``'s tokens and draft
+        distributions q (in the target's vocabulary), bit for bit. None where ``native_chain`` would not run or the
+        operator declines."""
         layer = self._native_ready(ops)
         if layer is None:
             return None
         return cpu_drafter.draft_chain_sampled(
-            hn, carry, layer, self.d2t, prefix_lens, active, cache.k, cache.v, kv_len, n, xi, temperature
+            hn, carry, layer, self.d2t, prefix_lens, active, cache.k, cache.v, kv_len, n, xi, temperature, vocab
         )
 
     def native_tree(

@@ -280,7 +280,7 @@ def test_native_chain_drafts_the_python_loops_tokens(variant, shape, monkeypatch
 @pytest.mark.parametrize("temperature", [1.0, 0.6])
 def test_native_sampled_chain_drafts_the_python_loops_tokens_and_log_q(variant, temperature, monkeypatch):
     """A sampled chain (temperature > 0, ``SpecConfig.chain``) drafted by one native call
-    (``Eagle3Drafter.native_sampled_chain``) is the Python loop's chain and log q, bit for bit, round by round,
+    (``Eagle3Drafter.native_sampled_chain``) is the Python loop's chain and q, bit for bit, round by round,
     for both variants and three rows of ragged seeded prompts that finish apart: the same tokens and τ. Inverse:
     the operator ran in every round of the first pass and in none of the second; top-p keeps the Python loop."""
     from tritonspec.runtime.decode import Decoder
@@ -300,7 +300,9 @@ def test_native_sampled_chain_drafts_the_python_loops_tokens_and_log_q(variant, 
 
     def spy_loop(self, n, pick, **k):
         toks, lps = real_loop(self, n, pick, **k)
-        python.append((torch.stack(toks, 1).clone(), torch.stack(lps, 1).clone()))
+        lq = torch.stack(lps, 1)  # q as _draft_sampled_chain places it in the target's vocabulary
+        q = torch.zeros(*lq.shape[:2], self.target.vocab_size).index_add_(2, self.d2t, lq.exp())
+        python.append((torch.stack(toks, 1).clone(), q))
         return toks, lps
 
     monkeypatch.setattr(cpu_drafter, "draft_chain_sampled", spy_native)
@@ -313,7 +315,7 @@ def test_native_sampled_chain_drafts_the_python_loops_tokens_and_log_q(variant, 
     b = rt.generate(prompts, **kw)
     assert len(native) == rounds and len(python) == rounds  # the loop drafted every chain this time
     for (tn, qn), (tp, qp) in zip(native, python):
-        assert torch.equal(tn, tp) and torch.equal(qn, qp)
+        assert torch.equal(tn, tp) and torch.equal(qn, qp) and qn.shape[-1] == rt.decoder.target.vocab_size
     assert a.token_ids == b.token_ids and a.stats.mean_acceptance_length == b.stats.mean_acceptance_length
     assert len({len(t) for t in a.token_ids}) > 1  # the rows did finish apart
     rt.decoder.native_chains = True

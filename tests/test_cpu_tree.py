@@ -362,6 +362,32 @@ def test_row_hash_equals_the_reference_and_draw_is_unchanged(seeds, counters, n,
     assert torch.equal(u1, u2) and torch.equal(e1, e2) and torch.equal(a.counter, b.counter)
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    seeds=st.lists(st.integers(0, 2**64 - 1), min_size=1, max_size=5),
+    counter=st.integers(0, 2**40),
+    n=st.integers(0, 9),
+    vocab=st.sampled_from([0, 1, 7, 15, 16, 17, 99, 300, 4096]),
+)
+def test_row_random_is_the_python_draw(seeds, counter, n, vocab):
+    """The whole draw as one C call (``row_random``, what ``draw(native=True)`` runs) gives the Python draw's
+    uniforms and noise bit for bit, float32 and in range (u in [0, 1), noise > 0), and advances the counter by
+    one alike, round after round."""
+    from tritonspec.runtime.sampling import RowRandom
+
+    a, b = RowRandom(seeds, torch.device("cpu")), RowRandom(seeds, torch.device("cpu"))
+    a.counter.fill_(counter)
+    b.counter.fill_(counter)
+    for _ in range(2):
+        got = cpu_tree.row_random(a.key, a.counter, n, vocab)
+        assert got is not None, "the C operator did not run"
+        u, e = got
+        u2, e2 = b.draw(n, vocab)
+        assert u.dtype == e.dtype == torch.float32 and u.shape == (len(seeds), n) and e.shape == (len(seeds), vocab)
+        assert torch.equal(u, u2) and torch.equal(e, e2) and torch.equal(a.counter, b.counter)
+        assert bool((u >= 0).all() and (u < 1).all() and (e > 0).all())
+
+
 def test_row_hash_sees_the_counter_and_the_key():
     """Inverse: another round (counter + 1) or another seed changes the words."""
     from tritonspec.runtime.sampling import RowRandom
@@ -450,7 +476,7 @@ def test_sampled_decoding_draws_through_the_operator_with_the_references_tokens(
         pytest.skip("the CPU kernels do not run here (cpu_linear)")
     prompts = [[1, 5, 9, 5, 9, 5, 9, 3, 5, 9], [7, 3], [2, 4, 6, 8, 2, 4, 6, 8, 2]]
     calls = []
-    real = cpu_tree.row_hash
+    real = cpu_tree.row_random
 
     def counted(*a):
         out = real(*a)
@@ -467,7 +493,7 @@ def test_sampled_decoding_draws_through_the_operator_with_the_references_tokens(
             chains.append(1)
         return out
 
-    monkeypatch.setattr(cpu_tree, "row_hash", counted)
+    monkeypatch.setattr(cpu_tree, "row_random", counted)
     monkeypatch.setattr(cpu_tree, "verify_chain", counted_chain)
     kw = dict(max_new_tokens=24, temperature=1.0, seed=11)
     with_c = rt.generate(prompts, **kw)

@@ -6,6 +6,7 @@
 // Built beside the C sources by kernels/cpu_linear.py when a C++ compiler and PyTorch's headers are
 // there; otherwise the ctypes path runs the same kernels.
 #include <algorithm>
+#include <cfloat>
 #include <initializer_list>
 #include <vector>
 #include <tuple>
@@ -498,6 +499,35 @@ at::Tensor row_hash(const at::Tensor& key, const at::Tensor& counter, int64_t n,
   return h;
 }
 
+// RowRandom.draw's round (runtime/sampling.py) as one operator: row_hash's words h [B, n + vocab], the uniforms
+// u = float32(h >> 8) * 2^-24 [B, n] and the noise e = max(float32(-log((h + 0.5) * 2^-32)), FLT_MIN) [B, vocab]
+// (the float64 log by ATen on the same contiguous [B, vocab] tensor the Python draw builds, the rest exact IEEE
+// operations: the same bits), then counter += 1 in place. Replaces ~12 tensor ops a draw (~40 us on the demo's
+// 4,096-token vocabulary).
+std::tuple<at::Tensor, at::Tensor> row_random(const at::Tensor& key, const at::Tensor& counter, int64_t n,
+                                              int64_t vocab) {
+  at::Tensor k = i64(key, "key", 1), c = i64(counter, "counter", 1);
+  TORCH_CHECK(c.size(0) == k.size(0) && n >= 0 && vocab >= 0,
+              "tritonspec_cpu::row_random: key and counter [B], n, vocab >= 0");
+  const int64_t B = k.size(0), W = n + vocab;
+  std::vector<int64_t> h(B * W);
+  tritonspec_row_hash(k.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>(), B, n, vocab, h.data());
+  at::Tensor u = at::empty({B, n}, k.options().dtype(at::kFloat));
+  at::Tensor d = at::empty({B, vocab}, k.options().dtype(at::kDouble));
+  float* up = u.mutable_data_ptr<float>();
+  double* dp = d.mutable_data_ptr<double>();
+  for (int64_t b = 0; b < B; b++) {
+    for (int64_t j = 0; j < n; j++) up[b * n + j] = (float)(h[b * W + j] >> 8) * 0x1p-24f;
+    for (int64_t j = 0; j < vocab; j++) dp[b * vocab + j] = ((double)h[b * W + n + j] + 0.5) * 0x1p-32;
+  }
+  d.log_();
+  at::Tensor e = at::empty({B, vocab}, u.options());
+  float* ep = e.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < B * vocab; i++) ep[i] = std::max((float)(-dp[i]), FLT_MIN);
+  counter.add_(1);
+  return {u, e};
+}
+
 // x [..., V] float32 or bfloat16 -> [...] int64: torch.argmax(x, -1) exactly (tree_ops.c tritonspec_argmax), the rows
 // split over the intra-op threads.
 at::Tensor argmax(const at::Tensor& x) {
@@ -745,8 +775,9 @@ std::tuple<at::Tensor, at::Tensor> drafter_step(
 // head (argmax of log_softmax's input: the same token as the top-1 of log q wherever that top-1 is unique;
 // log_softmax only subtracts one constant per row), a NaN first if any (at::topk ranks NaN above numbers).
 // Sampled (xi defined, draft_chain_sampled): each depth's pick is Decoder._draft_sampled_chain's exponential race,
-// argmax(log_softmax(logits / temperature) - log xi[:, s]) by the same ATen calls on the head's logits, and its
-// log q row is written into lps [B, n, Vd].
+// argmax(log_softmax(logits / temperature) - log xi[:, s]): log q by the same ATen calls on the head's logits (no
+// division at temperature 1, as process_logits), log xi by one ATen log of the whole xi (as the Python loop takes
+// it), the difference and its first maximum (a NaN first) in C; the log q row is written into lps [B, n, Vd].
 at::Tensor draft_chain_raw(const at::Tensor& hn0, const at::Tensor& carry0, const at::Tensor& head_w,
                            const at::Tensor& d2t, const at::Tensor& L, const at::Tensor& active, const RawStep& p,
                            bool norm_output, int64_t n, const at::Tensor& xi = at::Tensor(), double temperature = 1.0,
@@ -772,14 +803,22 @@ at::Tensor draft_chain_raw(const at::Tensor& hn0, const at::Tensor& carry0, cons
   const float* hid = cc.const_data_ptr<float>();
   const at::Tensor lg = at::from_blob(logits, {B, Vd}, hn0.options());  // a view of the logits buffer
   lin_raw(hc.const_data_ptr<float>(), B, H, head_w, logits);
+  const at::Tensor lxi = xi.defined() ? xi.contiguous().log() : at::Tensor();  // [B, >= n, Vd]
   for (int64_t s = 0; s < n; s++) {
     if (xi.defined()) {  // the race on log q (process_logits at top_k = 0, top_p = 1, then log_softmax)
-      const at::Tensor lp = at::log_softmax(lg.div(temperature), -1);
+      const at::Tensor lp = at::log_softmax(temperature == 1.0 ? lg : lg.div(temperature), -1);  // [B, Vd]
       lps->select(1, s).copy_(lp);
-      const at::Tensor pick = lp.sub(xi.select(1, s).log()).argmax(-1).contiguous();
-      const int64_t* pk = pick.const_data_ptr<int64_t>();
+      const float* lq = lp.const_data_ptr<float>();
+      const float* lx = lxi.const_data_ptr<float>() + s * Vd;
       for (int64_t b = 0; b < B; b++) {
-        tok[b] = pk[b] + d2[pk[b]];
+        const float *qr = lq + b * Vd, *xr = lx + b * lxi.size(1) * Vd;
+        int64_t best = 0;
+        float top = qr[0] - xr[0];
+        for (int64_t j = 1; j < Vd && top == top; j++) {  // stops at a NaN
+          const float v = qr[j] - xr[j];
+          if (v > top || v != v) best = j, top = v;
+        }
+        tok[b] = best + d2[best];
         out[b * n + s] = tok[b];
       }
     } else {
@@ -1068,9 +1107,10 @@ at::Tensor draft_chain(const at::Tensor& hn0, const at::Tensor& carry0, const at
 }
 
 // Decoder._draft_sampled_chain's chain (temperature only: top_k = 0, top_p = 1) as one operator, float32 raw
-// buffers only: (target ids [B, n], log q [B, n, Vd]), each depth's token drawn by the exponential race on xi
-// [B, n, Vd] (Exp(1) noise, RowRandom.draw's). Empty tensors where the raw path does not apply (the caller then
-// runs its Python loop).
+// buffers only: (target ids [B, n], q [B, n, vocab]), each depth's token drawn by the exponential race on xi
+// [B, n, Vd] (Exp(1) noise, RowRandom.draw's), q the draft distributions in the target's vocabulary (exp of
+// log q by one ATen call on [B, n, Vd], as the Python loop's, placed at the target ids: index_add_ into zeros).
+// Empty tensors where the raw path does not apply (the caller then runs its Python loop).
 std::tuple<at::Tensor, at::Tensor> draft_chain_sampled(
     const at::Tensor& hn0, const at::Tensor& carry0, const at::Tensor& head_w, const at::Tensor& d2t,
     const at::Tensor& L, const at::Tensor& active, const at::Tensor& embed, const at::Tensor& in_norm,
@@ -1078,7 +1118,7 @@ std::tuple<at::Tensor, at::Tensor> draft_chain_sampled(
     const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& final_norm, const at::Tensor& cos_table,
     const at::Tensor& sin_table, const at::Tensor& k_cache, const at::Tensor& v_cache, double eps, double scale,
     int64_t kv_len, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, bool norm_before_residual,
-    bool norm_output, int64_t n, const at::Tensor& xi, double temperature) {
+    bool norm_output, int64_t n, const at::Tensor& xi, double temperature, int64_t vocab) {
   const RawStep p{embed,     in_norm,   hidden_norm, qkv_w,   o_w,    post_norm, gate_up_w,
                   down_w,    final_norm, cos_table,  sin_table, k_cache, v_cache,  eps,
                   scale,     kv_len,    num_heads,   num_kv_heads, head_dim, norm_before_residual};
@@ -1088,9 +1128,19 @@ std::tuple<at::Tensor, at::Tensor> draft_chain_sampled(
                   xi.size(2) == Vd && temperature > 0,
               "tritonspec_cpu::draft_chain_sampled: xi float32 [B, >= n, Vd] and a positive temperature");
   if (!raw) return {at::empty({0}, L.options()), at::empty({0}, hn0.options())};
+  const int64_t* d2 = d2t.const_data_ptr<int64_t>();
+  for (int64_t j = 0; j < Vd; j++)
+    TORCH_CHECK(j + d2[j] >= 0 && j + d2[j] < vocab, "tritonspec_cpu::draft_chain_sampled: draft id ", j,
+                " maps to target id ", j + d2[j], ", outside the vocabulary [0, ", vocab, ")");
   at::Tensor lps = at::empty({B, n, Vd}, hn0.options());
   at::Tensor toks = draft_chain_raw(hn0, carry0, head_w, d2t, L, active, p, norm_output, n, xi, temperature, &lps);
-  return {toks, lps};
+  const at::Tensor e = lps.exp();  // [B, n, Vd]
+  at::Tensor q = at::zeros({B, n, vocab}, hn0.options());
+  const float* ep = e.const_data_ptr<float>();
+  float* qp = q.mutable_data_ptr<float>();
+  for (int64_t r = 0; r < B * n; r++)
+    for (int64_t j = 0; j < Vd; j++) qp[r * vocab + j + d2[j]] += ep[r * Vd + j];
+  return {toks, q};
 }
 
 // target_step's bfloat16 path: the Python forward's wrapper calls (linear, rms_norm, rope, kv_write, tree_attention,
@@ -1328,6 +1378,7 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
   m.def("graft_chain(Tensor tokens, Tensor parents, Tensor depth, Tensor mask, Tensor chain, Tensor valid) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("row_hash(Tensor key, Tensor counter, int n, int vocab) -> Tensor");
+  m.def("row_random(Tensor key, Tensor(a!) counter, int n, int vocab) -> (Tensor, Tensor)");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("aux_gather(Tensor aux, Tensor index, Tensor? weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor x, int threads=-1) -> Tensor");
@@ -1365,7 +1416,7 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
         "Tensor embed, Tensor in_norm, Tensor hidden_norm, Tensor qkv, Tensor o, Tensor post_norm, Tensor gate_up, "
         "Tensor down, Tensor final_norm, Tensor cos, Tensor sin, Tensor(a!) k_cache, Tensor(b!) v_cache, float eps, "
         "float scale, int kv_len, int num_heads, int num_kv_heads, int head_dim, bool norm_before_residual, "
-        "bool norm_output, int n, Tensor xi, float temperature) -> (Tensor, Tensor)");
+        "bool norm_output, int n, Tensor xi, float temperature, int vocab) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
@@ -1382,6 +1433,7 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("drafter_step", &drafter_step);
   m.impl("draft_chain", &draft_chain);
   m.impl("row_hash", &row_hash);
+  m.impl("row_random", &row_random);
   m.impl("argmax", &argmax);
   m.impl("aux_gather", &aux_gather);
   m.impl("silu_mul", &silu_mul);
