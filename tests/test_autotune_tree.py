@@ -257,6 +257,9 @@ def test_candidates_for_compiled_rounds_run_deeper_chains():
     compiled = tree_tuner.candidates_at(1, True, ts.SpecConfig(3, 2, 7), big, compiled=True)
     assert {1, 2, 4} <= set(chains(eager)) and 6 not in chains(eager)
     assert {2, 4, 6} <= set(chains(compiled)) and 1 not in chains(compiled)
+    sampled = tree_tuner.candidates_at(1, False, ts.SpecConfig(3, 2, 7), big)  # deeper sampled chains too
+    assert {1, 2, 4, 6} <= set(chains(sampled)) and all(s.top_k == 1 for s in sampled)
+    assert 6 not in chains(tree_tuner.candidates_at(1, False, ts.SpecConfig(3, 2, 7), ts.SpecConfig(4, 2, 9)))
 
 
 def test_compiled_rounds_tune_into_their_own_profile(tuned_dir, monkeypatch):
