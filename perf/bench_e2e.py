@@ -3,6 +3,7 @@ transformers' greedy/sampling ``generate``, prompt-lookup decoding and assisted 
 bundled demo pair and its three prompt sets, greedy and temperature 1, batch 1 and 4.
 
     python -m pytest perf/bench_e2e.py --benchmark-json perf/e2e.json      # full (minutes)
+    python -m pytest perf/bench_e2e.py --e2e-passes 3 --benchmark-json perf/e2e.json  # per-pass speedups
     python perf/report.py perf/e2e.json                                   # -> perf/REPORT.md + PNGs
     python -m pytest perf/bench_e2e.py --benchmark-disable                 # CI: 1 prompt x 8 tokens
 
@@ -28,14 +29,17 @@ SETS = PROMPT_SETS
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("prompt_set", SETS)
-def test_e2e(benchmark, e2e, prompt_set, temperature, batch):
+def test_e2e(benchmark, e2e, prompt_set, temperature, batch, request):
     bench, sets, pair, n, tokens = e2e
+    passes = request.config.getoption("--e2e-passes")
     skipped = {s: why for s in SYSTEMS if (why := bench.available(s, batch))}
     systems = [s for s in SYSTEMS if s not in skipped]
     prompts = sets[prompt_set][: max(n, batch)]
     results = []
     benchmark.pedantic(
-        lambda: results.append(bench.run_interleaved(systems, prompts, prompt_set, temperature, batch, tokens)),
+        lambda: results.append(
+            bench.run_interleaved(systems, prompts, prompt_set, temperature, batch, tokens, passes=passes)
+        ),
         rounds=1,
         iterations=1,
         warmup_rounds=0,
@@ -47,4 +51,6 @@ def test_e2e(benchmark, e2e, prompt_set, temperature, batch):
     assert "ours-plain" in res
     for s in systems:
         assert res[s].new_tokens == len(prompts) * tokens, s
-        assert res[s].wall_time_s > 0, s
+        assert res[s].wall_time_s > 0 and len(res[s].pass_wall_s) == passes, s
+        if s.startswith("ours-"):  # the same prompts and seeds: the same tokens every pass
+            assert res[s].same_tokens_every_pass is not False, s

@@ -129,6 +129,13 @@ def pytest_addoption(parser):
         help="new tokens per prompt for perf/bench_e2e.py (default 64; 8 with --benchmark-disable)",
     )
     parser.addoption(
+        "--e2e-passes",
+        type=int,
+        default=1,
+        help="perf/bench_e2e.py: interleaved passes per group (default 1); with more, perf/report.py reads the "
+        "speedups pass by pass (their median and range)",
+    )
+    parser.addoption(
         "--e2e-compile",
         action="store_true",
         help="perf/bench_e2e.py: our runtimes with compiled rounds (compile=True, plain and speculative alike)",

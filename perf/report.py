@@ -5,7 +5,8 @@
     python perf/report.py perf/smollm2.json [--out perf/SMOLLM2.md]   # SmolLM2 rows only
 
 Speedup = tokens/s ÷ ``ours-plain`` tokens/s of the same prompt set, temperature and batch,
-measured in the same run (same process, same prompts). Without ``--out`` the report goes to
+measured in the same run (same process, same prompts); with several passes (``--e2e-passes``) the
+median of the per-pass ratios, their range beside it. Without ``--out`` the report goes to
 ``perf/REPORT.md``, or to ``perf/SMOLLM2.md`` when the JSON holds SmolLM2 rows only; the SmolLM2
 plots are ``smollm2-speedup.png`` and ``smollm2-acceptance.png`` next to it.
 """
@@ -68,7 +69,8 @@ def render(rows: list[dict], source: str) -> tuple[str, dict]:
         "",
         "Speedup is against `ours-plain` (plain decoding through our runtime) for the same set, temperature "
         "and batch, measured in the same run. τ = 1 + accepted / drafts; acceptance per depth = rounds that "
-        "accepted depth k / rounds. `n/a`: transformers runs prompt lookup and assisted generation at batch 1 only.",
+        "accepted depth k / rounds. `n/a`: transformers runs prompt lookup and assisted generation at batch 1 only."
+        + passes_note(rows),
         "",
     ]
     tables, speedups = speed_tables(groups, PROMPT_SETS, lambda p, t, b, g: f"## {p}, temperature {t:g}, batch {b}")
@@ -99,14 +101,48 @@ def speed_tables(groups: dict, sets, heading, identity: bool = False) -> tuple[l
                 out.append(f"| {s} | n/a | | | |" + (" |" if ident else ""))
                 continue
             sp = r["tokens_per_second"] / base if base else None
+            spread = ""
+            per_pass = pass_speedups(r, g.get("ours-plain"))
+            if per_pass:  # several passes: the median of the per-pass ratios, their range after it
+                sp = _median(per_pass)
+                spread = f" ({min(per_pass):.2f}-{max(per_pass):.2f})" if s != "ours-plain" else ""
             if sp is not None and temp == 0 and batch == 1:
                 speedups[s][pset] = sp
             tau = f"{r['tau']:.2f}" if r.get("tau") else ""
             acc = " ".join(f"{a:.2f}" for a in r.get("accepted_per_position") or [])
-            row = f"| {s} | {r['tokens_per_second']:.1f} | {f'{sp:.2f}x' if sp else ''} | {tau} | {acc} |"
+            row = f"| {s} | {r['tokens_per_second']:.1f} | {f'{sp:.2f}x{spread}' if sp else ''} | {tau} | {acc} |"
             out.append(row + (f" {_identical(r)} |" if ident else ""))
         out.append("")
     return out, speedups
+
+
+def pass_speedups(r: dict, plain: dict | None) -> list[float]:
+    """Per-pass speedups of row ``r`` over ``plain`` (its group's ours-plain) when both ran several passes
+    (``Bench.run_interleaved(passes=...)``): plain's wall time over the system's, pass by pass (both generate
+    the same tokens every pass); [] otherwise."""
+    a, b = (r.get("pass_wall_s") or []), ((plain or {}).get("pass_wall_s") or [])
+    if len(a) < 2 or len(a) != len(b) or not all(x > 0 for x in a):
+        return []
+    return [p / x for p, x in zip(b, a)]
+
+
+def _median(xs: list[float]) -> float:
+    x = sorted(xs)
+    n = len(x)
+    return x[n // 2] if n % 2 else (x[n // 2 - 1] + x[n // 2]) / 2
+
+
+def passes_note(rows: list[dict]) -> str:
+    """How many passes the run made, and what the speedup column then holds."""
+    n = max((len(r.get("pass_wall_s") or []) for r in rows), default=0)
+    if n < 2:
+        return ""
+    same = all(r.get("same_tokens_every_pass") is not False for r in rows)
+    return (
+        f" Every group ran {n} interleaved passes: tokens/s is the median pass's, the speedup the median of the "
+        "per-pass ratios with their range in brackets (the run's own noise); "
+        + ("every pass generated the same tokens." if same else "**some pass generated other tokens** (see the JSON).")
+    )
 
 
 def plots(

@@ -61,6 +61,10 @@ class BenchResult:
     compile_s: float = 0.0  # the untimed pass that compiled this configuration's rounds (and generated)
     shape_switches: int = 0  # adaptive shapes (runtime/adaptive.py): shape changes summed over the requests
     rounds_per_shape: dict[str, int] = field(default_factory=dict)  # rounds run with each shape, summed
+    # passes > 1 (Bench.run_interleaved): each pass's wall time; wall_time_s is their median and the counts
+    # above are the first pass's (every pass generates the same tokens: same prompts and seeds)
+    pass_wall_s: list[float] = field(default_factory=list)
+    same_tokens_every_pass: bool | None = None  # None with one pass
     # generated ids per prompt, in prompt order (not in ``info()``: its digests are, ``token_sha256``)
     token_ids: list[list[int]] = field(default_factory=list, repr=False)
 
@@ -199,9 +203,12 @@ class Bench:
         batch: int = 1,
         max_new_tokens: int = 64,
         seed: int = 0,
+        passes: int = 1,
     ) -> BenchResult:
         """One system on ``prompts`` in chunks of ``batch`` (``run_interleaved`` with one system)."""
-        return self.run_interleaved([system], prompts, prompt_set, temperature, batch, max_new_tokens, seed)[system]
+        return self.run_interleaved([system], prompts, prompt_set, temperature, batch, max_new_tokens, seed, passes)[
+            system
+        ]
 
     def run_interleaved(
         self,
@@ -212,11 +219,18 @@ class Bench:
         batch: int = 1,
         max_new_tokens: int = 64,
         seed: int = 0,
+        passes: int = 1,
     ) -> dict[str, BenchResult]:
         """Every system on the same chunks of ``batch`` prompts, interleaved: chunk ``i`` runs each
         system in turn (the order rotated by ``i``, so no system always runs right after another),
         each system's wall time summing its own chunks. Load swings on a shared machine then fall on
         all systems alike, which runs one after another do not (single runs here move 10-35%).
+
+        ``passes``: the whole interleaved set that many times (the rotation shifted by the pass), each
+        pass's wall time kept per system (``BenchResult.pass_wall_s``; ``wall_time_s`` is their median),
+        so a speedup can be read per pass and its spread is the run's own noise (``perf/report.py``); the
+        tokens and counts are the first pass's, and ``same_tokens_every_pass`` says whether every pass
+        generated them again.
 
         Each system first gets one untimed call (a 2-token generation of the first chunk; with
         ``compile=True`` our runtimes get an untimed pass over every chunk, which compiles each key
@@ -232,7 +246,7 @@ class Bench:
             raise UserError("no systems to run: pass at least one of " + ", ".join(SYSTEMS))
         if not prompts:
             raise UserError("no prompts to run: pass at least one prompt")
-        for name, v in (("batch", batch), ("max_new_tokens", max_new_tokens)):
+        for name, v in (("batch", batch), ("max_new_tokens", max_new_tokens), ("passes", passes)):
             if v < 1:
                 raise UserError(f"{name}={v} must be >= 1")
         for system in systems:
@@ -249,10 +263,11 @@ class Bench:
         }
         for r in runners.values():
             r.warm(chunks)
-        for i, c in enumerate(chunks):
-            k = i % len(systems)
-            for s in systems[k:] + systems[:k]:
-                runners[s].timed(i, c)
+        for p in range(passes):
+            for i, c in enumerate(chunks):
+                k = (i + p) % len(systems)
+                for s in systems[k:] + systems[:k]:
+                    runners[s].timed(i, c, p)
         return {s: r.result(prompt_set, temperature, batch, len(ids)) for s, r in runners.items()}
 
     def prompt_ids(self, prompt: str | Sequence[int] | Sequence[dict]) -> list[int]:
@@ -287,10 +302,13 @@ class _Runner:
     def __init__(self, bench: Bench, system: str, temperature: float, max_new_tokens: int, seed: int):
         self.bench, self.system = bench, system
         self.temperature, self.max_new_tokens, self.seed = temperature, max_new_tokens, seed
-        self.wall = self.compile_s = 0.0
+        self.compile_s = 0.0
+        self.pass_wall: list[float] = []  # wall time per pass
         self.tokens = self.drafts = self.accepted = self.switches = 0
         self.shapes: dict[str, int] = {}
         self.outs: list[list[int]] = []
+        self.chunk_outs: dict[int, list[list[int]]] = {}  # the first pass's tokens per chunk
+        self.same = True  # every later pass generated the first pass's tokens
         self.per_pos = torch.zeros(0)  # grows to the deepest shape the requests ran (it may differ per chunk)
 
     @property
@@ -301,13 +319,29 @@ class _Runner:
     def warm(self, chunks: list[list[list[int]]]) -> None:
         raise NotImplementedError
 
-    def generate(self, i: int, chunk: list[list[int]], max_new_tokens: int) -> None:
+    def generate(self, i: int, chunk: list[list[int]], max_new_tokens: int, keep: bool = True) -> list[list[int]]:
+        """Generate chunk ``i``; returns its token ids; ``keep``: count them (and the stats) in the result."""
         raise NotImplementedError
 
-    def timed(self, i: int, chunk: list[list[int]]) -> None:
+    def timed(self, i: int, chunk: list[list[int]], p: int = 0) -> None:
+        """Chunk ``i`` of pass ``p``, timed; the first pass's tokens and counts are kept."""
         t0 = time.perf_counter()
-        self.generate(i, chunk, self.max_new_tokens)
-        self.wall += time.perf_counter() - t0
+        outs = self.generate(i, chunk, self.max_new_tokens, keep=p == 0)
+        dt = time.perf_counter() - t0
+        self.pass_wall += [0.0] * (p + 1 - len(self.pass_wall))
+        self.pass_wall[p] += dt
+        if p == 0:
+            self.chunk_outs[i] = outs
+        elif outs != self.chunk_outs.get(i):
+            self.same = False
+
+    @property
+    def wall(self) -> float:
+        """The median pass's wall time (the one pass's with one)."""
+        w = sorted(self.pass_wall)
+        if not w:
+            return 0.0
+        return w[len(w) // 2] if len(w) % 2 else (w[len(w) // 2 - 1] + w[len(w) // 2]) / 2
 
     def result(self, prompt_set: str, temperature: float, batch: int, prompts: int) -> BenchResult:
         spec = self.speculative
@@ -325,6 +359,8 @@ class _Runner:
             compile_s=self.compile_s,
             shape_switches=self.switches,
             rounds_per_shape=dict(self.shapes),
+            pass_wall_s=list(self.pass_wall),
+            same_tokens_every_pass=self.same if len(self.pass_wall) > 1 else None,
             token_ids=self.outs,
         )
 
@@ -349,10 +385,11 @@ class _OursRunner(_Runner):
             stop_token_ids=[],
             speculative=self.speculative,
         )
+        ids = [list(map(int, t)) for t in out.token_ids]
         if not keep:
-            return
+            return ids
         s = out.stats
-        self.outs += [list(map(int, t)) for t in out.token_ids]
+        self.outs += ids
         self.tokens += s.num_new_tokens
         self.drafts += s.num_drafts
         self.accepted += s.num_accepted_tokens
@@ -363,6 +400,7 @@ class _OursRunner(_Runner):
             a = torch.tensor(s.accepted_per_position, dtype=torch.float32)
             self.per_pos = torch.nn.functional.pad(self.per_pos, (0, max(len(a) - len(self.per_pos), 0)))
             self.per_pos[: len(a)] += a
+        return ids
 
 
 class _HFRunner(_Runner):
@@ -398,9 +436,11 @@ class _HFRunner(_Runner):
             min_new_tokens=max_new_tokens,
             **self.kw,
         )
+        ids = out[:, width:].tolist()
         if keep:
             self.tokens += (out.shape[1] - width) * len(chunk)
-            self.outs += out[:, width:].tolist()
+            self.outs += ids
+        return ids
 
 
 def format_table(results: list[BenchResult]) -> str:

@@ -51,9 +51,9 @@ def test_interleaved_order_rotates_per_chunk(bench, monkeypatch):
     order = []
     timed, generate = _Runner.timed, _HFRunner.generate
 
-    def record(self, i, chunk):
+    def record(self, i, chunk, p=0):
         order.append((i, self.system))
-        timed(self, i, chunk)
+        timed(self, i, chunk, p)
 
     def slow(self, i, chunk, max_new_tokens, keep=True):  # a slow system: 0.25 s more per timed chunk
         if keep:
@@ -72,6 +72,61 @@ def test_interleaved_order_rotates_per_chunk(bench, monkeypatch):
     assert res["hf-greedy"].wall_time_s >= 1.0
     assert res["ours-plain"].wall_time_s < res["hf-greedy"].wall_time_s - 0.9
     assert res["ours-eagle3.1"].wall_time_s < res["hf-greedy"].wall_time_s - 0.9
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_passes_time_each_pass_and_keep_the_first_passes_tokens(bench, monkeypatch, temperature):
+    """``passes=3``: each system's wall time per pass (``wall_time_s`` their median), the first pass's tokens and
+    counts (those of a one-pass run), the same tokens every pass (greedy and seeded sampling), and
+    ``perf/report.py`` reads the speedup pass by pass. Inverses: a pass made slow for one system moves that
+    pass's time and ratio, not the median; a system whose later pass generates other tokens says so."""
+    import time
+
+    from tritonspec.runtime.bench import _OursRunner
+
+    from _util import perf_module
+
+    report = perf_module("report", "perf_report")
+    systems = ["ours-plain", "ours-eagle3.1"]
+    res = bench.run_interleaved(systems, PROMPTS[:3], "s", temperature, 1, 5, seed=2, passes=3)
+    one = bench.run_interleaved(systems, PROMPTS[:3], "s", temperature, 1, 5, seed=2)
+    for s in systems:
+        r = res[s]
+        assert len(r.pass_wall_s) == 3 and r.wall_time_s == sorted(r.pass_wall_s)[1]
+        assert r.new_tokens == 15 and r.token_ids == one[s].token_ids and r.tau == one[s].tau
+        assert r.same_tokens_every_pass is True and one[s].same_tokens_every_pass is None
+        assert one[s].pass_wall_s == [one[s].wall_time_s]
+    plain, spec = res["ours-plain"].info(), res["ours-eagle3.1"].info()
+    ratios = report.pass_speedups(spec, plain)
+    assert ratios == [p / x for p, x in zip(plain["pass_wall_s"], spec["pass_wall_s"])]
+    assert report.pass_speedups(one["ours-eagle3.1"].info(), one["ours-plain"].info()) == []  # one pass: none
+    text, _ = report.render([plain, spec], "x.json")
+    assert "3 interleaved passes" in text and "every pass generated the same tokens" in text
+    assert f"{report._median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})" in text
+
+    generate = _OursRunner.generate
+    calls = {"ours-plain": 0}
+
+    def slow_then_other(self, i, chunk, max_new_tokens, keep=True):
+        ids = generate(self, i, chunk, max_new_tokens, keep)
+        if self.system == "ours-plain" and max_new_tokens == 5:
+            calls["ours-plain"] += 1
+            if calls["ours-plain"] > 3:  # pass 1 (chunks 3..5 of plain's timed calls): slow, other tokens
+                if calls["ours-plain"] <= 6:
+                    time.sleep(0.3)
+                    return [[t + 1 for t in ids[0]]]
+        return ids
+
+    monkeypatch.setattr(_OursRunner, "generate", slow_then_other)
+    bad = bench.run_interleaved(systems, PROMPTS[:3], "s", temperature, 1, 5, seed=2, passes=3)
+    w = bad["ours-plain"].pass_wall_s
+    assert w[1] > max(w[0], w[2]) + 0.8 and bad["ours-plain"].wall_time_s < w[1] - 0.8  # the median ignores it
+    assert bad["ours-plain"].same_tokens_every_pass is False and bad["ours-eagle3.1"].same_tokens_every_pass
+    assert bad["ours-plain"].token_ids == one["ours-plain"].token_ids  # the first pass's tokens
+    text, _ = report.render([bad["ours-plain"].info(), bad["ours-eagle3.1"].info()], "x.json")
+    assert "some pass generated other tokens" in text
+    with pytest.raises(UserError, match="passes=0"):
+        bench.run_interleaved(systems, PROMPTS[:1], "s", passes=0)
 
 
 def test_interleaved_sampling_seeds_per_chunk(bench):
