@@ -48,8 +48,9 @@ REFERENCES = ("ours-plain", "hf-greedy")  # greedy rows must reproduce these tok
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("prompt_set", SMOLLM2_SETS)
-def test_smollm2(benchmark, smollm2, prompt_set, temperature, batch):
+def test_smollm2(benchmark, smollm2, prompt_set, temperature, batch, request):
     s = smollm2
+    passes = request.config.getoption("--e2e-passes")
     if s.quick and (temperature != 0 or batch != 1):
         pytest.skip(CI_ONLY)
     if prompt_set in s.unavailable:
@@ -59,7 +60,9 @@ def test_smollm2(benchmark, smollm2, prompt_set, temperature, batch):
     prompts = s.prompts(prompt_set, batch)
     results = []
     benchmark.pedantic(
-        lambda: results.append(s.bench.run_interleaved(systems, prompts, prompt_set, temperature, batch, s.tokens)),
+        lambda: results.append(
+            s.bench.run_interleaved(systems, prompts, prompt_set, temperature, batch, s.tokens, passes=passes)
+        ),
         rounds=1,
         iterations=1,
         warmup_rounds=0,

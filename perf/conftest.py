@@ -132,8 +132,8 @@ def pytest_addoption(parser):
         "--e2e-passes",
         type=int,
         default=1,
-        help="perf/bench_e2e.py: interleaved passes per group (default 1); with more, perf/report.py reads the "
-        "speedups pass by pass (their median and range)",
+        help="perf/bench_e2e.py and perf/bench_smollm2.py: interleaved passes per group (default 1); with more, "
+        "perf/report.py reads the speedups pass by pass (their median and range)",
     )
     parser.addoption(
         "--e2e-compile",
