@@ -142,6 +142,7 @@ def tune_tree(
     prompt_lookup: Sequence[int] = (),
     prompt_lookup_min: Sequence[int] = (),
     long_prompts: Sequence[str] | Sequence[Sequence[int]] = (),
+    row_passes: int = 1,
     log=None,
 ) -> TreeTuneResult:
     """Measure costs and the acceptance profile, pick the best shape, check it, write the profile.
@@ -160,7 +161,10 @@ def tune_tree(
     ``SpecConfig``'s 2 alone).
     ``long_prompts``: prompts (strings or token ids) much longer than ``prompts``, for the
     long-context rows of step 8 (batch 1 or, as in step 6, every batch size; greedy and, with
-    ``sampled``, sampled).
+    ``sampled``, sampled). ``row_passes``: interleaved passes over the prompts for each row's
+    shapes (steps 6 and 8; the lookup passes of step 7 run ``max(2, row_passes)``), the order reversed
+    every other pass and the rates summed over them: a pass's load swings reach 5-13 % on a shared
+    machine, as large as many rows' margins.
     """
     from ..runtime.drafter import Eagle3Drafter
     from ..runtime.engine import SpeculativeRuntime
@@ -190,6 +194,8 @@ def tune_tree(
     long_ids = [
         list(tok(p, add_special_tokens=True)["input_ids"]) if isinstance(p, str) else list(p) for p in long_prompts
     ]
+    if row_passes < 1:
+        raise ValueError(f"row_passes={row_passes} must be >= 1")
     threshold = _context_threshold(ids, long_ids) if long_ids else 0
     longest = max(len(p) for p in ids + long_ids)
     big = SpecConfig(
@@ -281,7 +287,9 @@ def tune_tree(
         for mode, temp in modes:
             for b in sizes:
                 checked = [c.spec for c in checks] if (b, mode) == (1, "greedy") else []  # the check pass's shapes too
-                shapes.append(_best_at(rt, ids, max_new_tokens, b, mode, temp, best.spec, big, say, compile, checked))
+                shapes.append(
+                    _best_at(rt, ids, max_new_tokens, b, mode, temp, best.spec, big, say, compile, checked, row_passes)
+                )
     else:
         chosen = next((c for c in checks if c.role == "chosen"), None)
         if chosen is not None and chosen.measured_speedup < 1:  # measured slower than plain decoding at batch 1
@@ -289,7 +297,7 @@ def tune_tree(
         elif lookups:  # the batch-1 greedy row, to carry the lookup's verdict
             shapes.append({"batch_size": 1, "sampling": "greedy", "spec": best.spec, "temperature": 0.0})
     for row in shapes if lookups else []:
-        _lookup_at(rt, ids, max_new_tokens, row, lookups, say, lookup_mins)
+        _lookup_at(rt, ids, max_new_tokens, row, lookups, say, lookup_mins, row_passes)
     if long_ids:  # step 8: the rows again on long prompts, for prompts of at least `threshold` tokens
         n = _median_len(long_ids)
         say(f"[autotune tree] long prompts ({len(long_ids)}, median {n} tokens): rows for prompts >= {threshold}")
@@ -299,16 +307,18 @@ def tune_tree(
             for b in sizes or [1]:
                 short_spec = short_rows.get((b, mode), best.spec if (b, mode) == (1, "greedy") else None)
                 extra = [short_spec] if short_spec is not None else []
-                row = _best_at(rt, long_ids, max_new_tokens, b, mode, temp, seed, big, say, compile, extra)
+                row = _best_at(rt, long_ids, max_new_tokens, b, mode, temp, seed, big, say, compile, extra, row_passes)
                 row.update(context=threshold, prompt_tokens=n)
                 if lookups:
-                    _lookup_at(rt, long_ids, max_new_tokens, row, lookups, say, lookup_mins)
+                    _lookup_at(rt, long_ids, max_new_tokens, row, lookups, say, lookup_mins, row_passes)
                 if b == 1 and row["spec"] is not None:
                     seed = replace(row["spec"], prompt_lookup_num_tokens=0)
                 shapes.append(row)
     path = None
     if not dry_run:
-        path = _write_profile(out_dir, key, best, costs, acc, checks, plain, n_roots, max_new_tokens, shapes)
+        path = _write_profile(
+            out_dir, key, best, costs, acc, checks, plain, n_roots, max_new_tokens, shapes, row_passes
+        )
     return TreeTuneResult(best, checks, costs, acc, plain, n_roots, path, key, ranked[:10], shapes)
 
 
@@ -358,12 +368,14 @@ def candidates_at(
     return list(dict.fromkeys(fits))  # distinct, in order
 
 
-def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compiled=False, extra=()) -> dict:
+def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compiled=False, extra=(), passes=1) -> dict:
     """The fastest of the candidate shapes (and ``extra`` ones) and plain decoding at batch size ``b``
-    (a ``shapes`` row)."""
+    (a ``shapes`` row), measured over ``passes`` interleaved passes."""
     cands = candidates_at(b, mode == "greedy", chosen, largest, rt.device.type, compiled)
     cands += [s for s in extra if s not in cands]
-    plain, *ms = measure_generation(rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp)
+    plain, *ms = measure_generation(
+        rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp, repeats=passes
+    )
     rates = [m.decode_tokens_per_s for m in ms]
     i = max(range(len(cands)), key=rates.__getitem__)
     win = cands[i] if _beats_plain(rates[i], plain) else None
@@ -412,7 +424,14 @@ LOOKUP_TIE = 0.06
 
 
 def _lookup_at(
-    rt, ids, max_new_tokens, row: dict, lookups: Sequence[int], say, mins: Sequence[int] = (DEFAULT_LOOKUP_MIN,)
+    rt,
+    ids,
+    max_new_tokens,
+    row: dict,
+    lookups: Sequence[int],
+    say,
+    mins: Sequence[int] = (DEFAULT_LOOKUP_MIN,),
+    passes: int = 2,
 ) -> None:
     """Step 7 for one ``shapes`` row: plain decoding, its shape and the shape with each prompt-lookup
     length (each with every shortest suffix of ``mins``), side by side at the row's batch size and
@@ -432,7 +451,9 @@ def _lookup_at(
     cands += [replace(bare, prompt_lookup_num_tokens=m, prompt_lookup_min=j) for m in lookups for j in mins]
     # twice, the order reversed on the second pass: a lookup branch's gain is often a few percent, the
     # size of a load swing during one pass
-    plain, *ms = measure_generation(rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp, repeats=2)
+    plain, *ms = measure_generation(
+        rt, ids, max_new_tokens, [None, *cands], batch_size=b, temperature=temp, repeats=max(2, passes)
+    )
     rates = [m.decode_tokens_per_s for m in ms]
     i = max(range(len(cands)), key=rates.__getitem__)
     with_lookup = [j for j, c in enumerate(cands) if c.prompt_lookup_num_tokens]
@@ -477,6 +498,7 @@ def _write_profile(
     n_roots: int,
     max_new_tokens: int,
     shapes: list[dict],
+    row_passes: int = 1,
 ) -> Path:
     """The profile of ``best`` with the evidence behind it (``runtime/profiles.py`` owns the file)."""
     return prof.write_profile(
@@ -490,6 +512,7 @@ def _write_profile(
             "acceptance_roots": n_roots,
             "plain_decode_tokens_per_s": plain.decode_tokens_per_s,
             "batch_size": 1,
+            "row_passes": row_passes,
         },
         costs=asdict(costs),
         acceptance=asdict(acc),

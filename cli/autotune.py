@@ -140,6 +140,13 @@ checks it, two neighbours and the default shape by generating (measured vs predi
         help="with --prompt-lookup: try each branch with these shortest matched suffixes, e.g. 1,2 "
         "(default 2 alone; 1 proposes more often)",
     )
+    t.add_argument(
+        "--row-passes",
+        type=int,
+        default=1,
+        help="interleaved passes over the prompts for each batch-size row's shapes (default 1; 3 steadies the "
+        "choice on a shared machine, about twice the tuning time)",
+    )
     _common(t)
     t.set_defaults(fn=cmd_tree)
     return a
@@ -282,6 +289,7 @@ def cmd_tree(args: argparse.Namespace) -> int:
         prompt_lookup=lookups,
         prompt_lookup_min=lookup_mins,
         long_prompts=long_prompts,
+        row_passes=args.row_passes,
         log=lambda m: print(m, file=sys.stderr),
     )
     b = res.best

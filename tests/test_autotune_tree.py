@@ -309,6 +309,37 @@ def test_batch_one_greedy_row_also_measures_the_checked_shapes(tuned_dir, monkey
     assert rows[2, "greedy"] == {"(1,1,2)"}
 
 
+def test_row_passes_measure_every_row_that_many_times_and_are_recorded(tuned_dir, monkeypatch):
+    """``row_passes=3``: every batch-size row (greedy and sampled) and every lookup pass measures its shapes over
+    3 interleaved passes (``measure_generation(repeats=3)``), the profile records it; the default measures rows
+    once and lookups twice. Inverse: ``row_passes=0`` is refused."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    real = tree_tuner.measure_generation
+    seen: list[tuple[int, int]] = []  # (shapes measured besides plain decoding, repeats)
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        if specs == [None]:  # the plain baseline: real continuations for the acceptance profile
+            return real(rt, ids, max_new_tokens, specs)
+        seen.append((len(specs) - 1, repeats))
+        rates = [10.0 + (0 if s is None else 1 + s.prompt_lookup_num_tokens) for s in specs]
+        return [Measured(100, 100 / r, 0.0, 4, 4, 0) for r in rates]
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    monkeypatch.setattr(tree_tuner, "candidates_at", lambda b, greedy, *a, **k: [ts.SpecConfig.chain(2)])
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    kw = dict(max_new_tokens=8, max_depth=2, top_ks=(1,), max_draft_tokens=3, reps=1, out_dir=tuned_dir)
+    kw |= dict(validate=False, sampled=True, batch_sizes=(1, 2), prompt_lookup=(3,))
+    res = tune_tree(model, drafter, random_prompts(24, [5, 7], seed=1), row_passes=3, **kw)
+    assert len(seen) >= 6 and all(r == 3 for _, r in seen)  # 4 rows + 2 greedy lookup passes, all 3 times
+    assert json.loads(res.profile_path.read_text())["measured_with"]["row_passes"] == 3
+    seen.clear()
+    tune_tree(model, drafter, random_prompts(24, [5, 7], seed=1), **kw)
+    assert {r for _, r in seen} == {1, 2}  # rows once, the lookup passes twice
+    with pytest.raises(ValueError, match="row_passes=0"):
+        tune_tree(model, drafter, [[1, 2]], row_passes=0, dry_run=True)
+
+
 def test_prompt_lookup_pass_keeps_the_fastest_and_the_runtime_runs_it(tuned_dir, monkeypatch):
     """``prompt_lookup``: each row's winner is measured with the lookup lengths side by side; the
     fastest is written (with its lookup fields) and ``spec=None`` runs it. Rates are rigged so the
