@@ -12,8 +12,9 @@
    included; always with ``compile``): the chosen shape, a few candidates around it (the rule of
    ``runtime/spec_policy.py`` at several row budgets, short chains; at batch 1 greedy also the
    shapes step 5 checked) and plain decoding generated side by side at that batch size; the
-   fastest is that row of the profile's ``shapes`` table (None: plain decoding wins, or no shape
-   beats it by ``PLAIN_MARGIN``, 8%). Without it,
+   fastest on decode is that row of the profile's ``shapes`` table (None: plain decoding wins, or that
+   shape does not beat it end to end, the prompts' forward and the drafter's pass over them included,
+   by ``PLAIN_MARGIN``, 8%). Without it,
    a chosen shape that measured slower than plain decoding gets a plain batch-1 row
 7. optionally (``prompt_lookup``), each row's winning shape generated again side by side with a
    prompt-lookup branch of each given length (with each ``prompt_lookup_min``) grafted on
@@ -378,10 +379,11 @@ def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compi
     )
     rates = [m.decode_tokens_per_s for m in ms]
     i = max(range(len(cands)), key=rates.__getitem__)
-    win = cands[i] if _beats_plain(rates[i], plain) else None
+    win = cands[i] if _beats_plain(ms[i], plain) else None
     say(
         f"[autotune tree] batch {b} {mode}: plain {plain.decode_tokens_per_s:.1f} tok/s, best "
-        f"{cands[i].label} {rates[i]:.1f} tok/s -> {win.label if win else 'plain decoding'}"
+        f"{cands[i].label} {rates[i]:.1f} tok/s (end to end {plain.tokens_per_s:.1f} / {ms[i].tokens_per_s:.1f}) "
+        f"-> {win.label if win else 'plain decoding'}"
     )
     return {
         "batch_size": b,
@@ -391,6 +393,10 @@ def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compi
         "decode_tokens_per_s": {
             "plain": round(plain.decode_tokens_per_s, 2),
             **{c.label: round(r, 2) for c, r in zip(cands, rates)},
+        },
+        "tokens_per_s": {  # end to end (the prompts' forward, and the drafter's pass over them, included)
+            "plain": round(plain.tokens_per_s, 2),
+            **{c.label: round(m.tokens_per_s, 2) for c, m in zip(cands, ms)},
         },
     }
 
@@ -402,13 +408,18 @@ def _best_at(rt, ids, max_new_tokens, b, mode, temp, chosen, largest, say, compi
 # demo EAGLE-3.1 batch-4 long-context row took (3,1,4) at 1.036x (854 vs 824 tokens/s on 1,747-token
 # prompts), which then ran 0.88-0.90x of plain decoding on the standard set's four longest prompts (one and
 # two threads); and two plain measurements of one tuning pass differ by up to 13 % (the demo EAGLE-3 profile's
-# batch-4 long row: 867 and 761 tokens/s), 2-5 % typically.
+# batch-4 long row: 867 and 761 tokens/s), 2-5 % typically. The rates compared are end to end (the prompts'
+# forward included), since 2026-12-07: only speculation pays the drafter's pass over the prompts, which at
+# batch 4 on long prompts is as large as a modest decode gain (demo EAGLE-3.1, temperature 1, the long set:
+# prefill 1,374 against 1,308 ms, 66 ms against 505 ms of plain decoding; the batch-4 long-context sampled row
+# took (2,1,3) at 1.15x on decode rates and ran 0.84x of plain decoding end to end on the long set).
 PLAIN_MARGIN = 0.08
 
 
-def _beats_plain(rate: float, plain: Measured, margin: float = PLAIN_MARGIN) -> bool:
-    """Whether a shape's decode rate takes a row from plain decoding (by more than ``margin``)."""
-    return rate > (1 + margin) * plain.decode_tokens_per_s
+def _beats_plain(m: Measured, plain: Measured, margin: float = PLAIN_MARGIN) -> bool:
+    """Whether a shape takes a row from plain decoding: its end-to-end rate (prefill, and the drafter's pass over
+    the prompts, included) above plain decoding's by more than ``margin``."""
+    return m.tokens_per_s > (1 + margin) * plain.tokens_per_s
 
 
 # At batch 1, the shortest lookup branch within this fraction of the fastest shape's rate is kept. Its cost is
@@ -465,7 +476,7 @@ def _lookup_at(
     # longer branch verifies more rows wherever it does not pay (SmolLM2 EAGLE-3 bfloat16 panels,
     # 2026-12-04: lookup 8 picked at 68.9 tok/s against lookup 4's 67.2, then on 6 HumanEval prompts 1.19x
     # against lookup 4's 1.32x over plain decoding)
-    tied = [k for k in with_lookup if rates[k] >= (1 - LOOKUP_TIE) * rates[i] and _beats_plain(rates[k], plain, margin)]
+    tied = [k for k in with_lookup if rates[k] >= (1 - LOOKUP_TIE) * rates[i] and _beats_plain(ms[k], plain, margin)]
     if b == 1 and tied:  # (of one length's suffix minimums the faster; on a tie, the default)
         i = min(
             tied,
@@ -475,7 +486,7 @@ def _lookup_at(
                 cands[k].prompt_lookup_min != DEFAULT_LOOKUP_MIN,
             ),
         )
-    win = cands[i] if _beats_plain(rates[i], plain, margin) else None
+    win = cands[i] if _beats_plain(ms[i], plain, margin) else None
     row["spec"] = win
     row["lookup_decode_tokens_per_s"] = {"plain": round(plain.decode_tokens_per_s, 2)} | {
         c.label: round(r, 2) for c, r in zip(cands, rates)

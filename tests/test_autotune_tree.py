@@ -340,6 +340,42 @@ def test_row_passes_measure_every_row_that_many_times_and_are_recorded(tuned_dir
         tune_tree(model, drafter, [[1, 2]], row_passes=0, dry_run=True)
 
 
+@pytest.mark.parametrize("drafter_pass_s", [0.0, 0.3])
+def test_a_row_leaves_plain_decoding_only_when_it_is_faster_end_to_end(tuned_dir, monkeypatch, drafter_pass_s):
+    """The plain-or-shape decision of a row compares end-to-end rates: a shape 20% faster on decode whose
+    prompts' forward costs more (the drafter's pass over the prompts) than that saves stays plain decoding; the
+    same decode rates with an equal forward take the shape. The row records both tables."""
+    from tritonspec.autotune.tree_measure import Measured
+
+    real = tree_tuner.measure_generation
+
+    def rigged(rt, ids, max_new_tokens, specs, batch_size=1, temperature=0.0, repeats=1):
+        if specs == [None]:
+            return real(rt, ids, max_new_tokens, specs)
+        # 100 tokens; plain: 1.0 s of prefill + 1.0 s of decoding; the shape: decode 1.2x faster (0.833 s)
+        return [
+            Measured(100, 2.0, 1.0, 99, 0, 0)
+            if sp is None
+            else Measured(100, 1.0 + drafter_pass_s + 1 / 1.2, 1.0 + drafter_pass_s, 50, 49, 0)
+            for sp in specs
+        ]
+
+    monkeypatch.setattr(tree_tuner, "measure_generation", rigged)
+    monkeypatch.setattr(tree_tuner, "candidates_at", lambda b, greedy, *a, **k: [ts.SpecConfig.chain(2)])
+    model, drafter = perm_pair("llama", vocab=24, seed=0, alpha=0.3)
+    res = tune_tree(
+        model, drafter, random_prompts(24, [5, 7], seed=1), max_new_tokens=8, max_depth=2, top_ks=(1,),
+        max_draft_tokens=3, reps=1, out_dir=tuned_dir, validate=False, batch_sizes=(1, 2),
+    )  # fmt: skip
+    row = {r["batch_size"]: r for r in res.shapes}[2]
+    assert row["decode_tokens_per_s"]["(2,1,3)"] > 1.19 * row["decode_tokens_per_s"]["plain"]  # decode: 1.2x
+    assert set(row["tokens_per_s"]) == {"plain", "(2,1,3)"}
+    if drafter_pass_s:  # 2.0 s against 2.13 s end to end: plain decoding keeps the row
+        assert row["spec"] is None and row["tokens_per_s"]["(2,1,3)"] < row["tokens_per_s"]["plain"]
+    else:  # 2.0 s against 1.83 s: 1.09x > the margin
+        assert row["spec"] == ts.SpecConfig.chain(2)
+
+
 def test_prompt_lookup_pass_keeps_the_fastest_and_the_runtime_runs_it(tuned_dir, monkeypatch):
     """``prompt_lookup``: each row's winner is measured with the lookup lengths side by side; the
     fastest is written (with its lookup fields) and ``spec=None`` runs it. Rates are rigged so the
