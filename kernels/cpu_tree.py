@@ -12,8 +12,7 @@ callers also keep the references under ``cpu_linear="torch"`` (``TorchOps.cpu_in
     ngram_lookup    runtime/ngram.py       ngram_lookup              the prompt-lookup chain and its validity
     graft_chain     runtime/ngram.py       graft_chain               the chain grafted below the root
     kv_compact      kernels/kv_compact.py  kv_compact_reference      the accepted path's K/V moved in place
-    row_hash        runtime/sampling.py    RowRandom.hashes          a sampled round's random words (integer hash)
-    row_random      runtime/sampling.py    RowRandom.draw            the words as uniforms and Exp(1) noise
+    row_random      runtime/sampling.py    RowRandom.draw            a sampled round's uniforms and Exp(1) noise
     verify_chain    kernels/verify_chain.py verify_chain_reference   a sampled chain's accepted count and tokens
     argmax          torch.argmax(x, -1)                               the verify's greedy token per node
 
@@ -169,29 +168,17 @@ def _slots_contiguous(cache: torch.Tensor) -> bool:
     return cache.stride(2) == row
 
 
-def row_hash(
-    key: torch.Tensor,  # [B] int64 in [0, 2^32)
-    counter: torch.Tensor,  # [B] int64
-    n: int,
-    vocab: int,
-) -> torch.Tensor | None:  # [B, n + vocab] int64 in [0, 2^32)
-    """``runtime.sampling.RowRandom.hashes``'s 32-bit words, exactly (the same integer hash, in uint32 arithmetic
-    instead of the reference's ~60 int64 tensor ops); None where the C operator does not run."""
-    if _native(key, counter) and key.dtype == torch.int64 and counter.dtype == torch.int64:
-        return torch.ops.tritonspec_cpu.row_hash(key, counter, int(n), int(vocab))
-    return None
-
-
 def row_random(
     key: torch.Tensor,  # [B] int64 in [0, 2^32)
     counter: torch.Tensor,  # [B] int64, advanced by 1 in place
     n: int,
     vocab: int,
 ) -> tuple[torch.Tensor, torch.Tensor] | None:  # (uniforms [B, n], exp_noise [B, vocab]) float32
-    """``runtime.sampling.RowRandom.draw``'s round, exactly: ``row_hash``'s words as uniforms ``(h >> 8) 2^-24``
-    and Exp(1) noise ``max(float32(-log((h + 0.5) 2^-32)), tiny)`` (the float64 log by ATen on the tensor the
-    Python draw builds, the rest exact IEEE operations), ``counter += 1``; one call instead of ~12 tensor ops.
-    None where the C operator does not run (the counter untouched)."""
+    """``runtime.sampling.RowRandom.draw``'s round, exactly: ``RowRandom.hashes``' words (in uint32 arithmetic) as
+    uniforms ``(h >> 8) 2^-24`` and Exp(1) noise ``max(float32(-log((h + 0.5) 2^-32)), tiny)`` (the float64 log by
+    ATen on the tensor the Python draw builds, the rest exact IEEE operations), ``counter += 1``; one call instead
+    of ~60 int64 tensor ops for the words and ~12 for the rest. None where the C operator does not run (the counter
+    untouched)."""
     if _native(key, counter) and key.dtype == torch.int64 and counter.dtype == torch.int64:
         return torch.ops.tritonspec_cpu.row_random(key, counter, int(n), int(vocab))
     return None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -104,7 +105,7 @@ def speed_tables(groups: dict, sets, heading, identity: bool = False) -> tuple[l
             spread = ""
             per_pass = pass_speedups(r, g.get("ours-plain"))
             if per_pass:  # several passes: the median of the per-pass ratios, their range after it
-                sp = _median(per_pass)
+                sp = statistics.median(per_pass)
                 spread = f" ({min(per_pass):.2f}-{max(per_pass):.2f})" if s != "ours-plain" else ""
             if sp is not None and temp == 0 and batch == 1:
                 speedups[s][pset] = sp
@@ -124,12 +125,6 @@ def pass_speedups(r: dict, plain: dict | None) -> list[float]:
     if len(a) < 2 or len(a) != len(b) or not all(x > 0 for x in a):
         return []
     return [p / x for p, x in zip(b, a)]
-
-
-def _median(xs: list[float]) -> float:
-    x = sorted(xs)
-    n = len(x)
-    return x[n // 2] if n % 2 else (x[n // 2 - 1] + x[n // 2]) / 2
 
 
 def passes_note(rows: list[dict]) -> str:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import platform
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -338,10 +339,7 @@ class _Runner:
     @property
     def wall(self) -> float:
         """The median pass's wall time (the one pass's with one)."""
-        w = sorted(self.pass_wall)
-        if not w:
-            return 0.0
-        return w[len(w) // 2] if len(w) % 2 else (w[len(w) // 2 - 1] + w[len(w) // 2]) / 2
+        return statistics.median(self.pass_wall) if self.pass_wall else 0.0
 
     def result(self, prompt_set: str, temperature: float, batch: int, prompts: int) -> BenchResult:
         spec = self.speculative

@@ -1,5 +1,5 @@
 // torch.ops.tritonspec_cpu.linear, .tree_attention, .rms_norm, .rope, .kv_write, .verify_greedy, .build_tree,
-// .ngram_lookup, .graft_chain, .kv_compact, .row_hash, .verify_chain, .argmax, .aux_gather, .silu_mul, .drafter_step,
+// .ngram_lookup, .graft_chain, .kv_compact, .row_random, .verify_chain, .argmax, .aux_gather, .silu_mul, .drafter_step,
 // .draft_chain, .draft_tree, .catch_up, .commit_history and .target_step: the kernels of linear.c, attention.c,
 // norm.c, rope_kv.c and tree_ops.c as PyTorch operators, so eager calls and compiled rounds (inductor calls them from C++) reach them
 // without a Python frame (~4.6 us a call against ~6 through ctypes and ~24 through a Python custom op).
@@ -489,17 +489,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> verify_chain(const at::Tensor& to
   return {nodes, num, emitted};
 }
 
-at::Tensor row_hash(const at::Tensor& key, const at::Tensor& counter, int64_t n, int64_t vocab) {
-  at::Tensor k = i64(key, "key", 1), c = i64(counter, "counter", 1);
-  TORCH_CHECK(c.size(0) == k.size(0) && n >= 0 && vocab >= 0,
-              "tritonspec_cpu::row_hash: key and counter [B], n, vocab >= 0");
-  at::Tensor h = at::empty({k.size(0), n + vocab}, k.options());
-  tritonspec_row_hash(k.const_data_ptr<int64_t>(), c.const_data_ptr<int64_t>(), k.size(0), n, vocab,
-                      h.mutable_data_ptr<int64_t>());
-  return h;
-}
-
-// RowRandom.draw's round (runtime/sampling.py) as one operator: row_hash's words h [B, n + vocab], the uniforms
+// RowRandom.draw's round (runtime/sampling.py) as one operator: RowRandom.hashes' words h [B, n + vocab] (tree_ops.c), the uniforms
 // u = float32(h >> 8) * 2^-24 [B, n] and the noise e = max(float32(-log((h + 0.5) * 2^-32)), FLT_MIN) [B, vocab]
 // (the float64 log by ATen on the same contiguous [B, vocab] tensor the Python draw builds, the rest exact IEEE
 // operations: the same bits), then counter += 1 in place. Replaces ~12 tensor ops a draw (~40 us on the demo's
@@ -1377,7 +1367,6 @@ TORCH_LIBRARY(tritonspec_cpu, m) {
   m.def("kv_compact(Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor start, Tensor nodes) -> ()");
   m.def("graft_chain(Tensor tokens, Tensor parents, Tensor depth, Tensor mask, Tensor chain, Tensor valid) -> "
         "(Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def("row_hash(Tensor key, Tensor counter, int n, int vocab) -> Tensor");
   m.def("row_random(Tensor key, Tensor(a!) counter, int n, int vocab) -> (Tensor, Tensor)");
   m.def("argmax(Tensor x) -> Tensor");
   m.def("aux_gather(Tensor aux, Tensor index, Tensor? weight, float eps) -> Tensor");
@@ -1432,7 +1421,6 @@ TORCH_LIBRARY_IMPL(tritonspec_cpu, CPU, m) {
   m.impl("kv_compact", &kv_compact);
   m.impl("drafter_step", &drafter_step);
   m.impl("draft_chain", &draft_chain);
-  m.impl("row_hash", &row_hash);
   m.impl("row_random", &row_random);
   m.impl("argmax", &argmax);
   m.impl("aux_gather", &aux_gather);
