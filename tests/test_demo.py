@@ -82,6 +82,23 @@ def test_recipe_smoke_budget_builds_a_loadable_bundle(tmp_path):
     rt = ts.SpeculativeRuntime.from_pretrained(tdir, ddir, backend="torch", max_seq_len=256)
     r = rt.generate("def f(x):", max_new_tokens=8)
     assert r.token_ids == rt.generate("def f(x):", max_new_tokens=8, speculative=False).token_ids
+    # the long-context records (prompt + continuation = one long window) reached the drafters' training
+    cfg = recipe.BUDGETS["smoke"]
+    long_records = [json.loads(line) for line in (tmp_path / "work" / "regen_long.jsonl").open()]
+    assert len(long_records) == cfg.regen_long_samples
+    assert {len(r["input_ids"]) for r in long_records} == {cfg.regen_long_prompt_tokens + cfg.regen_new_tokens}
+    for variant in ("eagle3", "eagle3.1"):
+        args = json.loads((out / f"drafter-{variant}" / "training_args.json").read_text())
+        assert args["train_config"]["long_seq_len"] == cfg.drafter_long_seq_len
+
+
+def test_recipe_config_rejects_long_records_that_would_be_cut_as_short_ones():
+    """A long record of at most half a long window would train as short windows only: refused, with the fix."""
+    from tritonspec.recipes.demo import RecipeConfig
+
+    with pytest.raises(ValueError, match="raise regen_long_prompt_tokens"):
+        RecipeConfig(regen_long_prompt_tokens=100, regen_new_tokens=28, drafter_long_seq_len=2040)
+    assert RecipeConfig(regen_long_samples=0, regen_long_prompt_tokens=100).regen_long_samples == 0
 
 
 @pytest.mark.parametrize("name,rows", [("standard", 16), ("long", 8)])
@@ -156,3 +173,4 @@ def test_autotune_prompt_lookup_min_reaches_the_tuner_and_needs_a_branch(monkeyp
     assert seen == {"lookup": [4], "mins": [1, 2]}
     assert main(["autotune", "tree", "--target", "demo", "--prompt-lookup-min", "1"]) == 2
     assert "needs --prompt-lookup" in capsys.readouterr().err
+

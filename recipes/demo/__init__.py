@@ -5,7 +5,7 @@
 * ``prompt_sets``  the ``standard`` / ``long`` / ``perturbed`` evaluation sets from held-out files;
 * ``draft_lm``     the 2-layer draft LM for transformers' assisted generation (``demo/draft-lm``).
 
-    python -m tritonspec.recipes.demo --out <package>/demo --budget quick
+    python -m tritonspec.recipes.demo --out <package>/demo --budget bundled
     python -m tritonspec.recipes.demo.draft_lm --work <package>/.demo-work --out <package>/demo/draft-lm
 """
 

@@ -6,20 +6,23 @@ Stages (each writes into ``--work`` and is skipped when its output exists, so a 
                  tokenizer on the training files, tokenize them into one stream.
 2. ``target``    pretrain a small Llama (``transformers.LlamaForCausalLM``) on that stream.
 3. ``prompts``   write the evaluation prompt sets (``standard``, ``long``, ``perturbed``) from held-out files.
-4. ``drafters``  regenerate continuations with the target (self-distillation data), then train an
-                 EAGLE-3 and an EAGLE-3.1 drafter with the same data, seed and budget.
+4. ``drafters``  regenerate continuations with the target (self-distillation data: after short prompts,
+                 and after long ones that fill a long training window), then train an EAGLE-3 and an
+                 EAGLE-3.1 drafter with the same data, seed and budget.
 5. ``bundle``    copy the 16-bit weights, tokenizer, prompt sets and the manifest into ``--out``.
 
 Examples
 --------
-    python -m tritonspec.recipes.demo --out demo/                 # full budget (~2 h, 2 CPU cores)
-    python -m tritonspec.recipes.demo --out demo/ --budget quick  # the budget run in development
+    python -m tritonspec.recipes.demo --out demo/                   # full budget (~2.5 h, 2 CPU cores)
+    python -m tritonspec.recipes.demo --out demo/ --budget bundled  # the bundled weights' budget
+    python -m tritonspec.recipes.demo --out demo/ --budget quick    # the bundled weights' until 2026-12-07
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import shutil
@@ -63,8 +66,15 @@ class RecipeConfig:
     regen_samples: int = 1024
     regen_prompt_tokens: int = 192
     regen_new_tokens: int = 128
-    drafter_steps: int = 1500
+    # long-context data: continuations after prompts of regen_long_prompt_tokens, trained on as windows
+    # of drafter_long_seq_len every drafter_long_every-th step (0 samples: none), so the drafter meets the
+    # positions of the standard (up to ~900 tokens) and long (1,500-1,800) prompts in training
+    regen_long_samples: int = 768
+    regen_long_prompt_tokens: int = 1912  # + regen_new_tokens = drafter_long_seq_len: one record a window
+    drafter_steps: int = 3000
     drafter_seq_len: int = 320
+    drafter_long_seq_len: int = 2040  # the target holds 2,048 positions; regeneration needs one more
+    drafter_long_every: int = 4
     drafter_batch: int = 4
     drafter_lr: float = 1e-3
     ttt_depth: int = 7
@@ -76,14 +86,30 @@ class RecipeConfig:
             raise ValueError("hidden_size must divide by num_heads and num_heads by num_kv_heads")
         if not 8 <= self.num_layers <= 12:
             raise ValueError(f"num_layers={self.num_layers}: the demo target has 8-12 layers")
+        long_record = self.regen_long_prompt_tokens + self.regen_new_tokens
+        if self.regen_long_samples and long_record <= self.drafter_long_seq_len // 2:
+            raise ValueError(
+                f"regen_long_prompt_tokens + regen_new_tokens = {long_record} "
+                f"must exceed drafter_long_seq_len // 2 = {self.drafter_long_seq_len // 2}, or the long records are "
+                "cut as short ones: raise regen_long_prompt_tokens or lower drafter_long_seq_len"
+            )
         if not 50 <= self.prompts_per_set <= 200:
             raise ValueError(f"prompts_per_set={self.prompts_per_set} must lie in [50, 200]")
 
 
 BUDGETS = {
-    "full": RecipeConfig(),  # ~2 h on 2 CPU cores
-    # the run made in development on 2 shared CPU cores, one thread per process (about 75 min)
-    "quick": RecipeConfig(target_steps=700, regen_samples=1024, drafter_steps=1200),
+    "full": RecipeConfig(),  # ~2.5 h on 2 CPU cores
+    # the bundled weights since 2026-12-07: the quick budget's target; drafters on 8x the data and long windows
+    # for 2,000 steps (the two drafters in parallel processes, one thread each: about 1 h)
+    "bundled": RecipeConfig(target_steps=700, drafter_steps=2000),
+    # the bundled weights until 2026-12-07, on 2 shared CPU cores, one thread per process (about 75 min)
+    "quick": RecipeConfig(
+        target_steps=700,
+        regen_samples=1024,
+        regen_long_samples=0,
+        drafter_steps=1200,
+        drafter_long_seq_len=0,
+    ),
     # for tests of the recipe plumbing only (minutes; the models learn little)
     "smoke": RecipeConfig(
         num_layers=8,
@@ -97,6 +123,9 @@ BUDGETS = {
         regen_samples=4,
         regen_prompt_tokens=32,
         regen_new_tokens=16,
+        regen_long_samples=2,
+        regen_long_prompt_tokens=96,
+        drafter_long_seq_len=128,
         drafter_steps=2,
         drafter_seq_len=64,
         drafter_batch=2,
@@ -271,6 +300,15 @@ def stage_drafters(cfg: RecipeConfig, work: Path, device: torch.device, variants
         rng = np.random.default_rng([cfg.seed, 1])
         prompts = [w.tolist() for w in sample_windows(stream, cfg.regen_samples, cfg.regen_prompt_tokens, rng)]
         regenerate_continuations(work / "target", prompts, cfg.regen_new_tokens, regen, device=device, log=log)
+    data: list = [regen]
+    if cfg.regen_long_samples:
+        regen_long = work / "regen_long.jsonl"
+        if not regen_long.exists():
+            rng = np.random.default_rng([cfg.seed, 3])
+            n, p = cfg.regen_long_samples, cfg.regen_long_prompt_tokens
+            prompts = [w.tolist() for w in sample_windows(stream, n, p, rng)]
+            regenerate_continuations(work / "target", prompts, cfg.regen_new_tokens, regen_long, device=device, log=log)
+        data = [json.loads(line)["input_ids"] for f in (regen, regen_long) for line in f.open()]
     for name in variants:
         flags = name == "eagle3.1"
         out = work / f"drafter-{name}"
@@ -279,6 +317,8 @@ def stage_drafters(cfg: RecipeConfig, work: Path, device: torch.device, variants
         tc = TrainConfig(
             steps=cfg.drafter_steps,
             seq_len=cfg.drafter_seq_len,
+            long_seq_len=cfg.drafter_long_seq_len if cfg.regen_long_samples else 0,
+            long_every=cfg.drafter_long_every,
             batch_size=cfg.drafter_batch,
             lr=cfg.drafter_lr,
             ttt_depth=cfg.ttt_depth,
@@ -290,7 +330,7 @@ def stage_drafters(cfg: RecipeConfig, work: Path, device: torch.device, variants
             checkpoint_every=50,
             device=str(device),
         )
-        train_drafter(work / "target", regen, out, tc, log=log)
+        train_drafter(work / "target", data[0] if len(data) == 1 else data, out, tc, log=log)
 
 
 # ---------------------------------------------------------------------------------- 5. bundle
@@ -321,6 +361,16 @@ def stage_bundle(cfg: RecipeConfig, work: Path, out: Path, budget: str, wall: di
 STAGES = ("corpus", "target", "prompts", "drafters", "bundle")
 
 
+def _add_wall_time(path: Path, stage: str, seconds: float) -> None:
+    """Add ``seconds`` to ``stage`` in the work folder's ``timings.json``. Read just
+    before the write and replaced atomically: the two drafters' processes (``--variant``) share the file."""
+    wall = json.loads(path.read_text()) if path.exists() else {}
+    wall[stage] = wall.get(stage, 0.0) + seconds
+    tmp = path.with_name(f"{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(wall, indent=1))
+    tmp.replace(path)
+
+
 def run(
     out: Path,
     work: Path,
@@ -337,7 +387,6 @@ def run(
     (work / "recipe_config.json").write_text(json.dumps({"budget": budget, **asdict(cfg)}, indent=1))
     device = pick_device()
     timings_path = work / "timings.json"
-    wall = json.loads(timings_path.read_text()) if timings_path.exists() else {}
     for stage in STAGES[: STAGES.index(until) + 1]:
         t0 = time.time()
         if stage == "corpus":
@@ -349,9 +398,9 @@ def run(
         elif stage == "drafters":
             stage_drafters(cfg, work, device, variants)
         else:
+            wall = json.loads(timings_path.read_text()) if timings_path.exists() else {}
             stage_bundle(cfg, work, out, budget, wall)
-        wall[stage] = wall.get(stage, 0.0) + (time.time() - t0)
-        timings_path.write_text(json.dumps(wall, indent=1))
+        _add_wall_time(timings_path, stage, time.time() - t0)
     return out
 
 
