@@ -174,3 +174,18 @@ def test_autotune_prompt_lookup_min_reaches_the_tuner_and_needs_a_branch(monkeyp
     assert main(["autotune", "tree", "--target", "demo", "--prompt-lookup-min", "1"]) == 2
     assert "needs --prompt-lookup" in capsys.readouterr().err
 
+
+def test_evaluate_report_names_the_command_that_reproduces_it():
+    """``demo/RESULTS.md``'s header gives the evaluate command with the tree flags of a non-default shape
+    (none for the default tree), and states the machine's cores rather than assuming shared ones."""
+    import os
+
+    from tritonspec.runtime.config import SpecConfig
+    from tritonspec.training.evaluate import SetResult, render
+
+    rows = [SetResult("standard", v, 2, 3.0, 10.0, 8.0, True, [2, 1], 4) for v in ("eagle3", "eagle3.1")]
+    small = render(rows, 2, 16, SpecConfig(4, 2, 8), None)
+    assert "--n 2 --max-new-tokens 16 --num-speculative-tokens 4 --draft-top-k 2 --num-draft-tokens 8`" in small
+    assert f"{os.cpu_count()} CPU cores;" in small and "shared with other work" not in small
+    default = render(rows, 2, 16, SpecConfig(6, 8, 48), None)
+    assert "--n 2 --max-new-tokens 16` on" in default and "| standard | 3.00 | 3.00 | 8.0 |" in default

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import sys
 import time
@@ -167,6 +168,16 @@ def run(n: int, max_new_tokens: int, spec: SpecConfig, out: Path | None, append:
     return results
 
 
+def _shape_flags(spec: SpecConfig) -> str:
+    """The command-line flags that select ``spec`` when it is not the default tree ("" when it is)."""
+    if (spec.num_speculative_tokens, spec.top_k, spec.num_draft_tokens) == (6, 8, 48):
+        return ""
+    return (
+        f" --num-speculative-tokens {spec.num_speculative_tokens} --draft-top-k {spec.top_k} "
+        f"--num-draft-tokens {spec.num_draft_tokens}"
+    )
+
+
 def render(results: list[SetResult], n: int, max_new_tokens: int, spec: SpecConfig, ratio) -> str:
     """The Markdown report (``demo/RESULTS.md``)."""
     by = {(r.name, r.variant): r for r in results}
@@ -174,13 +185,13 @@ def render(results: list[SetResult], n: int, max_new_tokens: int, spec: SpecConf
         "# Demo pair: measured acceptance length and CPU throughput",
         "",
         f"Measured {datetime.date.today().isoformat()} with `python -m tritonspec.training.evaluate --n {n} "
-        f"--max-new-tokens {max_new_tokens}` on {platform.processor() or platform.machine()} "
-        f"(torch threads: {torch.get_num_threads()}, 2 CPU cores shared with other work; "
+        f"--max-new-tokens {max_new_tokens}{_shape_flags(spec)}` on {platform.processor() or platform.machine()} "
+        f"(torch threads: {torch.get_num_threads()}, {os.cpu_count()} CPU cores; "
         f"torch {torch.__version__}, backend torch, float32).",
         f"Greedy, batch 1, first {n} prompts of each set, `{spec}`. τ = 1 + accepted / rounds (tokens per target "
         "verify forward). tokens/s = new tokens / wall time summed over the prompts; plain decoding runs through "
-        "the same runtime, and for each prompt plain, EAGLE-3 and EAGLE-3.1 run back to back (the cores are shared, "
-        "so the load drifts). `identical` = speculative output equals plain output token for token.",
+        "the same runtime, and for each prompt plain, EAGLE-3 and EAGLE-3.1 run back to back (a load that drifts "
+        "over minutes hits the three alike). `identical` = speculative output equals plain output token for token.",
         "",
     ]
     if ratio is not None:
