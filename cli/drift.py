@@ -36,12 +36,14 @@ def cmd_drift(args: argparse.Namespace) -> int:
 
     from ..runtime.drift import measure_drift, read_prompts, write_report
 
-    target, drafters = args.target, list(args.drafter)
+    target, drafters, names = args.target, list(args.drafter), None
     if is_demo(target):
         from ..demo import demo_pair
 
         target = str(demo_pair("eagle3")[0])
-        drafters = drafters or [str(demo_pair(v)[1]) for v in ("eagle3", "eagle3.1")]
+        if not drafters:  # the bundled pair's drafters, by their variant names (not this machine's paths)
+            names = ["eagle3", "eagle3.1"]
+            drafters = [str(demo_pair(v)[1]) for v in names]
     if not drafters:
         raise ValueError("pass at least one --drafter")
     prompts = read_prompts(args.prompts, args.num_prompts)
@@ -52,6 +54,7 @@ def cmd_drift(args: argparse.Namespace) -> int:
         spec=ts.SpecConfig.chain(args.depth),
         max_new_tokens=args.max_new_tokens,
         n_sink=args.n_sink,
+        names=names,
         device=args.device,
     )
     files = write_report(report, args.out)

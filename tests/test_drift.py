@@ -157,6 +157,29 @@ def test_drift_cli(tmp_path, capsys):
     assert main(["drift", "--target", str(t), "--prompts", str(tmp_path / "p.jsonl"), "--out", str(tmp_path)]) == 2
 
 
+def test_cli_on_the_demo_pair_names_the_drafters_by_variant(tmp_path, capsys):
+    """``drift --target demo`` labels the bundled drafters ``eagle3`` / ``eagle3.1`` (the report files are
+    committed under ``demo/drift/``: no machine's paths in them); a named ``--drafter`` keeps its path."""
+    import json
+
+    from tritonspec import demo
+    from tritonspec.cli import main
+
+    if not demo.available():
+        pytest.skip("the demo pair is not built")
+    (tmp_path / "p.jsonl").write_text('{"prompt": "import os\\n"}\n')
+    prompts = str(tmp_path / "p.jsonl")
+    argv = ["drift", "--target", "demo", "--prompts", prompts, "--depth", "2", "--max-new-tokens", "4"]
+    assert main([*argv, "--out", str(tmp_path / "a")]) == 0
+    report = json.loads((tmp_path / "a" / "drift.json").read_text())
+    assert [d["name"] for d in report["drafters"]] == ["eagle3", "eagle3.1"]
+    drafter = str(demo.demo_pair("eagle3.1")[1])
+    assert main([*argv, "--drafter", drafter, "--out", str(tmp_path / "b")]) == 0
+    report = json.loads((tmp_path / "b" / "drift.json").read_text())
+    assert [d["name"] for d in report["drafters"]] == [drafter]
+    capsys.readouterr()
+
+
 def test_read_prompts_formats_and_bad_rows(tmp_path):
     from tritonspec.runtime.drift import read_prompts
 
