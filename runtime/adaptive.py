@@ -30,8 +30,12 @@ records it when ``track_drafted`` is set), and a round whose accepted path ran o
 lookup branch past the tree is left out (what the tree alone would have accepted is unknown).
 
 Where it runs: a greedy row running alone (a batch-1 request, or the last row of a batch) whose
-shape came from a tuned profile with measured ``costs`` and ``acceptance`` (the profile's
-short-context row: long-context rows and larger batches keep their measured shape), on eager rounds
+shape came from a tuned profile's batch-1 greedy row with measured ``costs`` and ``acceptance``
+(the short-context row, and since 2026-12-07 each long-context row with its own measured rates:
+demo pair, EAGLE-3.1, one thread, 8 prompts x 64 tokens, 3 passes, its (8,1,9) long row moving
+to (2,1,3) on the two poorly accepted 775-786-token prompts: standard 1.38x → 1.45x, perturbed
+1.36x → 1.43x, long 1.11x → 1.11x over plain decoding; larger batches keep their measured
+shape; a row whose ladder would not keep its pick at λ = 1 has none), on eager rounds
 (a compiled or CUDA-graph round is one artifact per shape), with no drift observer. Greedy output is
 the target's whatever the shape, so switching never changes tokens.
 

@@ -51,7 +51,7 @@ from typing import Any
 import torch
 
 from ..kernels import store
-from .adaptive import ShapeLadder
+from .adaptive import LAMBDAS, ShapeLadder
 from .config import SpecConfig
 from .shape_model import AcceptanceProfile, CostModel
 from .spec_policy import ShapePolicy
@@ -347,8 +347,16 @@ def policy_from_profile(data: dict, source: str, device: torch.device | str, pat
     for t, table in tables.items():  # long-context buckets: the rule there scales their own batch-1 shape
         b1 = table.get((1, "greedy"), spec)
         budget = b1.num_draft_tokens if b1 is not None else 1  # plain decoding won batch 1: plain above it too
-        policy.contexts[t] = ShapePolicy(source, budget, kind, table, path=path)
+        sub = policy.contexts[t] = ShapePolicy(source, budget, kind, table, path=path)
+        row = next((r for r in data.get("shapes") or [] if _long_b1_greedy(r, t)), None)
+        ladder = shape_ladder(data, row) if row is not None and row.get("spec") else None
+        if ladder is not None:  # its shapes' rates are the long prompts' own (the row's measured table)
+            sub.ladders[1, "greedy"] = ladder
     return policy
+
+
+def _long_b1_greedy(row: dict, context: int) -> bool:
+    return row["batch_size"] == 1 and row["sampling"] == "greedy" and row.get("context", 0) == context
 
 
 def _short_b1_greedy(row: dict) -> bool:
@@ -364,8 +372,11 @@ def shape_ladder(data: dict, row: dict) -> ShapeLadder | None:
     measured there (its ``decode_tokens_per_s`` keys) at >= ``LADDER_MIN_RATE`` of the best and
     faster than plain decoding, each with the row's prompt-lookup settings, modelled with the
     profile's ``costs`` and ``acceptance`` and calibrated by the measured rates. None when the
-    profile lacks them (older profiles) or fewer than two shapes qualify; a warning, and None,
-    when they are malformed (the profile's shapes still apply, fixed)."""
+    profile lacks them (older profiles), fewer than two shapes qualify, or the ladder would not keep
+    the row's shape at λ = 1 (a row that chose a prompt-lookup variant whose bare shape measured
+    slower than another: the ladder compares bare rates, so it would leave the tuned pick for a
+    shape never measured with the lookup); a warning, and None, when they are malformed (the
+    profile's shapes still apply, fixed)."""
     if not isinstance(data.get("costs"), dict) or not isinstance(data.get("acceptance"), dict):
         return None
     try:
@@ -407,7 +418,12 @@ def shape_ladder(data: dict, row: dict) -> ShapeLadder | None:
             [int(x) for x in a.get("samples") or []],
             [[float(x) for x in r] for r in a["score"]] if a.get("score") else None,
         )
-        return ShapeLadder.build(shapes, acc, costs, rate_of)
+        ladder = ShapeLadder.build(shapes, acc, costs, rate_of)
+        if ladder is None or chosen not in ladder.shapes:
+            return None
+        if ladder.best[LAMBDAS.index(1.0)] != ladder.shapes.index(chosen):
+            return None  # it would move a request accepted as predicted off the tuned shape (a lookup pick)
+        return ladder
     except (KeyError, IndexError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
         _warn(
             f"the tuned profile's costs, acceptance or measured rates are malformed ({e!r}); "

@@ -147,7 +147,7 @@ class ShapePolicy:
         if above:
             t = max(above)
             c = self.contexts[t].choose(batch_size, greedy)
-            return ShapeChoice(c.spec, f"{c.source}, context >= {t}", c.path)
+            return ShapeChoice(c.spec, f"{c.source}, context >= {t}", c.path, c.ladder)
         mode = "greedy" if greedy else "sampled"
         rows = sorted(b for b, m in self.table if m == mode and b <= batch_size)
         if rows and rows[-1] == batch_size:  # measured
@@ -179,7 +179,8 @@ class ShapePolicy:
         specs = [
             self.choose(b, g, c).spec for b in range(1, max_batch_size + 1) for g in (True, False) for c in contexts
         ]
-        specs += [s for lad in self.ladders.values() for s in lad.shapes]  # shapes a request may switch to
+        ladders = [*self.ladders.values(), *(lad for p in self.contexts.values() for lad in p.ladders.values())]
+        specs += [s for lad in ladders for s in lad.shapes]  # shapes a request may switch to
         specs = [s for s in specs if s is not None] or [SpecConfig.chain(1)]
         d = max(s.num_speculative_tokens for s in specs)
         k = max(s.top_k for s in specs)

@@ -143,9 +143,40 @@ def test_a_profile_row_carries_its_measured_shapes_with_its_lookup():
     assert c.spec == chosen and c.ladder is not None
     # >= 0.7 x the best and faster than plain: (1,1,2) at 0.65x and (5,1,6) below plain are left out
     assert [s.label for s in c.ladder.shapes] == ["(4,2,9)+lookup4", "(2,1,3)+lookup4"]
-    assert policy.choose(1, True, context=60).ladder is None  # long-context rows keep their shape
     assert policy.choose(1, False).ladder is None and policy.choose(4, True).ladder is None
     assert policy.largest(4).num_draft_tokens >= 9  # the caches fit every ladder shape
+
+
+def test_a_long_context_row_has_a_ladder_of_its_own_rates():
+    """The batch-1 greedy row measured on long prompts gets its own ladder: its shape and the shapes its
+    own table measured (not the short row's); its batch-4 row and its sampled row keep their shape, and
+    a long row where plain decoding won has none. The caches fit the long ladder's shapes too."""
+    short = {"plain": 10.0, "(2,1,3)": 20.0, "(1,1,2)": 18.0}
+    long = {"plain": 5.0, "(4,1,5)": 12.0, "(3,1,4)": 10.0, "(2,1,3)": 4.0}  # (2,1,3) below plain there
+    rows = [_row(SMALL, short), _row(S(4, 1, 5), long, context=50), _row(SMALL, long, context=50, batch_size=4)]
+    policy = prof.policy_from_profile(_data(rows), "profile", "cpu")
+    c = policy.choose(1, True, context=60)
+    assert c.spec == S(4, 1, 5) and c.source == "profile, context >= 50"
+    assert c.ladder is not None and [s.label for s in c.ladder.shapes] == ["(4,1,5)", "(3,1,4)"]
+    assert [s.label for s in policy.choose(1, True).ladder.shapes] == ["(2,1,3)", "(1,1,2)"]
+    assert policy.choose(4, True, context=60).ladder is None and policy.choose(1, False, context=60).ladder is None
+    assert policy.largest(1).num_speculative_tokens >= 4
+    plain = prof.policy_from_profile(
+        _data([_row(SMALL, short), {**_row(SMALL, long, context=50), "spec": None}]), "p", "cpu"
+    )
+    assert plain.choose(1, True, context=60).spec is None and plain.choose(1, True, context=60).ladder is None
+
+
+def test_a_row_whose_pick_is_not_the_fastest_bare_shape_keeps_it_fixed():
+    """A row that chose (2,1,3) + lookup 4 while bare (4,2,9) measured faster: the ladder, which compares
+    bare rates, would move a request accepted exactly as predicted off the tuned pick, so the row gets none;
+    the inverse: the same rates with (4,2,9) + lookup 4 chosen keep a ladder."""
+    rates = {"plain": 10.0, "(4,2,9)": 20.0, "(2,1,3)": 18.0}
+    lookup = dict(prompt_lookup_num_tokens=4)
+    slow = prof.policy_from_profile(_data([_row(S(2, 1, 3, **lookup), rates)]), "profile", "cpu")
+    assert slow.choose(1, True).spec == S(2, 1, 3, **lookup) and slow.choose(1, True).ladder is None
+    fast = prof.policy_from_profile(_data([_row(S(4, 2, 9, **lookup), rates)]), "profile", "cpu")
+    assert fast.choose(1, True).ladder is not None
 
 
 def _zero_costs(d: dict) -> None:  # an unmeasured chosen shape on a zero cost model: no round time
@@ -337,9 +368,15 @@ def test_a_request_accepted_as_the_profile_predicts_keeps_the_tuned_shape(path):
     rounds exactly as the profile predicts never move a request off it; rounds far below or above do
     move it (the inverse: the ladder is not inert)."""
     policy = prof.policy_from_profile(prof.read_profile(path), "shipped profile", "cpu")
-    choice = policy.choose(1, True)
-    if choice.ladder is None:
+    choices = [policy.choose(1, True, context) for context in (0, *policy.contexts)]  # the long rows' too
+    choices = [c for c in choices if c.ladder is not None]
+    if not choices:
         pytest.skip(f"{path.name}: no ladder (no measured shapes, costs or acceptance)")
+    for choice in choices:
+        _keeps_the_tuned_shape_at_lambda_1(choice)
+
+
+def _keeps_the_tuned_shape_at_lambda_1(choice) -> None:
     lad = choice.ladder
     i, j1 = lad.shapes.index(choice.spec), LAMBDAS.index(1.0)
     assert lad.best[j1] == i
