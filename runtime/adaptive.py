@@ -34,8 +34,9 @@ shape came from a tuned profile's batch-1 greedy row with measured ``costs`` and
 (the short-context row, and since 2026-12-07 each long-context row with its own measured rates:
 demo pair, EAGLE-3.1, one thread, 8 prompts x 64 tokens, 3 passes, its (8,1,9) long row moving
 to (2,1,3) on the two poorly accepted 775-786-token prompts: standard 1.38x → 1.45x, perturbed
-1.36x → 1.43x, long 1.11x → 1.11x over plain decoding; larger batches keep their measured
-shape; a row whose ladder would not keep its pick at λ = 1 has none), on eager rounds
+1.36x → 1.43x, long 1.11x → 1.11x over plain decoding, one thread; there a request switches only
+after ``LONG_MIN_ROUNDS`` rounds; larger batches keep their measured shape; a row whose ladder
+would not keep its pick at λ = 1 has none), on eager rounds
 (a compiled or CUDA-graph round is one artifact per shape), with no drift observer. Greedy output is
 the target's whatever the shape, so switching never changes tokens.
 
@@ -67,6 +68,11 @@ from .shape_model import AcceptanceProfile, CostModel
 LAMBDAS = tuple(round(0.2 + 0.05 * i, 2) for i in range(37))  # 0.2 .. 2.0: the grid λ̂ is read on
 DECAY = 0.85  # weight of a round one round older (about the last 7 rounds count)
 MIN_ROUNDS = 3  # rounds seen before the first switch
+# on a long-context row: its ladder models acceptance with the short prompts' profile, whose fall with depth
+# long prompts do not share (their loops are accepted deep once entered), so early rounds mislead it more.
+# Demo EAGLE-3.1, 8 prompts x 64 tokens, 3 passes, over plain decoding with no long-row ladder -> 3 / 6 / 8
+# rounds: long set 1.216x -> 1.179 / 1.175 / 1.211x (2 threads), standard 1.569x -> 1.640 / 1.634 / 1.625x
+LONG_MIN_ROUNDS = 8
 MARGIN = 0.03  # a switch must predict at least 3% more tokens/s than staying
 
 
@@ -99,6 +105,7 @@ class ShapeLadder:
     tau: tuple[tuple[float, ...], ...]
     round_s: tuple[float, ...]
     best: tuple[int, ...]
+    min_rounds: int = MIN_ROUNDS  # rounds a request runs before its first switch
 
     @classmethod
     def build(
@@ -178,7 +185,7 @@ class ShapeTracker:
         row = self.ladder.tau[self.current]
         self.residual = [DECAY * r + (t - a) for r, t in zip(self.residual, row)]
         self.rounds += 1
-        if self.rounds < MIN_ROUNDS:
+        if self.rounds < self.ladder.min_rounds:
             return None
         j = self.estimate()
         lad = self.ladder

@@ -44,6 +44,7 @@ import json
 import re
 import time
 import warnings
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ from typing import Any
 import torch
 
 from ..kernels import store
-from .adaptive import LAMBDAS, ShapeLadder
+from .adaptive import LAMBDAS, LONG_MIN_ROUNDS, ShapeLadder
 from .config import SpecConfig
 from .shape_model import AcceptanceProfile, CostModel
 from .spec_policy import ShapePolicy
@@ -351,7 +352,7 @@ def policy_from_profile(data: dict, source: str, device: torch.device | str, pat
         row = next((r for r in data.get("shapes") or [] if _long_b1_greedy(r, t)), None)
         ladder = shape_ladder(data, row) if row is not None and row.get("spec") else None
         if ladder is not None:  # its shapes' rates are the long prompts' own (the row's measured table)
-            sub.ladders[1, "greedy"] = ladder
+            sub.ladders[1, "greedy"] = replace(ladder, min_rounds=LONG_MIN_ROUNDS)
     return policy
 
 

@@ -4,7 +4,7 @@ rounds from the acceptance it shows, among the shapes a tuned profile measured; 
 from __future__ import annotations
 
 import warnings
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 from hypothesis import given, settings
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import tritonspec as ts
 from tritonspec.runtime import adaptive as ad
 from tritonspec.runtime import profiles as prof
-from tritonspec.runtime.adaptive import LAMBDAS, ShapeLadder, scaled
+from tritonspec.runtime.adaptive import LAMBDAS, LONG_MIN_ROUNDS, MIN_ROUNDS, ShapeLadder, scaled
 from tritonspec.runtime.shape_model import AcceptanceProfile, CostModel
 
 from _util import perm_pair, random_prompts, runtime
@@ -111,6 +111,14 @@ def test_tracker_estimate_follows_the_observed_acceptance():
     assert abs(t.estimate() - j) <= 1
 
 
+def test_a_ladder_waits_its_min_rounds_before_the_first_switch():
+    """Rounds that accept nothing move a request to the small shape at round ``min_rounds``, not before."""
+    lad = ShapeLadder.build([BIG, SMALL], acceptance(), costs())
+    for wait in (MIN_ROUNDS, LONG_MIN_ROUNDS):
+        moves = feed(replace(lad, min_rounds=wait).track(BIG), [1] * 12)
+        assert moves.index(SMALL) == wait - 1 and moves.count(None) == 11
+
+
 def test_tracker_never_flaps_within_the_margin():
     # two shapes predicted within MARGIN of each other at every λ: no switch whatever is observed
     lad = ShapeLadder(
@@ -159,6 +167,7 @@ def test_a_long_context_row_has_a_ladder_of_its_own_rates():
     assert c.spec == S(4, 1, 5) and c.source == "profile, context >= 50"
     assert c.ladder is not None and [s.label for s in c.ladder.shapes] == ["(4,1,5)", "(3,1,4)"]
     assert [s.label for s in policy.choose(1, True).ladder.shapes] == ["(2,1,3)", "(1,1,2)"]
+    assert c.ladder.min_rounds == LONG_MIN_ROUNDS > policy.choose(1, True).ladder.min_rounds == MIN_ROUNDS
     assert policy.choose(4, True, context=60).ladder is None and policy.choose(1, False, context=60).ladder is None
     assert policy.largest(1).num_speculative_tokens >= 4
     plain = prof.policy_from_profile(
