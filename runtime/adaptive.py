@@ -31,12 +31,12 @@ lookup branch past the tree is left out (what the tree alone would have accepted
 
 Where it runs: a greedy row running alone (a batch-1 request, or the last row of a batch) whose
 shape came from a tuned profile's batch-1 greedy row with measured ``costs`` and ``acceptance``
-(the short-context row, and since 2026-12-07 each long-context row with its own measured rates:
-demo pair, EAGLE-3.1, one thread, 8 prompts x 64 tokens, 3 passes, its (8,1,9) long row moving
-to (2,1,3) on the two poorly accepted 775-786-token prompts: standard 1.38x → 1.45x, perturbed
-1.36x → 1.43x, long 1.11x → 1.11x over plain decoding, one thread; there a request switches only
-after ``LONG_MIN_ROUNDS`` rounds; larger batches keep their measured shape; a row whose ladder
-would not keep its pick at λ = 1 has none), on eager rounds
+(the short-context row, and since 2026-12-07 each long-context row with its own measured rates,
+where a request switches only after ``LONG_MIN_ROUNDS`` rounds: demo pair, EAGLE-3.1, one thread,
+8 prompts x 64 tokens, 3 passes, its (8,1,9) long row moving to (2,1,3) on the two poorly accepted
+775-786-token prompts: standard 1.400x → 1.436x, perturbed 1.386x → 1.432x, long 1.183x → 1.183x
+over plain decoding; larger batches keep their measured shape; a row whose ladder would not keep
+its pick at λ = 1 has none), on eager rounds
 (a compiled or CUDA-graph round is one artifact per shape), with no drift observer. Greedy output is
 the target's whatever the shape, so switching never changes tokens.
 

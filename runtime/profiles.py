@@ -341,7 +341,7 @@ def policy_from_profile(data: dict, source: str, device: torch.device | str, pat
     kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
     base = tables.pop(0)
     policy = ShapePolicy(source, spec.num_draft_tokens, kind, base, path=path)
-    b1 = next((r for r in data.get("shapes") or [] if _short_b1_greedy(r)), None)
+    b1 = next((r for r in data.get("shapes") or [] if _b1_greedy(r, 0)), None)
     ladder = shape_ladder(data, b1) if b1 is not None and b1.get("spec") else None
     if ladder is not None:
         policy.ladders[1, "greedy"] = ladder
@@ -349,19 +349,16 @@ def policy_from_profile(data: dict, source: str, device: torch.device | str, pat
         b1 = table.get((1, "greedy"), spec)
         budget = b1.num_draft_tokens if b1 is not None else 1  # plain decoding won batch 1: plain above it too
         sub = policy.contexts[t] = ShapePolicy(source, budget, kind, table, path=path)
-        row = next((r for r in data.get("shapes") or [] if _long_b1_greedy(r, t)), None)
+        row = next((r for r in data.get("shapes") or [] if _b1_greedy(r, t)), None)
         ladder = shape_ladder(data, row) if row is not None and row.get("spec") else None
         if ladder is not None:  # its shapes' rates are the long prompts' own (the row's measured table)
             sub.ladders[1, "greedy"] = replace(ladder, min_rounds=LONG_MIN_ROUNDS)
     return policy
 
 
-def _long_b1_greedy(row: dict, context: int) -> bool:
+def _b1_greedy(row: dict, context: int) -> bool:
+    """``row`` is the batch-1 greedy row of the prompts of at least ``context`` tokens (0: the short ones)."""
     return row["batch_size"] == 1 and row["sampling"] == "greedy" and row.get("context", 0) == context
-
-
-def _short_b1_greedy(row: dict) -> bool:
-    return row["batch_size"] == 1 and row["sampling"] == "greedy" and not row.get("context", 0)
 
 
 LADDER_MIN_RATE = 0.7  # a ladder keeps the shapes that measured >= this x the row's best (and beat plain)
