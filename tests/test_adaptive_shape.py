@@ -285,6 +285,27 @@ def test_a_request_switches_shape_and_keeps_the_targets_tokens(pair_with_profile
     assert two.stats.shape_switches == 0
 
 
+def test_a_long_prompt_switches_by_its_context_rows_ladder_after_its_min_rounds(pair_with_profile):
+    """End to end: a prompt at least a long-context row's threshold long takes that row's ladder (not the
+    short row's), switches only after the ladder's ``min_rounds``, and keeps the target's tokens."""
+    from tritonspec.runtime.spec_policy import ShapePolicy
+
+    model, drafter = pair_with_profile
+    rt = runtime(model, drafter, max_batch_size=2)
+    forced(rt, SMALL)  # the short row's ladder would switch after MIN_ROUNDS
+    n = len(LAMBDAS)
+    lad = ShapeLadder((BIG, SMALL), ((2.0,) * n, (2.0,) * n), (1.0, 0.5), (1,) * n, min_rounds=LONG_MIN_ROUNDS)
+    long_row = ShapePolicy("profile", BIG.num_draft_tokens, "cpu", {(1, "greedy"): BIG}, ladders={(1, "greedy"): lad})
+    rt.shape_policy.contexts[10] = long_row
+    prompt = random_prompts(24, [12], seed=4)
+    plain = rt.generate(prompt, max_new_tokens=80, speculative=False).token_ids
+    out = rt.generate(prompt, max_new_tokens=80)
+    s = out.stats
+    assert out.token_ids == plain and s.spec_source == "profile, context >= 10"
+    assert s.shape_switches == 1 and s.rounds_per_shape[BIG.label] == LONG_MIN_ROUNDS
+    assert s.rounds_per_shape[SMALL.label] >= 1
+
+
 def test_each_request_of_a_one_row_queue_starts_from_the_profile_shape(pair_with_profile):
     model, drafter = pair_with_profile
     rt = runtime(model, drafter, max_batch_size=1)

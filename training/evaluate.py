@@ -168,9 +168,16 @@ def run(n: int, max_new_tokens: int, spec: SpecConfig, out: Path | None, append:
     return results
 
 
+DEFAULT_TREE = SpecConfig()  # the command's default --num-speculative-tokens / --draft-top-k / --num-draft-tokens
+
+
 def _shape_flags(spec: SpecConfig) -> str:
     """The command-line flags that select ``spec`` when it is not the default tree ("" when it is)."""
-    if (spec.num_speculative_tokens, spec.top_k, spec.num_draft_tokens) == (6, 8, 48):
+
+    def tree(s: SpecConfig) -> tuple[int, int, int]:
+        return s.num_speculative_tokens, s.top_k, s.num_draft_tokens
+
+    if tree(spec) == tree(DEFAULT_TREE):
         return ""
     return (
         f" --num-speculative-tokens {spec.num_speculative_tokens} --draft-top-k {spec.top_k} "
@@ -229,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--n", type=int, default=20, help="prompts per set")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--num-speculative-tokens", type=int, default=6)
-    p.add_argument("--draft-top-k", type=int, default=8)
-    p.add_argument("--num-draft-tokens", type=int, default=48)
+    p.add_argument("--num-speculative-tokens", type=int, default=DEFAULT_TREE.num_speculative_tokens)
+    p.add_argument("--draft-top-k", type=int, default=DEFAULT_TREE.top_k)
+    p.add_argument("--num-draft-tokens", type=int, default=DEFAULT_TREE.num_draft_tokens)
     p.add_argument("--out", default=None, help="write the Markdown report here")
     p.add_argument("--append", action="store_true", help="append a section to --out instead of overwriting it")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1: the cores are shared)")

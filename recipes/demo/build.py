@@ -300,7 +300,7 @@ def stage_drafters(cfg: RecipeConfig, work: Path, device: torch.device, variants
         rng = np.random.default_rng([cfg.seed, 1])
         prompts = [w.tolist() for w in sample_windows(stream, cfg.regen_samples, cfg.regen_prompt_tokens, rng)]
         regenerate_continuations(work / "target", prompts, cfg.regen_new_tokens, regen, device=device, log=log)
-    data: list = [regen]
+    data: Path | list[list[int]] = regen  # the long records too: token-id lists of both files
     if cfg.regen_long_samples:
         regen_long = work / "regen_long.jsonl"
         if not regen_long.exists():
@@ -330,7 +330,7 @@ def stage_drafters(cfg: RecipeConfig, work: Path, device: torch.device, variants
             checkpoint_every=50,
             device=str(device),
         )
-        train_drafter(work / "target", data[0] if len(data) == 1 else data, out, tc, log=log)
+        train_drafter(work / "target", data, out, tc, log=log)
 
 
 # ---------------------------------------------------------------------------------- 5. bundle
