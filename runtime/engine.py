@@ -438,7 +438,9 @@ class SpeculativeRuntime:
 
         Greedy (``temperature=0``) output equals the target's greedy decoding; with
         ``temperature > 0`` the output has exactly the target's (processed) distribution.
-        ``seed``: one int for every prompt, or one per prompt; the same seed gives the same output.
+        ``seed``: one int for every prompt, or one per prompt; the same seed gives the same output at the
+        same tree shape (a sampled row's draws follow its rounds: with ``spec=None`` the tuned shape depends on
+        the batch, so fix ``spec`` or use ``deterministic=True`` for an output independent of the batch).
         ``max_new_tokens``: one int for every prompt, or one per prompt (vLLM's per-request ``max_tokens``;
         with continuous batching a row whose budget runs out is refilled at the next round).
         ``stop``: stop strings (the text is cut before them, the tokens end with the one that
