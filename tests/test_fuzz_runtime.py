@@ -8,7 +8,8 @@ budgets, stop tokens, greedy or seeded sampling), and checks:
   continuous batching's refills and row moves, stops and budgets changing nothing);
 - seeded sampling at a fixed shape: every row equals the same runtime's solo run of its prompt;
 - deterministic mode, sampling: every row equals plain sampling of its prompt alone (``deterministic=True``
-  promises independence of speculation and batch).
+  promises independence of speculation and batch);
+- the first prompt streamed alone gives its row's tokens and finish reason.
 
 The pair is ``perm_pair``'s deliberately good drafter, so deep acceptances, lookup hits (prompts drawn from few
 tokens repeat) and KV compaction are exercised, not only rejections. ``TRITONSPEC_FUZZ_EXAMPLES=500`` runs more
@@ -109,6 +110,9 @@ def test_random_runtime_and_request_keep_the_guarantees(pair, spec, max_batch_si
         else:  # seeded sampling at this fixed shape: the same runtime's solo run
             ref = rt.generate([p], max_new_tokens=n, seed=seed, **kw).token_ids[0]
         assert row == ref, (p, n, seed)
+    pieces = list(rt.stream(prompts[0], max_new_tokens=budgets[0], seed=seeds[0], **kw))  # speculative, alone
+    assert [t for piece in pieces for t in piece.token_ids] == out.token_ids[0]
+    assert pieces[-1].finish_reason == out.finish_reasons[0]
 
 
 def test_the_fuzz_compares_rows_it_could_get_wrong(pair):
