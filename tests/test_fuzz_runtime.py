@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 import tritonspec as ts
 
-from _util import perm_pair, random_prompts, runtime
+from _util import perf_module, perm_pair, random_prompts, runtime
 
 VOCAB = 24
 
@@ -127,3 +127,15 @@ def test_the_fuzz_compares_rows_it_could_get_wrong(pair):
     assert len({tuple(r) for r in sampled}) > 1
     torch.manual_seed(0)  # the runtime's draws are its own: the global generator changes nothing
     assert rt.generate([a], max_new_tokens=12, temperature=1.0, seed=1).token_ids[0] == sampled[1]
+
+
+@pytest.mark.parametrize("mode", ["runtime", "stop"])
+def test_demo_fuzz_script_runs_and_counts(mode, capsys):
+    """``perf/fuzz_demo.py`` (the long-running version on the demo pair) for a few seconds: it runs and reports."""
+    from tritonspec import demo
+
+    if not demo.available():
+        pytest.skip("the demo pair is not built here")
+    fuzz = perf_module("fuzz_demo")
+    assert fuzz.main([mode, "--seed", "3", "--minutes", "0.02"]) == 0
+    assert "0 mismatches" in capsys.readouterr().out
