@@ -1,8 +1,9 @@
 """Random runtimes x random requests (hypothesis): the guarantees that must hold whatever the features combine.
 
 Each example draws a runtime (tree or chain shape or the default, a prompt-lookup branch, ``max_batch_size``,
-deterministic mode, adaptive shapes) and a request (ragged prompts, more of them than the batch holds, per-prompt
-budgets, stop tokens, greedy or seeded sampling), and checks:
+deterministic mode, the adaptive-shape switch: a no-op here, the tiny pair has no tuned profile, so
+``perf/fuzz_demo.py`` covers it on the demo pair's shipped ones) and a request (ragged prompts, more of them than
+the batch holds, per-prompt budgets, stop tokens, greedy or seeded sampling), and checks:
 
 - greedy: every row equals the plain decoding of its prompt alone (speculation, trees, lookup branches,
   continuous batching's refills and row moves, stops and budgets changing nothing);
