@@ -13,7 +13,8 @@ deterministic-mode rows must equal plain decoding of the prompt alone; seeded sa
 same runtime's solo run (with ``spec=None`` the tuned shape depends on the batch, so a sampled row is not compared).
 ``stop``: stop strings drawn from the plain output's text (and ``"\\n"``); four speculative runtimes (the profile,
 a chain of 7, a (4,3,12) tree, a chain with a lookup branch) must give plain decoding's text, tokens and finish
-reason, and a stream's joined text must equal it. One thread; prints every mismatch and a final count, exits 1 on any.
+reason, and a stream's joined text must equal it. One thread; prints every mismatch and the final counts (rows
+compared, mismatches), exits 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -57,11 +58,11 @@ def _random_spec(R: random.Random) -> SpecConfig | None:
     return spec
 
 
-def fuzz_runtime(R: random.Random, end: float) -> tuple[int, int]:
+def fuzz_runtime(R: random.Random, end: float) -> tuple[int, int, int]:
     prompts = _prompts()
     pairs = {v: demo.demo_pair(v) for v in ("eagle3.1", "eagle3")}
     solo: dict[tuple, list[int]] = {}
-    it = fails = 0
+    it = fails = compared = 0
     while time.time() < end:
         it += 1
         variant, det, mb, adaptive, spec = (
@@ -106,15 +107,16 @@ def fuzz_runtime(R: random.Random, end: float) -> tuple[int, int]:
                     ref = rt.generate([p], max_new_tokens=ns[i], seed=seeds[i], **kw).token_ids[0]
                 else:
                     continue
+                compared += 1
                 if ref != rows[i]:
                     fails += 1
                     print("MISMATCH", desc, dict(req=req, row=i, budgets=ns, temperature=temp, kw=kw), flush=True)
         if it % 10 == 0:
             print(f"[{time.strftime('%H:%M:%S')}] {it} runtimes, {fails} mismatches", flush=True)
-    return it, fails
+    return it, compared, fails
 
 
-def fuzz_stop(R: random.Random, end: float) -> tuple[int, int]:
+def fuzz_stop(R: random.Random, end: float) -> tuple[int, int, int]:
     prompts = [p for p in _prompts() if len(p) > 20]
     target, drafter = demo.demo_pair("eagle3.1")
     plain = ts.SpeculativeRuntime.from_pretrained(target, None, max_batch_size=1)
@@ -128,7 +130,7 @@ def fuzz_stop(R: random.Random, end: float) -> tuple[int, int]:
         ts.SpeculativeRuntime.from_pretrained(target, drafter, max_batch_size=R.choice([1, 2, 4]), spec=s)
         for s in specs
     ]
-    it = fails = 0
+    it = fails = compared = 0
     while time.time() < end:
         it += 1
         ps = [R.choice(prompts) for _ in range(R.randint(1, 5))]
@@ -145,6 +147,7 @@ def fuzz_stop(R: random.Random, end: float) -> tuple[int, int]:
         k = R.randrange(len(rts))
         out = rts[k].generate(ps, max_new_tokens=n, stop=stops)
         for i, r in enumerate(refs):
+            compared += 1
             want = (r.texts[0], r.token_ids[0], r.finish_reasons[0])
             if want != (out.texts[i], out.token_ids[i], out.finish_reasons[i]):
                 fails += 1
@@ -159,7 +162,7 @@ def fuzz_stop(R: random.Random, end: float) -> tuple[int, int]:
                 print("STREAM MISMATCH", specs[k], stops, flush=True)
         if it % 50 == 0:
             print(f"[{time.strftime('%H:%M:%S')}] {it} requests, {fails} mismatches", flush=True)
-    return it, fails
+    return it, compared, fails
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -173,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(1)
     run = fuzz_runtime if args.mode == "runtime" else fuzz_stop
-    n, fails = run(random.Random(args.seed), time.time() + 60 * args.minutes)
-    print(f"done: {n} {'runtimes' if args.mode == 'runtime' else 'requests'}, {fails} mismatches")
+    n, compared, fails = run(random.Random(args.seed), time.time() + 60 * args.minutes)
+    unit = "runtimes" if args.mode == "runtime" else "requests"
+    print(f"done: {n} {unit}, {compared} rows compared, {fails} mismatches")
     return 1 if fails else 0
 
 

@@ -341,17 +341,13 @@ def policy_from_profile(data: dict, source: str, device: torch.device | str, pat
     kind = "cuda" if torch.device(device).type == "cuda" else "cpu"
     base = tables.pop(0)
     policy = ShapePolicy(source, spec.num_draft_tokens, kind, base, path=path)
-    b1 = next((r for r in data.get("shapes") or [] if _b1_greedy(r, 0)), None)
-    ladder = shape_ladder(data, b1) if b1 is not None and b1.get("spec") else None
-    if ladder is not None:
+    if (ladder := _b1_ladder(data, 0)) is not None:
         policy.ladders[1, "greedy"] = ladder
     for t, table in tables.items():  # long-context buckets: the rule there scales their own batch-1 shape
         b1 = table.get((1, "greedy"), spec)
         budget = b1.num_draft_tokens if b1 is not None else 1  # plain decoding won batch 1: plain above it too
         sub = policy.contexts[t] = ShapePolicy(source, budget, kind, table, path=path)
-        row = next((r for r in data.get("shapes") or [] if _b1_greedy(r, t)), None)
-        ladder = shape_ladder(data, row) if row is not None and row.get("spec") else None
-        if ladder is not None:  # its shapes' rates are the long prompts' own (the row's measured table)
+        if (ladder := _b1_ladder(data, t)) is not None:  # its shapes' rates are the long prompts' own (its row's)
             sub.ladders[1, "greedy"] = replace(ladder, min_rounds=LONG_MIN_ROUNDS)
     return policy
 
@@ -359,6 +355,12 @@ def policy_from_profile(data: dict, source: str, device: torch.device | str, pat
 def _b1_greedy(row: dict, context: int) -> bool:
     """``row`` is the batch-1 greedy row of the prompts of at least ``context`` tokens (0: the short ones)."""
     return row["batch_size"] == 1 and row["sampling"] == "greedy" and row.get("context", 0) == context
+
+
+def _b1_ladder(data: dict, context: int) -> ShapeLadder | None:
+    """``shape_ladder`` of the profile's batch-1 greedy row for ``context`` (None: no row, or plain decoding won)."""
+    row = next((r for r in data.get("shapes") or [] if _b1_greedy(r, context)), None)
+    return shape_ladder(data, row) if row is not None and row.get("spec") else None
 
 
 LADDER_MIN_RATE = 0.7  # a ladder keeps the shapes that measured >= this x the row's best (and beat plain)

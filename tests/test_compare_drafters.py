@@ -29,10 +29,10 @@ def prompts_file(tmp_path):
     return path
 
 
-def run_main(cmp, prompts_file, tmp_path, *drafters):
+def run_main(cmp, prompts_file, tmp_path, *drafters, extra=()):
     out = tmp_path / "c.json"
     argv = [*drafters, "--target", str(DEMO / "target"), "--sets", str(prompts_file), "--n", "2", "--tokens", "6"]
-    rc = cmp.main([*argv, "--shapes", "2,1,2,0;3,2,5,2", "--threads", "1", "--json", str(out)])
+    rc = cmp.main([*argv, "--shapes", "2,1,2,0;3,2,5,2", "--threads", "1", "--json", str(out), *extra])
     return rc, json.loads(out.read_text())["rows"]
 
 
@@ -56,6 +56,21 @@ def test_side_by_side_on_the_demo_pair(cmp, prompts_file, tmp_path, capsys):
     for s in ("(2,1,2)+lookup0", "(3,2,5)+lookup2"):  # the same drafter twice: the same proposals, the same τ
         assert by[(s, "e3")] == by[(s, "again")]
     assert max(by.values()) > 1.0  # some drafts were accepted: the τ is a drafter's, not a constant 1
+    assert "OUTPUTS DIFFER" not in capsys.readouterr().out
+
+
+def test_sampled_side_by_side_pools_tau_and_skips_the_identity_check(cmp, prompts_file, tmp_path, capsys):
+    """``--temperature``: each prompt sampled with ``--seed``; sampled outputs follow the drafter, so ``identical``
+    is None (not a failure), and ``tau_pooled`` is tokens / rounds over the set (at most the mean τ)."""
+    drafters = (f"e3={DEMO / 'drafter-eagle3'}", f"again={DEMO / 'drafter-eagle3'}")
+    rc, rows = run_main(cmp, prompts_file, tmp_path, *drafters, extra=("--temperature", "1", "--seed", "3"))
+    assert rc == 0
+    for r in rows:
+        assert r["identical"] is None
+        assert 1.0 <= r["tau_pooled"] <= r["tau"] + 1e-9
+    by = {(r["shape"], r["drafter"]): r["tau_pooled"] for r in rows}
+    for s in ("(2,1,2)+lookup0", "(3,2,5)+lookup2"):  # the same drafter and seed twice: the same draws
+        assert by[(s, "e3")] == by[(s, "again")]
     assert "OUTPUTS DIFFER" not in capsys.readouterr().out
 
 
