@@ -13,6 +13,8 @@ the tests and the benchmarks share.
 * ``kv_compact``: KV-cache compaction along the accepted path
 * ``batch_invariant_matmul``: a matmul with one fixed tile configuration (no split-K), row-invariant
   bit for bit: deterministic mode's linear layers on a GPU
+* ``det_attention``: tree and causal attention over each query's canonical sequence (prefix, then its
+  visible tree slots, in fixed blocks and splits): deterministic mode's attention on a GPU
 * ``triton_ops``: ``TritonOps``, the Triton backend of ``runtime.ops``
 * ``cpu_linear``: the torch backend's CPU linear layer, a C kernel (``cpu/linear.c``, AVX-512 and
   AVX512-BF16, or AVX2 + FMA through ``cpu/avx2.h``, built with the system compiler on first use):

@@ -45,7 +45,11 @@ Why the default mode is not row-invariant, and what this module does about it, o
   itself when every sequence is a prefix of the slots (one token, a chain, a prompt) and a
   gathered copy per root-to-leaf path for a branching tree (``sequence_layout``). The probe checks
   the composition end to end (``_check_attention``: decode step = chain = tree branch = prompt).
-  Where it fails, and on a GPU, ``chunked_attention`` computes the same definition in fixed order:
+  On a GPU it is ``kernels.det_attention`` (Triton): one program per query and KV head walks the
+  query's canonical sequence in blocks of positions anchored at 0 (its prefix slots, then its visible
+  tree slots in order), splits of fixed length merged in order, so a query's bits depend on its
+  sequence only; prompts are the causal case of the same kernel.
+  Where the CPU probe fails, ``chunked_attention`` computes the same definition in fixed order:
   positions in chunks of ``CHUNK`` anchored at 0,
 
       s = scale * q . k_t  (chunk products of fixed shape, row-invariant)      m = max_t s_t (exact)
@@ -102,6 +106,8 @@ MAX_ROWS = 64  # the probe tries every row count 1..MAX_ROWS ...
 LARGE_ROWS = (96, 160, 256)  # ... and these (prefill calls have many rows)
 _PREFILL_SCORES = 1 << 22  # score elements per prefill query block (bounds its memory)
 FORWARD_THREADS = 1  # intra-op threads of a deterministic forward on a CPU (``DeterministicOps.threads``)
+# devices whose attention runs ``kernels.det_attention`` (Triton); tests add "cpu" to run it under the interpreter
+TRITON_ATTENTION_DEVICES = ("cuda",)
 _M32 = 0xFFFFFFFF
 _RACE_SALT = 0x5BD1E995  # separates the position race's stream from RowRandom's
 
@@ -599,6 +605,12 @@ class DeterministicOps:
             raise UserError(f"deterministic=True supports CPU and CUDA devices, not {self.device.type!r}")
         else:
             self._gpu = None
+        self._det = None  # kernels.det_attention where it runs (TRITON_ATTENTION_DEVICES)
+        self._order: tuple | None = None  # (prefix_lens, tree_mask, kv_len, det_attention.tree_order) of this forward
+        if self.device.type in TRITON_ATTENTION_DEVICES:
+            from ..kernels import det_attention
+
+            self._det = det_attention
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ops, name)
@@ -802,7 +814,7 @@ class DeterministicOps:
                 self._fast[(h, dt, residual)] = self._norm_probe(h, dt, residual)
         if all(p.min_rows == 1 for key, p in self._fast.items() if len(key) == 3 and isinstance(key[0], int)):
             self.rms_norm = self.ops.rms_norm  # every norm of the pair is row-invariant as is: no wrapper
-        for hq, hkv, d, dt in heads:
+        for hq, hkv, d, dt in heads if self._det is None else ():
             if self._sdpa_probe(hq, hkv, d, dt).fallback is not None:
                 self._chunk_probe(d)
         return self.probes
@@ -833,7 +845,7 @@ class DeterministicOps:
         key = ("native", id(model))
         hit = self._fast.get(key)
         if hit is None or hit[0] is not model:
-            ok = self._gpu is None and self.name == "torch" and self._cpu_kernels(dtype)
+            ok = self._gpu is None and self._det is None and self.name == "torch" and self._cpu_kernels(dtype)
             if ok:
                 probes = [self._sdpa_probe(*heads, dtype)]
                 probes += [self._norm_probe(h, dtype, r) for h in widths for r in (False, True)]
@@ -978,6 +990,12 @@ class DeterministicOps:
         """Attention over each query's canonical sequence (module docstring): PyTorch's SDPA over
         whole key blocks and row-invariant query counts on a CPU, else ``chunked_attention``. The
         layout is built once per forward (every layer passes the same ``prefix_lens``/``tree_mask``)."""
+        if self._det is not None:  # kernels.det_attention: canonical sequences by construction
+            S = k_cache.shape[1] if kv_len is None else min(int(kv_len), k_cache.shape[1])
+            c = self._order
+            if c is None or c[0] is not prefix_lens or c[1] is not tree_mask or c[2] != S:
+                c = self._order = (prefix_lens, tree_mask, S, self._det.tree_order(prefix_lens, tree_mask, S))
+            return self._det.det_tree_attention(q, k_cache, v_cache, prefix_lens, tree_mask, scale, S, order=c[3])
         self._hkv = k_cache.shape[2]
         return self._tree_attention(self._attention(q), q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len)
 
@@ -1024,6 +1042,8 @@ class DeterministicOps:
     def prefill_attention(self, q, k, v, scale):
         """The prompt's causal attention as the same canonical computation: blocks of queries (at
         most ``SDPA_ROWS`` rows), each over the whole key blocks up to its last query."""
+        if self._det is not None:  # query p over positions 0..p: the canonical sequence of a decode step at p
+            return self._det.det_causal_attention(q, k, v, scale)
         self._hkv = k.shape[2]
         return self._prefill_attention(self._attention(q), q, k, v, scale)
 

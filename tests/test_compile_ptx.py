@@ -10,9 +10,9 @@ Shipped configurations: fp32/fp16/bf16 x {the tiny test model (H 72, 6/3 heads, 
 Llama-3-8B (H 4096, 32/8 heads, head_dim 128)}; greedy verification for the default SpecConfig
 (depth 6, 48 draft tokens) and a chain (depth 4, 5 tokens); sampling verification for the
 default SpecConfig at Llama-3's vocabulary (128256), 60 tree tokens at a 32000 vocabulary, and a
-chain at the tiny model's 97. The batch-invariant matmul of deterministic mode: its one
-configuration per dtype, with and without bias, and the alternative bf16 tilings its benchmark
-times (``BENCH_TILINGS``).
+chain at the tiny model's 97. Deterministic mode's attention (``det_attention``) at both models'
+heads, and its batch-invariant matmul: its one configuration per dtype, with and without bias, and
+the alternative bf16 tilings its benchmark times (``BENCH_TILINGS``).
 
 The compilation runs in a subprocess without ``TRITON_INTERPRET`` (under the interpreter
 ``triton.jit`` gives interpreted functions that cannot be compiled); run this file as a script
@@ -47,6 +47,7 @@ def _specs():
 
     from tritonspec.kernels import aux_gather as ag
     from tritonspec.kernels import batch_invariant_matmul as bim
+    from tritonspec.kernels import det_attention as da
     from tritonspec.kernels import kv_compact as kc
     from tritonspec.kernels import kv_write as kw
     from tritonspec.kernels import rms_norm as rn
@@ -104,6 +105,21 @@ def _specs():
             name = f"tree_attention_merge/{dt_name}/{model}"
             merge_warps = 1 if cfg["BLOCK_D"] <= 128 else 2
             add(name, ta._tree_attn_merge_kernel, sig, consts, list(sig)[:4], **base, num_warps=merge_warps)
+            dcfg = da.det_attention_constexprs(D, HQ // HKV, torch_dt)
+            dcfg["DOT_UPCAST"] = False
+            sig = dict(q_ptr=p, k_ptr=p, v_ptr=p, pre_ptr="*i32", slots_ptr="*i32", counts_ptr="*i32")
+            sig |= dict(acc_ptr="*fp32", ml_ptr="*fp32")
+            sig |= _i32("stride_qb stride_qq stride_qh stride_kb stride_ks stride_vb stride_vs Q T NS q_offset causal")
+            sig |= {"qk_scale": "fp32"}
+            consts = dict(HQ=HQ, HKV=HKV, D=D, SPLIT=da.SPLIT, NEG=-1.0e30, **dcfg)
+            warps = dict(num_warps=da.NUM_WARPS, num_stages=da.NUM_STAGES)
+            name = f"det_attention_partial/{dt_name}/{model}"
+            add(name, da._det_attn_partial_kernel, sig, consts, list(sig)[:8] + strides, **base, **warps)
+            sig = dict(acc_ptr="*fp32", ml_ptr="*fp32", pre_ptr="*i32", counts_ptr="*i32", out_ptr=p)
+            sig |= _i32("Q NS q_offset causal")
+            consts = dict(HQ=HQ, D=D, BLOCK_D=dcfg["BLOCK_D"], SPLIT=da.SPLIT, NEG=-1.0e30)
+            name = f"det_attention_merge/{dt_name}/{model}"
+            add(name, da._det_attn_merge_kernel, sig, consts, list(sig)[:5], **base, num_warps=merge_warps)
             M = 7
             block_m = next_pow2(M)
             sig = dict(k_ptr=p, v_ptr=p, start_ptr="*i64", nodes_ptr="*i64") | _i32("stride_l stride_b")
@@ -213,6 +229,8 @@ _SPEC_NAMES = (
             ("kv_write", ("",)),
             ("tree_attention_partial", ("",)),
             ("tree_attention_merge", ("",)),
+            ("det_attention_partial", ("",)),
+            ("det_attention_merge", ("",)),
             ("kv_compact", ("",)),
         )
         for suffix in suffixes
@@ -265,6 +283,21 @@ def test_batch_invariant_matmul_ptx_has_no_split_k(arch):
             assert r["ptx"] > 0 and r["cubin"] > 0 and r["atomics"] == 0, r
             if dt == "fp32":
                 assert r["tf32"] == 0, r
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_det_attention_ptx_has_no_atomics_or_tf32(arch):
+    """Deterministic mode's attention on a GPU: no atomics (each split's partials are stored, then merged
+    in order by one program per head) and, in float32, IEEE products (no TF32 MMA)."""
+    pytest.importorskip("triton")
+    report = _report(arch)
+    for dt in DTYPES:
+        for model in MODELS:
+            for part in ("partial", "merge"):
+                r = report[f"det_attention_{part}/{dt}/{model}"]
+                assert r["atomics"] == 0, r
+                if dt == "fp32":
+                    assert r["tf32"] == 0, r
 
 
 @pytest.mark.parametrize("arch", ARCHS)
