@@ -42,6 +42,8 @@ CONFIGS: dict[torch.dtype, tuple[int, int, int, int, int]] = {
 # took about 3x cuBLAS's time on the down projection at 1-60 rows (the smaller ones measured the launcher); at one
 # row a 4096-wide output gives 64 programs for 132 SMs.
 # Any one of them keeps rows batch-invariant; one per weight shape (N, K), never chosen by M, may ship once measured.
+# ``BENCH_K_SPLITS``: fixed K chunks (``k_split``) timed the same way: a split fixed by K alone keeps rows invariant.
+BENCH_K_SPLITS = (2048, 4096)
 BENCH_TILINGS: dict[str, tuple[int, int, int, int, int]] = {
     "n32": (64, 32, 64, 4, 4),
     "m16n32k128": (16, 32, 128, 4, 4),
@@ -64,17 +66,21 @@ def batch_invariant_matmul_reference(
 # --------------------------------------------------------------------------------------------
 # Triton kernel and launcher
 #
-# Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), Bt). Each program owns one BLOCK_M x BLOCK_N output
-# tile of one batch item and walks K from 0 upwards in BLOCK_K steps, accumulating in fp32;
-# masked loads fill the ragged edges with zeros (exact: x + 0*y = x). With fp-fusion off the bias
-# add rounds separately, as in the reference.
+# Grid (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), Bt * NSPLIT). Each program owns one BLOCK_M x BLOCK_N
+# output tile of one batch item and walks its K range upwards in BLOCK_K steps, accumulating in
+# fp32; masked loads fill the ragged edges with zeros (exact: x + 0*y = x). With fp-fusion off the
+# bias add rounds separately, as in the reference. NSPLIT = 1 (the default): the range is all of K.
+# A fixed K chunk (``k_split``, chosen by the weight's K, never by M) gives NSPLIT ranges
+# [s * K_CHUNK, (s + 1) * K_CHUNK): each program stores its fp32 partial tile, and
+# ``_bi_reduce_kernel`` adds the partials in ascending s (then the bias), so every row still
+# accumulates in one fixed order: more programs for a few rows, the same invariance.
 # --------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "K_CHUNK", "NSPLIT"])
 def _bi_matmul_kernel(
     a_ptr,  # [Bt, M, K] at (stride_ab, stride_am, stride_ak)
     b_ptr,  # [Bt, K, N] at (stride_bb, stride_bk, stride_bn); stride_bb = 0 for a shared [K, N]
-    c_ptr,  # [Bt, M, N] at (stride_cb, stride_cm, stride_cn)
-    bias_ptr,  # [N] (read when HAS_BIAS)
+    c_ptr,  # [Bt, M, N] at (stride_cb, stride_cm, stride_cn); PARTIAL: [NSPLIT, Bt, M, N] fp32 contiguous
+    bias_ptr,  # [N] (read when HAS_BIAS and not PARTIAL)
     M,
     N,
     K,
@@ -87,36 +93,70 @@ def _bi_matmul_kernel(
     stride_cb,
     stride_cm,
     stride_cn,
+    K_CHUNK,  # K per split (K itself when NSPLIT = 1)
+    NSPLIT,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    PARTIAL: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    item = tl.program_id(2).to(tl.int64)
+    item = (tl.program_id(2) // NSPLIT).to(tl.int64)
+    split = tl.program_id(2) % NSPLIT
+    k_lo = split * K_CHUNK
+    k_hi = tl.minimum(K, k_lo + K_CHUNK)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     a_base = a_ptr + item * stride_ab + rows[:, None].to(tl.int64) * stride_am
     b_base = b_ptr + item * stride_bb + cols[None, :].to(tl.int64) * stride_bn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):  # ascending K tiles, never split
+    for k0 in range(k_lo, k_hi, BLOCK_K):  # ascending K tiles of this split's range
         kk = k0 + ks
-        a = tl.load(a_base + kk[None, :] * stride_ak, mask=(rows[:, None] < M) & (kk[None, :] < K), other=0.0)
-        b = tl.load(b_base + kk[:, None] * stride_bk, mask=(kk[:, None] < K) & (cols[None, :] < N), other=0.0)
+        a = tl.load(a_base + kk[None, :] * stride_ak, mask=(rows[:, None] < M) & (kk[None, :] < k_hi), other=0.0)
+        b = tl.load(b_base + kk[:, None] * stride_bk, mask=(kk[:, None] < k_hi) & (cols[None, :] < N), other=0.0)
         if UPCAST:  # interpreter only: its bf16 dot reads raw bits; the widening is exact, as in the MMA
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         else:
             acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    out_ok = (rows[:, None] < M) & (cols[None, :] < N)
+    if PARTIAL:  # this split's fp32 tile; _bi_reduce_kernel adds the splits in order
+        bt = tl.num_programs(2) // NSPLIT
+        w = c_ptr + ((split * bt + item) * M + rows[:, None].to(tl.int64)) * N + cols[None, :]
+        tl.store(w, acc, mask=out_ok)
+    else:
+        if HAS_BIAS:
+            acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        c = c_ptr + item * stride_cb + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
+        tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=out_ok)
+
+
+@triton.jit(do_not_specialize=["total", "N", "NSPLIT"])
+def _bi_reduce_kernel(
+    w_ptr,  # [NSPLIT, total] fp32: the splits' partial products
+    bias_ptr,  # [N] (read when HAS_BIAS)
+    c_ptr,  # [total] = [Bt, M, N] contiguous, the output dtype
+    total,
+    N,
+    NSPLIT,
+    BLOCK: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < total
+    acc = tl.load(w_ptr + i, mask=ok, other=0.0)
+    for s in range(1, NSPLIT):  # ascending splits: one fixed order per element
+        acc = acc + tl.load(w_ptr + s * total + i, mask=ok, other=0.0)
     if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    c = c_ptr + item * stride_cb + rows[:, None].to(tl.int64) * stride_cm + cols[None, :] * stride_cn
-    tl.store(c, round_to(acc, c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))
+        acc = acc + tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(c_ptr + i, round_to(acc, c_ptr.dtype.element_ty), mask=ok)
 
 
+REDUCE_BLOCK = 1024  # output elements per program of the split reduction
 SMEM_BYTES = 227 * 1024  # an H100/H200 block's opt-in shared memory: the limit without a CUDA device to ask
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
@@ -161,13 +201,16 @@ def batch_invariant_matmul(
     bias: torch.Tensor | None = None,  # [N]
     *,
     config: tuple[int, int, int, int, int] | None = None,
+    k_split: int | None = None,
 ) -> torch.Tensor:  # [M, N] or [Bt, M, N], contiguous, dtype of a
     """Triton ``a @ b + bias`` with one fixed tile configuration per dtype (see the module docstring):
     bit-identical rows whatever M, the batch size or the other rows hold.
 
-    ``config`` overrides ``CONFIGS[a.dtype]`` (benchmarks compare tilings with it). Any fixed
-    configuration keeps rows batch-invariant; two configurations round differently, so one caller
-    must keep one configuration per weight, never choose it by M.
+    ``config`` overrides ``CONFIGS[a.dtype]`` (benchmarks compare tilings with it). ``k_split``: K in
+    fixed chunks of this many (a multiple of BLOCK_K), each chunk's products summed by its own
+    programs and the chunks then added in order (None: one pass over K). Any fixed configuration and
+    split keeps rows batch-invariant; two of them round differently, so one caller must keep one per
+    weight, never choose it by M.
 
     Examples
     --------
@@ -194,13 +237,17 @@ def batch_invariant_matmul(
         check_tensor("bias", bias, dtypes=FLOAT_DTYPES, shape=(n,), device=a.device)
     cfg = CONFIGS[a.dtype] if config is None else check_config(config, a.element_size(), a.device)
     block_m, block_n, block_k, warps, stages = cfg
+    if k_split is not None and (not isinstance(k_split, int) or k_split <= 0 or k_split % block_k):
+        raise ValueError(f"k_split={k_split!r} must be a positive multiple of BLOCK_K={block_k} (or None: no split)")
+    nsplit = triton.cdiv(k, k_split) if k_split is not None and k > 0 else 1
     c = torch.empty(bt, m, n, dtype=a.dtype, device=a.device)
     if c.numel():
-        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), bt)
+        part = torch.empty(nsplit, bt, m, n, dtype=torch.float32, device=a.device) if nsplit > 1 else c
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), bt * nsplit)
         _bi_matmul_kernel[grid](
             a3,
             b3,
-            c,
+            part,
             bias if bias is not None else c,
             m,
             n,
@@ -210,16 +257,33 @@ def batch_invariant_matmul(
             b3.stride(1),
             b3.stride(2),
             *c.stride(),
+            k_split if nsplit > 1 else k,
+            nsplit,
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
             HAS_BIAS=bias is not None,
             INPUT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",  # tf32 is ignored for 16-bit inputs
             UPCAST=a.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1",
+            PARTIAL=nsplit > 1,
             num_warps=warps,
             num_stages=stages,
             enable_fp_fusion=ENABLE_FP_FUSION,
         )
+        if nsplit > 1:
+            total = bt * m * n
+            _bi_reduce_kernel[(triton.cdiv(total, REDUCE_BLOCK),)](
+                part,
+                bias if bias is not None else c,
+                c,
+                total,
+                n,
+                nsplit,
+                BLOCK=REDUCE_BLOCK,
+                HAS_BIAS=bias is not None,
+                num_warps=4,
+                enable_fp_fusion=ENABLE_FP_FUSION,
+            )
     return c if batched else c[0]
 
 
@@ -229,7 +293,8 @@ def batch_invariant_linear(
     bias: torch.Tensor | None = None,  # [N]
     *,
     config: tuple[int, int, int, int, int] | None = None,
+    k_split: int | None = None,
 ) -> torch.Tensor:  # [..., N]
     """``F.linear`` through ``batch_invariant_matmul`` (the weight's transpose is a view, not a copy)."""
-    out = batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias, config=config)
+    out = batch_invariant_matmul(x.reshape(-1, x.shape[-1]), weight.t(), bias, config=config, k_split=k_split)
     return out.view(*x.shape[:-1], weight.shape[0])

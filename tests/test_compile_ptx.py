@@ -133,12 +133,29 @@ def _specs():
                 dict(a_ptr=p, b_ptr=p, c_ptr=p, bias_ptr=p)
                 | _i32("M N K")
                 | _i32("stride_ab stride_am stride_ak stride_bb stride_bk stride_bn stride_cb stride_cm stride_cn")
+                | _i32("K_CHUNK NSPLIT")
             )
-            consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, UPCAST=False)
+            consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, UPCAST=False, PARTIAL=False)
             consts["INPUT_PRECISION"] = "ieee" if dt == "float32" else "tf32"
             divisible = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "K", "stride_am", "stride_bk", "stride_cm"]
             name = f"batch_invariant_matmul/{dt_name}/bias={bias}"
             add(name, bim._bi_matmul_kernel, sig, consts, divisible, **base, num_warps=warps, num_stages=stages)
+        # a fixed K split (``k_split``): the partial products' pass (fp32 tiles out), then their reduction
+        add(
+            f"batch_invariant_matmul/{dt_name}/k_split",
+            bim._bi_matmul_kernel,
+            dict(sig, c_ptr="*fp32"),
+            dict(consts, PARTIAL=True),
+            divisible,
+            **base,
+            num_warps=warps,
+            num_stages=stages,
+        )
+        for bias in (False, True):
+            sig_r = dict(w_ptr="*fp32", bias_ptr=p, c_ptr=p) | _i32("total N NSPLIT")
+            consts_r = dict(BLOCK=bim.REDUCE_BLOCK, HAS_BIAS=bias)
+            name = f"batch_invariant_reduce/{dt_name}/bias={bias}"
+            add(name, bim._bi_reduce_kernel, sig_r, consts_r, list(sig_r)[:3], **base, num_warps=4)
         if dt_name == "bf16":  # the alternative tilings the benchmark times
             for tname, (block_m, block_n, block_k, warps, stages) in bim.BENCH_TILINGS.items():
                 consts = dict(consts, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=False)
@@ -236,6 +253,8 @@ _SPEC_NAMES = (
         for suffix in suffixes
     ]
     + [f"batch_invariant_matmul/{dt}/bias={b}" for dt in DTYPES for b in (False, True)]
+    + [f"batch_invariant_matmul/{dt}/k_split" for dt in DTYPES]
+    + [f"batch_invariant_reduce/{dt}/bias={b}" for dt in DTYPES for b in (False, True)]
     + [f"batch_invariant_matmul/bf16/tiling={t}" for t in ("n32", "m16n32k128", "m16n16k256")]
     + ["verify_greedy/depth=6/N=48", "verify_greedy/depth=4/N=5"]
     + [f"verify_sampling/depth={d}/N={n}/V={v}" for d, n, v in VERIFY_SAMPLING]

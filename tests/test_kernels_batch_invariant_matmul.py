@@ -132,6 +132,30 @@ def test_the_override_config_is_the_one_launched():
     assert torch.equal(batch_invariant_linear(a, w, config=(16, 16, 64, 1, 1)), c64)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("k_split", [64, 128])  # multiples of every dtype's BLOCK_K, and more than one K tile
+def test_a_fixed_k_split_is_batch_invariant_and_launched(dtype, k_split):
+    """``k_split`` (K in fixed chunks, the chunks' partial products added in order): within the reference's
+    bounds, rows bit-identical at every row count and batch item; the inverse: in float32 (BLOCK_K 32) the
+    split rounds differently from one pass over K (so the split ran; a split of one K tile would not)."""
+    x, w = _rand(37, 200, dtype=dtype, seed=7), _rand(45, 200, dtype=dtype, seed=8)
+    b = _rand(45, dtype=dtype, seed=9)
+    full = batch_invariant_linear(x, w, b, k_split=k_split)
+    rtol, atol = TOL[dtype]
+    torch.testing.assert_close(
+        full.float(), batch_invariant_matmul_reference(x, w.t(), b).float(), rtol=rtol, atol=atol
+    )
+    for m in (1, 2, 17):
+        assert torch.equal(batch_invariant_linear(x[-m:], w, b, k_split=k_split), full[-m:]), m
+    a3 = torch.stack([x[:5], x[5:10]])
+    got = batch_invariant_matmul(a3, w.t(), b, k_split=k_split)
+    assert torch.equal(got[1], full[5:10]) and torch.equal(got[0], full[:5])
+    if dtype == torch.float32:
+        assert not torch.equal(full, batch_invariant_linear(x, w, b))
+    with pytest.raises(ValueError, match="k_split"):
+        batch_invariant_linear(x, w, b, k_split=k_split + 8)
+
+
 def test_rejects_bad_arguments():
     x = _rand(4, 8, dtype=torch.float32, seed=0)
     with pytest.raises(TypeError, match="b must have dtype"):
