@@ -872,7 +872,7 @@ class DeterministicOps:
 
     # ------------------------------------------------------------------ ops
     def begin_forward(self, prompt: bool = False) -> None:  # prompts run the same row-invariant ops
-        self._layout = None
+        self._layout = self._order = None  # the round updates prefix_lens and the tree mask in place
         if self._gpu is None and torch.get_num_threads() != FORWARD_THREADS and "threads" not in self._warned:
             self._warned.add("threads")
             warnings.warn(

@@ -188,6 +188,35 @@ def test_rejects_bad_arguments():
         da.det_causal_attention(torch.randn(1, 9, 4, 16), kc, kc, 0.25)
 
 
+def test_deterministic_ops_share_the_order_within_a_forward_and_drop_it_between(monkeypatch):
+    """``DeterministicOps`` computes each query's canonical order once per forward (every layer passes
+    the same ``prefix_lens`` and mask) and drops it at ``begin_forward``: a round updates those tensors
+    in place (static buffers on a GPU), and a stale order would attend over the previous round's slots."""
+    from tritonspec.runtime import deterministic
+    from tritonspec.runtime.ops import TorchOps
+
+    monkeypatch.setattr(deterministic, "TRITON_ATTENTION_DEVICES", ("cuda", "cpu"))
+    ops = deterministic.DeterministicOps(TorchOps(), "cpu")
+    q = torch.randn(1, 2, 4, 16)
+    kc, vc = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
+    pl, mask = torch.tensor([10]), torch.tensor([[[True, False], [True, True]]])
+    ops.begin_forward()
+    first = ops.tree_attention(q, kc, vc, pl, mask, 0.25)
+    assert torch.equal(first, da.det_tree_attention(q, kc, vc, pl, mask, 0.25))
+    order = ops._order
+    assert torch.equal(
+        ops.tree_attention(q * 2, kc, vc, pl, mask, 0.25), da.det_tree_attention(q * 2, kc, vc, pl, mask, 0.25)
+    )
+    assert ops._order is order  # the next layer reused it
+    pl[0] = 25  # the next round, in place
+    mask[0, 1, 0] = False
+    ops.begin_forward()
+    assert torch.equal(ops.tree_attention(q, kc, vc, pl, mask, 0.25), da.det_tree_attention(q, kc, vc, pl, mask, 0.25))
+    assert not torch.equal(ops.tree_attention(q, kc, vc, pl, mask, 0.25), first)
+    prompt = ops.prefill_attention(q, kc[:, :2], vc[:, :2], 0.25)
+    assert torch.equal(prompt, da.det_causal_attention(q, kc[:, :2], vc[:, :2], 0.25))
+
+
 # ------------------------------------------------------------------ end to end (deterministic mode)
 SPECS = {"chain": ts.SpecConfig.chain(3), "tree": ts.SpecConfig(num_speculative_tokens=3, top_k=2, num_draft_tokens=6)}
 
