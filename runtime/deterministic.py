@@ -106,8 +106,9 @@ MAX_ROWS = 64  # the probe tries every row count 1..MAX_ROWS ...
 LARGE_ROWS = (96, 160, 256)  # ... and these (prefill calls have many rows)
 _PREFILL_SCORES = 1 << 22  # score elements per prefill query block (bounds its memory)
 FORWARD_THREADS = 1  # intra-op threads of a deterministic forward on a CPU (``DeterministicOps.threads``)
-# devices whose attention runs ``kernels.det_attention`` (Triton); tests add "cpu" to run it under the interpreter
-TRITON_ATTENTION_DEVICES = ("cuda",)
+# devices where the forward's ops run Triton kernels (the batch-invariant matmul, RMSNorm, ``kernels.det_attention``);
+# tests add "cpu" to run the GPU's configuration under the interpreter
+TRITON_DEVICES = ("cuda",)
 _M32 = 0xFFFFFFFF
 _RACE_SALT = 0x5BD1E995  # separates the position race's stream from RowRandom's
 
@@ -588,7 +589,7 @@ class DeterministicOps:
         self._fast: dict[Any, tuple] = {}  # per weight / norm shape: what the probe decided (hot-path lookups)
         self._warned: set[tuple] = set()
         self._kernel_threads = torch.get_num_threads()  # kernels.cpu_linear's (``threads()`` keeps the caller's)
-        if self.device.type == "cuda":
+        if self.device.type in TRITON_DEVICES:
             try:
                 from ..kernels.batch_invariant_matmul import batch_invariant_linear, batch_invariant_matmul
                 from ..kernels.rms_norm import rms_norm
@@ -600,17 +601,15 @@ class DeterministicOps:
                     f"deterministic=True on a GPU needs triton for its batch-invariant matmul ({e}); "
                     "install with `pip install 'tritonspec[triton]'`"
                 ) from e
+            from ..kernels import det_attention
+
             self._gpu = (batch_invariant_linear, batch_invariant_matmul, rms_norm)
+            self._det = det_attention
         elif self.device.type != "cpu":
             raise UserError(f"deterministic=True supports CPU and CUDA devices, not {self.device.type!r}")
         else:
-            self._gpu = None
-        self._det = None  # kernels.det_attention where it runs (TRITON_ATTENTION_DEVICES)
+            self._gpu = self._det = None
         self._order: tuple | None = None  # (prefix_lens, tree_mask, kv_len, det_attention.tree_order) of this forward
-        if self.device.type in TRITON_ATTENTION_DEVICES:
-            from ..kernels import det_attention
-
-            self._det = det_attention
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.ops, name)

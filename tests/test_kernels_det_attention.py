@@ -8,8 +8,9 @@ another ``kv_len``), and equals the same query as the last token of a causal pro
 on the batch, the other queries or the tree's width. Splits (shrunk here to 64 positions) change
 none of it. The inverse: the default mode's ``kernels.tree_attention``, batch-invariant too, gives a
 tree node other bits than its decode step for some case (so the property is not vacuous). End to
-end: a deterministic runtime whose attention runs this kernel gives speculative greedy tokens and
-logits equal to plain decoding's, bit for bit.
+end, deterministic mode in the GPU's whole configuration (the Triton backend, the batch-invariant
+matmul, Triton RMSNorm, this attention; under the interpreter on a CPU): speculative greedy tokens
+and logits equal plain decoding's bit for bit, and a prompt alone equals it batched.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ def test_deterministic_ops_share_the_order_within_a_forward_and_drop_it_between(
     from tritonspec.runtime import deterministic
     from tritonspec.runtime.ops import TorchOps
 
-    monkeypatch.setattr(deterministic, "TRITON_ATTENTION_DEVICES", ("cuda", "cpu"))
+    monkeypatch.setattr(deterministic, "TRITON_DEVICES", ("cuda", "cpu"))
     ops = deterministic.DeterministicOps(TorchOps(), DEVICE)
     q = torch.randn(1, 2, 4, 16, device=DEVICE)
     kc, vc = torch.randn(1, 40, 2, 16, device=DEVICE), torch.randn(1, 40, 2, 16, device=DEVICE)
@@ -231,11 +232,13 @@ def _speculative_equals_plain(monkeypatch, shape: str, lengths: list[int], new_t
     from tritonspec.runtime import deterministic
     from tritonspec.runtime.audit import generate_recorded
 
-    monkeypatch.setattr(deterministic, "TRITON_ATTENTION_DEVICES", ("cuda", "cpu"))  # the GPU's attention here
+    # the GPU's configuration: the Triton backend, the batch-invariant matmul, Triton RMSNorm and this
+    # attention (under the interpreter on a CPU: the matmul on unpacked weights, cpu_linear="torch")
+    monkeypatch.setattr(deterministic, "TRITON_DEVICES", ("cuda", "cpu"))
     model, drafter = perm_pair("llama", vocab=24, seed=1, alpha=0.4, target_overrides=dict(num_hidden_layers=4))
-    on = dict(device="cuda", backend="triton") if DEVICE == "cuda" else {}  # a GPU: its own path, compiled
-    rt = runtime(model, drafter, SPECS[shape], deterministic=True, max_batch_size=2, **on)
-    assert rt.ops._det is da
+    on = dict(device="cuda") if DEVICE == "cuda" else dict(cpu_linear="torch")
+    rt = runtime(model, drafter, SPECS[shape], deterministic=True, max_batch_size=2, backend="triton", **on)
+    assert rt.ops._det is da and rt.ops._gpu is not None
     prompts = random_prompts(24, lengths, seed=3)
     st_, sl = generate_recorded(rt, prompts, max_new_tokens=new_tokens)
     pt, pl = generate_recorded(rt, prompts, max_new_tokens=new_tokens, speculative=False)
@@ -246,11 +249,11 @@ def _speculative_equals_plain(monkeypatch, shape: str, lengths: list[int], new_t
     return rt.generate(prompts[:1], max_new_tokens=new_tokens).stats.num_drafts
 
 
-def test_deterministic_runtime_on_this_kernel_speculative_equals_plain(monkeypatch):
-    assert _speculative_equals_plain(monkeypatch, "chain", [5, 13], 6) > 0
+def test_deterministic_gpu_configuration_speculative_equals_plain(monkeypatch):
+    assert _speculative_equals_plain(monkeypatch, "chain", [4, 11], 5) > 0
 
 
 @pytest.mark.slow
-def test_deterministic_runtime_on_this_kernel_tree_more_prompts(monkeypatch):
+def test_deterministic_gpu_configuration_tree_more_prompts(monkeypatch):
     for lengths in ([3, 24], [17, 9]):
         assert _speculative_equals_plain(monkeypatch, "tree", lengths, 10) > 0
