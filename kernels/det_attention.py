@@ -30,12 +30,10 @@ import os
 
 import torch
 
-from .tree_attention import _LOG2E, _dot, tree_attention_reference
+from .tree_attention import _LOG2E, _dot, _merge_split, _softmax_block, tree_attention_reference
 from .utils import (
     ENABLE_FP_FUSION,
-    FLOAT_DTYPES,
-    check_kv_cache,
-    check_tensor,
+    check_attention_inputs,
     next_pow2,
     require_triton,
     round_to,
@@ -153,13 +151,8 @@ def _det_attn_partial_kernel(
         k = tl.load(k_base + slot[:, None] * stride_ks + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         s = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * qk_scale  # [BLOCK_M, BLOCK_N]
         s = tl.where(row_ok[:, None] & t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + slot[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + _dot(round_to(p, v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST)
 
     row = (bq * HQ + h) * NS + split  # [BLOCK_M] this split's slot of each head's partials
     tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
@@ -195,16 +188,7 @@ def _det_attn_merge_kernel(
     l = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
     for split in range(0, tl.cdiv(n, SPLIT)):  # the splits that hold positions, ascending
-        slot = row * NS + split
-        m_s = tl.load(ml_ptr + slot * 2)
-        l_s = tl.load(ml_ptr + slot * 2 + 1)
-        a_s = tl.load(acc_ptr + slot * D + d, mask=d_ok, other=0.0)
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.math.exp2(m - m_new)
-        beta = tl.math.exp2(m_s - m_new)
-        acc = acc * alpha + a_s * beta
-        l = l * alpha + l_s * beta
-        m = m_new
+        m, l, acc = _merge_split(acc_ptr, ml_ptr, row * NS + split, m, l, acc, d, d_ok, D)
     out = tl.where(l > 0, acc / tl.where(l > 0, l, 1.0), 0.0)  # no visible key: 0, like SDPA
     tl.store(out_ptr + row * D + d, round_to(out, out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -223,31 +207,10 @@ def det_attention_constexprs(head_dim: int, group: int, dtype: torch.dtype) -> d
     )
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[int, int, int, int, int]:
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4, contiguous=False)
-    if q.stride(-1) != 1 and q.shape[-1] > 1:
-        raise ValueError(f"q must have unit stride along head_dim, got strides {q.stride()}")
-    check_kv_cache("k", k)
-    check_kv_cache("v", v)
-    B, Q, hq, d = q.shape
-    b_max, _, hkv, dk = k.shape
-    if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise TypeError(f"k/v dtype ({k.dtype}, {v.dtype}) must equal q dtype {q.dtype}")
-    if v.shape != k.shape:
-        raise ValueError(f"v shape {tuple(v.shape)} != k shape {tuple(k.shape)}")
-    if dk != d:
-        raise ValueError(f"k head_dim {dk} != q head_dim {d}")
-    if hq % hkv:
-        raise ValueError(f"q heads {hq} is not a multiple of the KV heads {hkv}")
-    if B > b_max:
-        raise ValueError(f"q has {B} rows but k/v hold only {b_max}")
+def _launch(q, k, v, pre, slots, counts, scale, ns, q_offset, causal) -> torch.Tensor:
+    B, Q, hq, hkv, d = q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.shape[3]
     if hq // hkv > 128:
         raise ValueError(f"{hq // hkv} query heads per KV head: at most 128 (one query's heads share a tile)")
-    return B, Q, hq, hkv, d
-
-
-def _launch(q, k, v, pre, slots, counts, scale, ns, q_offset, causal) -> torch.Tensor:
-    B, Q, hq, hkv, d = _check(q, k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if B * Q * hq == 0:
         return out
@@ -296,10 +259,7 @@ def det_tree_attention(
     >>> out = det_tree_attention(q, kc, vc, torch.tensor([5]), mask, 0.25)                          # doctest: +SKIP
     """
     require_triton()
-    check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64,), shape=(q.shape[0],), device=q.device)
-    check_tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3, contiguous=False, device=q.device)
-    if tree_mask.shape[:2] != tuple(q.shape[:2]):
-        raise ValueError(f"tree_mask must have shape ({q.shape[0]}, {q.shape[1]}, T), got {tuple(tree_mask.shape)}")
+    check_attention_inputs(q, k_cache, v_cache, prefix_lens, tree_mask)
     S = k_cache.shape[1]
     kv_len = S if kv_len is None else min(int(kv_len), S)
     pre, slots, counts = tree_order(prefix_lens, tree_mask, kv_len) if order is None else order
@@ -317,6 +277,7 @@ def det_causal_attention(
     canonical sequence of ``det_tree_attention``: a prompt token gets the bits a decode step at its
     position gets."""
     require_triton()
+    check_attention_inputs(q, k, v, names=("k", "v"))
     B, P = q.shape[:2]
     if k.shape[1] < q_offset + P:
         raise ValueError(f"k holds {k.shape[1]} positions; queries reach position {q_offset + P - 1}")

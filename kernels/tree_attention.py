@@ -24,9 +24,7 @@ import torch.nn.functional as F
 from .store import tuned
 from .utils import (
     ENABLE_FP_FUSION,
-    FLOAT_DTYPES,
-    check_kv_cache,
-    check_tensor,
+    check_attention_inputs,
     next_pow2,
     require_triton,
     round_to,
@@ -109,6 +107,31 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
         return tl.dot(a, b, input_precision=PRECISION)
 
 
+@triton.jit
+def _softmax_block(s, v, m_i, l_i, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """One key block of an online softmax: scores ``s`` [M, N] (log2 units, -inf where not visible) and
+    values ``v`` [N, D] folded into the running max ``m_i``, sum ``l_i`` and accumulator ``acc``."""
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + _dot(round_to(p, v.dtype), v, PRECISION, UPCAST)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _merge_split(acc_ptr, ml_ptr, slot, m, l, acc, d, d_ok, D: tl.constexpr):
+    """Fold split ``slot``'s partials (its max, sum and unnormalised accumulator) into the running
+    ``m``, ``l`` and ``acc`` of a merge."""
+    m_s = tl.load(ml_ptr + slot * 2)
+    l_s = tl.load(ml_ptr + slot * 2 + 1)
+    a_s = tl.load(acc_ptr + slot * D + d, mask=d_ok, other=0.0)
+    m_new = tl.maximum(m, m_s)
+    alpha = tl.math.exp2(m - m_new)
+    beta = tl.math.exp2(m_s - m_new)
+    return m_new, l * alpha + l_s * beta, acc * alpha + a_s * beta
+
+
 @triton.jit(do_not_specialize=["Q", "T", "kv_len", "NS"])
 def _tree_attn_partial_kernel(
     q_ptr,  # [B, Q, HQ, D]: strides (stride_qb, stride_qq, stride_qh, 1)
@@ -187,13 +210,8 @@ def _tree_attn_partial_kernel(
         )
         vis = vis & (tree_bit != 0)
         s = tl.where(vis, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
         v = tl.load(v_base + n[:, None] * stride_vs + d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + _dot(round_to(p, v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+        m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST)
 
     slot = qrow.to(tl.int64) * NS + split
     # empty prefix splits are never merged: skip their store (a scalar condition folded into
@@ -229,16 +247,7 @@ def _tree_attn_merge_kernel(
     # prefix splits 1..n in ascending key order, then the tree split 0
     for i in range(0, n_prefix_splits + 1):
         split = tl.where(i < n_prefix_splits, i + 1, 0)
-        slot = row * NS + split
-        m_s = tl.load(ml_ptr + slot * 2)
-        l_s = tl.load(ml_ptr + slot * 2 + 1)
-        a_s = tl.load(acc_ptr + slot * D + d, mask=d_ok, other=0.0)
-        m_new = tl.maximum(m, m_s)
-        alpha = tl.math.exp2(m - m_new)
-        beta = tl.math.exp2(m_s - m_new)
-        acc = acc * alpha + a_s * beta
-        l = l * alpha + l_s * beta
-        m = m_new
+        m, l, acc = _merge_split(acc_ptr, ml_ptr, row * NS + split, m, l, acc, d, d_ok, D)
     out = tl.where(l > 0, acc / tl.where(l > 0, l, 1.0), 0.0)  # no visible key: 0, like SDPA
     tl.store(out_ptr + row * D + d, round_to(out, out_ptr.dtype.element_ty), mask=d_ok)
 
@@ -289,27 +298,8 @@ def tree_attention(
     a given split size never depend on the batch, the number of queries or ``kv_len``.
     """
     require_triton()
-    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4, contiguous=False)
-    if q.stride(-1) != 1 and q.shape[-1] > 1:
-        raise ValueError(f"q must have unit stride along head_dim, got strides {q.stride()}")
-    check_kv_cache("k_cache", k_cache)
-    check_kv_cache("v_cache", v_cache)
-    B, Q, hq, d = q.shape
-    b_max, S, hkv, dk = k_cache.shape
-    if k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise TypeError(f"k_cache/v_cache dtype ({k_cache.dtype}, {v_cache.dtype}) must equal q dtype {q.dtype}")
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} != k_cache shape {tuple(k_cache.shape)}")
-    if dk != d:
-        raise ValueError(f"k_cache head_dim {dk} != q head_dim {d}")
-    if hq % hkv:
-        raise ValueError(f"q heads {hq} is not a multiple of the cache's KV heads {hkv}")
-    if B > b_max:
-        raise ValueError(f"q has {B} rows but the cache holds only {b_max}")
-    check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64,), shape=(B,), device=q.device)
-    check_tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3, contiguous=False, device=q.device)
-    if tree_mask.shape[:2] != (B, Q):
-        raise ValueError(f"tree_mask must have shape ({B}, {Q}, T), got {tuple(tree_mask.shape)}")
+    B, Q, hq, hkv, d = check_attention_inputs(q, k_cache, v_cache, prefix_lens, tree_mask)
+    S = k_cache.shape[1]
     T = tree_mask.shape[2]
     kv_len = S if kv_len is None else min(int(kv_len), S)
     cfg = _attention_constexprs(d, q.dtype, q.device)

@@ -92,6 +92,44 @@ def check_tensor(
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
+def check_attention_inputs(
+    q: torch.Tensor,  # [B, Q, Hq, D]
+    k: torch.Tensor,  # [B_max, S, Hkv, D]
+    v: torch.Tensor,  # [B_max, S, Hkv, D]
+    prefix_lens: torch.Tensor | None = None,  # [B] int64
+    tree_mask: torch.Tensor | None = None,  # [B, Q, T] bool
+    names: tuple[str, str] = ("k_cache", "v_cache"),
+) -> tuple[int, int, int, int, int]:
+    """The attention kernels' shared argument checks (float q with a unit-stride head_dim, K/V caches of
+    q's dtype and head_dim, whole GQA groups, enough cache rows, and the prefix lengths and tree mask
+    when given); returns ``(B, Q, Hq, Hkv, D)``."""
+    kn, vn = names
+    check_tensor("q", q, dtypes=FLOAT_DTYPES, ndim=4, contiguous=False)
+    if q.stride(-1) != 1 and q.shape[-1] > 1:
+        raise ValueError(f"q must have unit stride along head_dim, got strides {q.stride()}")
+    check_kv_cache(kn, k)
+    check_kv_cache(vn, v)
+    B, Q, hq, d = q.shape
+    b_max, _, hkv, dk = k.shape
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"{kn}/{vn} dtype ({k.dtype}, {v.dtype}) must equal q dtype {q.dtype}")
+    if v.shape != k.shape:
+        raise ValueError(f"{vn} shape {tuple(v.shape)} != {kn} shape {tuple(k.shape)}")
+    if dk != d:
+        raise ValueError(f"{kn} head_dim {dk} != q head_dim {d}")
+    if hq % hkv:
+        raise ValueError(f"q heads {hq} is not a multiple of the cache's KV heads {hkv}")
+    if B > b_max:
+        raise ValueError(f"q has {B} rows but the cache holds only {b_max}")
+    if prefix_lens is not None:
+        check_tensor("prefix_lens", prefix_lens, dtypes=(torch.int64,), shape=(B,), device=q.device)
+    if tree_mask is not None:
+        check_tensor("tree_mask", tree_mask, dtypes=(torch.bool,), ndim=3, contiguous=False, device=q.device)
+        if tree_mask.shape[:2] != (B, Q):
+            raise ValueError(f"tree_mask must have shape ({B}, {Q}, T), got {tuple(tree_mask.shape)}")
+    return B, Q, hq, hkv, d
+
+
 def check_kv_cache(name: str, cache: torch.Tensor, ndim: int = 4) -> None:
     """A float ``[..., Hkv, D]`` K/V tensor contiguous in its last two axes (any outer strides)."""
     check_tensor(name, cache, dtypes=FLOAT_DTYPES, ndim=ndim, contiguous=False)

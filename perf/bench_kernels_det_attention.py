@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from bench_kernels_tree_attention import BATCHES, DTYPE, HKV, PREFIXES, D, T, _case
+from bench_kernels_tree_attention import BATCHES, DTYPE, HKV, PREFIXES, D, _case, bench_tree_case
 
 from tritonspec.kernels import det_attention as da
 from tritonspec.kernels.tree_attention import tree_attention
@@ -52,21 +52,7 @@ def _fn(provider: str):
 def test_det_attention(kernel_bench, provider, batch, prefix):
     if provider == "chunked" and prefix > 8192:
         pytest.skip("the chunked PyTorch path materialises every score: timed up to 8K (the check's time budget)")
-    fn = _fn(provider)
-    q, k_cache, v_cache, prefix_lens, mask = _case(batch, prefix)
-    kv_len = prefix + T
-    moved = 2 * batch * kv_len * HKV * D * k_cache.element_size() + 2 * nbytes(q) + nbytes(mask)
-    kernel_bench(
-        lambda: fn(q, k_cache, v_cache, prefix_lens, mask, D**-0.5, kv_len),
-        moved,
-        provider=provider,
-        batch=batch,
-        prefix=prefix,
-        tree_tokens=T,
-        heads=f"{q.shape[2]}/{HKV}",
-        head_dim=D,
-        dtype=str(DTYPE),
-    )
+    bench_tree_case(kernel_bench, _fn(provider), provider, batch, prefix)
 
 
 @pytest.mark.parametrize("prefix", PREFIXES)

@@ -44,11 +44,9 @@ def _case(batch, prefix):
     return q, k_cache, v_cache, prefix_lens, _tree_mask(batch, T, g).to(DEVICE)
 
 
-@pytest.mark.parametrize("prefix", PREFIXES)
-@pytest.mark.parametrize("batch", BATCHES)
-@pytest.mark.parametrize("provider", PROVIDERS)
-def test_tree_attention(kernel_bench, provider, batch, prefix):
-    fn = timed_fn(provider, tree_attention, tree_attention_reference)
+def bench_tree_case(kernel_bench, fn, provider: str, batch: int, prefix: int) -> None:
+    """Time ``fn(q, k_cache, v_cache, prefix_lens, mask, scale, kv_len)`` on ``_case(batch, prefix)``
+    (also ``bench_kernels_det_attention.py``'s): GB/s over the prefix and tree K/V, q twice and the mask."""
     q, k_cache, v_cache, prefix_lens, mask = _case(batch, prefix)
     kv_len = prefix + T
     moved = 2 * batch * kv_len * HKV * D * k_cache.element_size() + 2 * nbytes(q) + nbytes(mask)
@@ -63,6 +61,13 @@ def test_tree_attention(kernel_bench, provider, batch, prefix):
         head_dim=D,
         dtype=str(DTYPE),
     )
+
+
+@pytest.mark.parametrize("prefix", PREFIXES)
+@pytest.mark.parametrize("batch", BATCHES)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_tree_attention(kernel_bench, provider, batch, prefix):
+    bench_tree_case(kernel_bench, timed_fn(provider, tree_attention, tree_attention_reference), provider, batch, prefix)
 
 
 @pytest.mark.parametrize("batch", BATCHES)

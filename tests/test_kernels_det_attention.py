@@ -187,7 +187,7 @@ def test_rejects_bad_arguments():
     pl, mask = torch.tensor([3], device=DEVICE), torch.ones(1, 2, 2, dtype=torch.bool, device=DEVICE)
     with pytest.raises(TypeError, match="dtype"):
         da.det_tree_attention(q, kc.half(), kc.half(), pl, mask, 0.25)
-    with pytest.raises(ValueError, match="multiple of the KV heads"):
+    with pytest.raises(ValueError, match="multiple of the cache.s KV heads"):
         da.det_tree_attention(torch.randn(1, 2, 3, 16, device=DEVICE), kc, kc, pl, mask, 0.25)
     with pytest.raises(ValueError, match="tree_mask must have shape"):
         da.det_tree_attention(q, kc, kc, pl, mask[:, :1], 0.25)
