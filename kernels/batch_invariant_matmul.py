@@ -75,7 +75,7 @@ def batch_invariant_matmul_reference(
 # ``_bi_reduce_kernel`` adds the partials in ascending s (then the bias), so every row still
 # accumulates in one fixed order: more programs for a few rows, the same invariance.
 # --------------------------------------------------------------------------------------------
-@triton.jit(do_not_specialize=["M", "K_CHUNK", "NSPLIT"])
+@triton.jit(do_not_specialize=["M", "NSPLIT"])  # K_CHUNK specialised as K was: 16-aligned tiles pipeline
 def _bi_matmul_kernel(
     a_ptr,  # [Bt, M, K] at (stride_ab, stride_am, stride_ak)
     b_ptr,  # [Bt, K, N] at (stride_bb, stride_bk, stride_bn); stride_bb = 0 for a shared [K, N]
@@ -148,9 +148,11 @@ def _bi_reduce_kernel(
 ):
     i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = i < total
-    acc = tl.load(w_ptr + i, mask=ok, other=0.0)
-    for s in range(1, NSPLIT):  # ascending splits: one fixed order per element
-        acc = acc + tl.load(w_ptr + s * total + i, mask=ok, other=0.0)
+    w = w_ptr + i  # 64-bit addresses: a split's offset is a pointer step (s * total overflows int32)
+    acc = tl.load(w, mask=ok, other=0.0)
+    for _ in range(1, NSPLIT):  # ascending splits: one fixed order per element
+        w += total
+        acc = acc + tl.load(w, mask=ok, other=0.0)
     if HAS_BIAS:
         acc = acc + tl.load(bias_ptr + i % N, mask=ok, other=0.0).to(tl.float32)
     tl.store(c_ptr + i, round_to(acc, c_ptr.dtype.element_ty), mask=ok)
@@ -240,6 +242,8 @@ def batch_invariant_matmul(
     if k_split is not None and (not isinstance(k_split, int) or k_split <= 0 or k_split % block_k):
         raise ValueError(f"k_split={k_split!r} must be a positive multiple of BLOCK_K={block_k} (or None: no split)")
     nsplit = triton.cdiv(k, k_split) if k_split is not None and k > 0 else 1
+    if bt * nsplit > 65535:  # CUDA's limit on the grid's third axis
+        raise ValueError(f"{bt} batch items x {nsplit} K splits exceed the grid's 65535: use a larger k_split or None")
     c = torch.empty(bt, m, n, dtype=a.dtype, device=a.device)
     if c.numel():
         part = torch.empty(nsplit, bt, m, n, dtype=torch.float32, device=a.device) if nsplit > 1 else c

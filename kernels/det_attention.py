@@ -20,8 +20,10 @@ is batch-invariant too, but it reduces the tree region apart from the prefix, so
 change when its ancestors move from the tree into the prefix.
 
 Cost against ``tree_attention``: a verify's queries each read the whole prefix (no tile shares keys
-among queries), which matters for wide trees over long contexts. The tile shapes, split and warps
-are fixed per head_dim (never tuned, never per call), as the batch-invariant matmul's are.
+among queries), which matters for wide trees over long contexts, and a prompt's queries read its K/V
+once each (O(P^2) reads, mostly from L2; the partials' buffer is bounded by running the queries in
+chunks, ``PARTIALS_BYTES``). The tile shapes, split and warps are fixed per head_dim (never tuned,
+never per call), as the batch-invariant matmul's are.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from .utils import (
 SPLIT = 2048  # canonical positions per split (fixed: part of the reduction order)
 NUM_WARPS = 4
 NUM_STAGES = 2
+PARTIALS_BYTES = 1 << 28  # a causal call runs its queries in chunks whose fp32 partials fit in this
 _NEG = -1.0e30  # finite "minus infinity" for running maxima: exp2(NEG - NEG) = 1, never NaN
 
 
@@ -155,9 +158,12 @@ def _det_attn_partial_kernel(
         m_i, l_i, acc = _softmax_block(s, v, m_i, l_i, acc, DOT_PRECISION, DOT_UPCAST)
 
     row = (bq * HQ + h) * NS + split  # [BLOCK_M] this split's slot of each head's partials
-    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=row_ok[:, None] & d_ok[None, :])
-    tl.store(ml_ptr + row * 2, m_i, mask=row_ok)
-    tl.store(ml_ptr + row * 2 + 1, l_i, mask=row_ok)
+    # a split past the sequence is never merged: no store (a graph's kv_len bound gives many); the scalar
+    # condition folded into a lane comparison, which the interpreter's masked store accepts
+    keep = g < tl.where(lo < n, G, 0)
+    tl.store(acc_ptr + row[:, None] * D + d[None, :], acc, mask=keep[:, None] & d_ok[None, :])
+    tl.store(ml_ptr + row * 2, m_i, mask=keep)
+    tl.store(ml_ptr + row * 2 + 1, l_i, mask=keep)
 
 
 @triton.jit(do_not_specialize=["Q", "NS", "q_offset", "causal"])
@@ -187,7 +193,7 @@ def _det_attn_merge_kernel(
     m = tl.full([], NEG, tl.float32)
     l = tl.zeros([], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in range(0, tl.cdiv(n, SPLIT)):  # the splits that hold positions, ascending
+    for split in range(0, tl.minimum(tl.cdiv(n, SPLIT), NS)):  # the splits that hold positions, ascending
         m, l, acc = _merge_split(acc_ptr, ml_ptr, row * NS + split, m, l, acc, d, d_ok, D)
     out = tl.where(l > 0, acc / tl.where(l > 0, l, 1.0), 0.0)  # no visible key: 0, like SDPA
     tl.store(out_ptr + row * D + d, round_to(out, out_ptr.dtype.element_ty), mask=d_ok)
@@ -262,7 +268,19 @@ def det_tree_attention(
     check_attention_inputs(q, k_cache, v_cache, prefix_lens, tree_mask)
     S = k_cache.shape[1]
     kv_len = S if kv_len is None else min(int(kv_len), S)
-    pre, slots, counts = tree_order(prefix_lens, tree_mask, kv_len) if order is None else order
+    if order is None:
+        order = tree_order(prefix_lens, tree_mask, kv_len)
+    pre, slots, counts = order
+    B, Q = q.shape[:2]
+    if pre.shape != (B,) or counts.shape != (B, Q) or slots.shape[:2] != (B, Q) or slots.dim() != 3:
+        raise ValueError(
+            f"order: ({tuple(pre.shape)}, {tuple(slots.shape)}, {tuple(counts.shape)}) is not tree_order's for "
+            f"{B} rows of {Q} queries; pass tree_order(prefix_lens, tree_mask, kv_len) of this call"
+        )
+    if {pre.dtype, slots.dtype, counts.dtype} != {torch.int32} or not (
+        slots.is_contiguous() and counts.is_contiguous()
+    ):
+        raise ValueError("order: tree_order's contiguous int32 tensors expected")
     return _launch(q, k_cache, v_cache, pre, slots, counts, scale, triton.cdiv(kv_len, SPLIT), 0, False)
 
 
@@ -278,9 +296,20 @@ def det_causal_attention(
     position gets."""
     require_triton()
     check_attention_inputs(q, k, v, names=("k", "v"))
-    B, P = q.shape[:2]
+    if isinstance(q_offset, bool) or not isinstance(q_offset, int) or q_offset < 0:
+        raise ValueError(f"q_offset={q_offset!r} must be an int >= 0 (the position of the first query)")
+    B, P, hq, d = q.shape
     if k.shape[1] < q_offset + P:
         raise ValueError(f"k holds {k.shape[1]} positions; queries reach position {q_offset + P - 1}")
     dummy_pre = torch.zeros(1, dtype=torch.int32, device=q.device)
     dummy_slots = torch.zeros(1, 1, 1, dtype=torch.int32, device=q.device)
-    return _launch(q, k, v, dummy_pre, dummy_slots, dummy_pre, scale, triton.cdiv(q_offset + P, SPLIT), q_offset, True)
+    # queries in chunks (each query's result is its own program's: chunking changes no bit) so that
+    # the fp32 partials, which grow with the chunk and with its last position's splits, stay bounded
+    per_query = B * hq * (d + 2) * 4 * triton.cdiv(q_offset + P, SPLIT)
+    step = max(1, PARTIALS_BYTES // max(per_query, 1))
+    outs = [
+        _launch(q[:, i : i + step], k, v, dummy_pre, dummy_slots, dummy_pre, scale, ns, q_offset + i, True)
+        for i in range(0, max(P, 1), step)
+        for ns in [triton.cdiv(q_offset + min(P, i + step), SPLIT)]
+    ]
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

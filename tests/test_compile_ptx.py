@@ -137,9 +137,16 @@ def _specs():
             )
             consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias, UPCAST=False, PARTIAL=False)
             consts["INPUT_PRECISION"] = "ieee" if dt == "float32" else "tf32"
-            divisible = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "K", "stride_am", "stride_bk", "stride_cm"]
+            divisible = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "K", "stride_am", "stride_bk", "stride_cm", "K_CHUNK"]
             name = f"batch_invariant_matmul/{dt_name}/bias={bias}"
             add(name, bim._bi_matmul_kernel, sig, consts, divisible, **base, num_warps=warps, num_stages=stages)
+        # as batch_invariant_linear launches it (x [M, K] and weight.t(): unit strides along K, specialised to 1)
+        sig_lin = {a: t for a, t in sig.items() if a not in ("stride_ak", "stride_bk", "stride_cn")}
+        consts_lin = dict(consts, HAS_BIAS=False, stride_ak=1, stride_bk=1, stride_cn=1)
+        divisible_lin = ["a_ptr", "b_ptr", "c_ptr", "bias_ptr", "N", "K", "K_CHUNK"]
+        divisible_lin += ["stride_ab", "stride_am", "stride_bn", "stride_cb", "stride_cm"]
+        name = f"batch_invariant_linear/{dt_name}"
+        add(name, bim._bi_matmul_kernel, sig_lin, consts_lin, divisible_lin, **base, num_warps=warps, num_stages=stages)
         # a fixed K split (``k_split``): the partial products' pass (fp32 tiles out), then their reduction
         add(
             f"batch_invariant_matmul/{dt_name}/k_split",
@@ -215,6 +222,7 @@ def compile_all(arch: int) -> dict:
                 barriers=len(re.findall(r"\bbar\.sync\b", ptx)),
                 atomics=len(re.findall(r"\b(?:atom|red)\.", ptx)),
                 tf32=len(re.findall(r"\.tf32\b", ptx)),
+                cp_async=len(re.findall(r"\bcp\.async\.(?:ca|cg)\b", ptx)),
             )
         except Exception as e:  # reported per kernel, asserted in the test
             report[name] = dict(error=f"{type(e).__name__}: {e}"[:2000])
@@ -254,6 +262,7 @@ _SPEC_NAMES = (
     ]
     + [f"batch_invariant_matmul/{dt}/bias={b}" for dt in DTYPES for b in (False, True)]
     + [f"batch_invariant_matmul/{dt}/k_split" for dt in DTYPES]
+    + [f"batch_invariant_linear/{dt}" for dt in DTYPES]
     + [f"batch_invariant_reduce/{dt}/bias={b}" for dt in DTYPES for b in (False, True)]
     + [f"batch_invariant_matmul/bf16/tiling={t}" for t in ("n32", "m16n32k128", "m16n16k256")]
     + ["verify_greedy/depth=6/N=48", "verify_greedy/depth=4/N=5"]
@@ -293,7 +302,9 @@ def test_rms_norm_ptx_vector_loads_and_no_fma(arch):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_batch_invariant_matmul_ptx_has_no_split_k(arch):
     """The deterministic-mode matmul compiles for every dtype; one program per output tile walks the
-    whole K loop (no atomics: no split-K reduction), fp32 uses IEEE products (no TF32 MMA)."""
+    whole K loop (no atomics: no split-K reduction), fp32 uses IEEE products (no TF32 MMA), and the K tiles
+    are copied to shared memory asynchronously (``cp.async``: the loads pipelined; an unspecialised K
+    bound once dropped them)."""
     pytest.importorskip("triton")
     report = _report(arch)
     for dt in DTYPES:
@@ -302,6 +313,8 @@ def test_batch_invariant_matmul_ptx_has_no_split_k(arch):
             assert r["ptx"] > 0 and r["cubin"] > 0 and r["atomics"] == 0, r
             if dt == "fp32":
                 assert r["tf32"] == 0, r
+        lin = report[f"batch_invariant_linear/{dt}"]  # the K tiles pipelined: 16-byte asynchronous copies
+        assert lin["cp_async"] > 0, lin
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -156,6 +156,24 @@ def test_a_fixed_k_split_is_batch_invariant_and_launched(dtype, k_split):
         batch_invariant_linear(x, w, b, k_split=k_split + 8)
 
 
+def test_k_tiles_keep_their_alignment_specialisation():
+    """``K_CHUNK`` (K itself without a split) is specialised as K is: left out (``do_not_specialize``) the
+    compiler cannot prove the K tiles 16-byte aligned and drops the asynchronous copies that pipeline
+    them (no ``cp.async`` on sm_90 in bfloat16; ``tests/test_compile_ptx.py`` checks the PTX with it)."""
+    from tritonspec.kernels.batch_invariant_matmul import _bi_matmul_kernel
+
+    k = _bi_matmul_kernel  # compiled: a JITFunction; under the interpreter: its jit arguments in ``kwargs``
+    unspecialised = k.kwargs["do_not_specialize"] if hasattr(k, "kwargs") else k.do_not_specialize
+    assert "K_CHUNK" not in unspecialised
+    assert "M" in unspecialised  # one compiled kernel for every row count
+
+
+def test_split_grid_is_bounded():
+    a, b = _rand(40000, 1, 64, dtype=torch.float32, seed=0), _rand(64, 8, dtype=torch.float32, seed=1)
+    with pytest.raises(ValueError, match="65535"):
+        batch_invariant_matmul(a, b, k_split=32)
+
+
 def test_rejects_bad_arguments():
     x = _rand(4, 8, dtype=torch.float32, seed=0)
     with pytest.raises(TypeError, match="b must have dtype"):

@@ -167,6 +167,17 @@ def test_default_tree_attention_differs_between_tree_and_decode_layout():
     assert differ > 0
 
 
+def test_causal_queries_in_chunks_give_the_same_bits(small_split, monkeypatch):
+    """A prompt's queries run in chunks when their fp32 partials would pass ``PARTIALS_BYTES`` (a 32K prompt
+    of an 8B model needed 8.6 GB a layer in one call): every query is its own program, so no bit changes."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 150, 4, 16, generator=g).to(DEVICE)
+    k, v = torch.randn(2, 160, 2, 16, generator=g).to(DEVICE), torch.randn(2, 160, 2, 16, generator=g).to(DEVICE)
+    whole = da.det_causal_attention(q, k, v, 0.25, q_offset=7)
+    monkeypatch.setattr(da, "PARTIALS_BYTES", 2 * 4 * 18 * 4 * 3 * 50)  # 50 queries a chunk
+    assert torch.equal(da.det_causal_attention(q, k, v, 0.25, q_offset=7), whole)
+
+
 def test_no_visible_key_gives_zeros_and_tree_slots_past_kv_len_are_not_read():
     q = torch.randn(1, 2, 2, 16, device=DEVICE)
     kc, vc = torch.randn(1, 10, 1, 16, device=DEVICE), torch.randn(1, 10, 1, 16, device=DEVICE)
@@ -193,6 +204,13 @@ def test_rejects_bad_arguments():
         da.det_tree_attention(q, kc, kc, pl, mask[:, :1], 0.25)
     with pytest.raises(ValueError, match="queries reach position"):
         da.det_causal_attention(torch.randn(1, 9, 4, 16, device=DEVICE), kc, kc, 0.25)
+    with pytest.raises(ValueError, match="q_offset"):
+        da.det_causal_attention(q, kc, kc, 0.25, q_offset=-2)
+    order = da.tree_order(pl, mask, 8)
+    with pytest.raises(ValueError, match="order"):
+        da.det_tree_attention(q, kc, kc, pl, mask, 0.25, order=(order[0], order[1][:, :1], order[2]))
+    with pytest.raises(ValueError, match="int32"):
+        da.det_tree_attention(q, kc, kc, pl, mask, 0.25, order=(order[0].long(), order[1], order[2]))
 
 
 def test_deterministic_ops_share_the_order_within_a_forward_and_drop_it_between(monkeypatch):
