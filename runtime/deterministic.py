@@ -986,9 +986,10 @@ class DeterministicOps:
         return plan
 
     def tree_attention(self, q, k_cache, v_cache, prefix_lens, tree_mask, scale, kv_len=None):
-        """Attention over each query's canonical sequence (module docstring): PyTorch's SDPA over
-        whole key blocks and row-invariant query counts on a CPU, else ``chunked_attention``. The
-        layout is built once per forward (every layer passes the same ``prefix_lens``/``tree_mask``)."""
+        """Attention over each query's canonical sequence (module docstring): ``kernels.det_attention`` on a
+        GPU; on a CPU the CPU kernel, PyTorch's SDPA over whole key blocks and row-invariant query counts,
+        else ``chunked_attention``. The layout (the GPU's ``tree_order``) is built once per forward (every
+        layer passes the same ``prefix_lens``/``tree_mask``)."""
         if self._det is not None:  # kernels.det_attention: canonical sequences by construction
             S = k_cache.shape[1] if kv_len is None else min(int(kv_len), k_cache.shape[1])
             c = self._order
@@ -1039,8 +1040,9 @@ class DeterministicOps:
         return torch.cat(outs, dim=1)
 
     def prefill_attention(self, q, k, v, scale):
-        """The prompt's causal attention as the same canonical computation: blocks of queries (at
-        most ``SDPA_ROWS`` rows), each over the whole key blocks up to its last query."""
+        """The prompt's causal attention as the same canonical computation: on a GPU
+        ``det_causal_attention``; on a CPU the CPU kernel (a causal tree after an empty prefix), or blocks
+        of queries (at most ``SDPA_ROWS`` rows), each over the whole key blocks up to its last query."""
         if self._det is not None:  # query p over positions 0..p: the canonical sequence of a decode step at p
             return self._det.det_causal_attention(q, k, v, scale)
         self._hkv = k.shape[2]
