@@ -30,7 +30,8 @@ set, else ``perf/gpu_check_out/``):
 
 Each step gets a timeout carved from ``--budget-s`` (default 570 s, under the 10-minute limit of a
 device command with room to spare; on the H200, 2026-12-04: tests 96 s, 24 graph rows 154 s, the
-kernel files about 150 s); a step that runs out is killed and the script goes on, so
+kernel files about 150 s; the tests step has 240 s since deterministic mode's attention kernel and its tests
+were added, run right after the graph tests); a step that runs out is killed and the script goes on, so
 the table always comes out (the tests run with ``-v``, so a killed step still names what failed).
 ``--tests NODE...``, ``--graphs-k EXPR``, ``--skip-install``, ``--skip-tests`` and ``--bench FILE...`` select
 parts; without CUDA the same code runs the reference rows at CPU shapes and a host-memory copy
@@ -86,9 +87,15 @@ def plan(args, out: Path) -> list[tuple[str, list[str], float]]:
         tests = args.tests or [
             os.path.relpath(t, ROOT)
             for t in (
-                [str(ROOT / "tests" / "test_cuda_graphs.py")]
-                + sorted(glob.glob(str(ROOT / "tests" / "test_kernels_*.py")))
-                + [str(ROOT / "tests" / "test_backend_triton.py"), str(ROOT / "tests" / "test_deterministic_gpu.py")]
+                # deterministic mode first after the graphs: its kernels (det_attention) are the newest, never run on
+                # a GPU before, and a step killed at its timeout loses the files at its end
+                [str(ROOT / "tests" / n) for n in ("test_cuda_graphs.py", "test_deterministic_gpu.py")]
+                + [str(ROOT / "tests" / "test_kernels_det_attention.py")]
+                + sorted(
+                    set(glob.glob(str(ROOT / "tests" / "test_kernels_*.py")))
+                    - {str(ROOT / "tests" / "test_kernels_det_attention.py")}
+                )
+                + [str(ROOT / "tests" / "test_backend_triton.py")]
             )
         ] + ["tests/test_perf_gpu_check.py::test_graph_time_times_a_capturable_call_and_reports_one_that_is_not"]
         cmd = [
@@ -381,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests", nargs="*", default=None, help="test files or node ids (default: the GPU set)")
     ap.add_argument("--graphs-k", default=None, help="pytest -k expression for perf/bench_graphs.py rows")
     ap.add_argument("--budget-s", type=float, default=570.0, help="hard cap for the whole script (default 570)")
-    ap.add_argument("--test-timeout-s", type=float, default=180.0)  # H200, 2026-12-04: 133 tests, 96 s
+    ap.add_argument("--test-timeout-s", type=float, default=240.0)  # H200, 2026-12-04: 133 tests, 96 s (+det_attention)
     ap.add_argument("--workers", type=int, default=8, help="pytest-xdist workers for the tests (0: none)")
     args = ap.parse_args(argv)
     out = out_dir()
