@@ -44,15 +44,17 @@ def _case(batch, prefix):
     return q, k_cache, v_cache, prefix_lens, _tree_mask(batch, T, g).to(DEVICE)
 
 
-def bench_tree_case(kernel_bench, fn, provider: str, batch: int, prefix: int) -> None:
+def bench_tree_case(kernel_bench, fn, provider: str, batch: int, prefix: int, inner: int | None = None) -> None:
     """Time ``fn(q, k_cache, v_cache, prefix_lens, mask, scale, kv_len)`` on ``_case(batch, prefix)``
-    (also ``bench_kernels_det_attention.py``'s): GB/s over the prefix and tree K/V, q twice and the mask."""
+    (also ``bench_kernels_det_attention.py``'s): GB/s over the prefix and tree K/V, q twice and the mask;
+    ``inner``: calls per timed round (``kernel_bench``'s default when None)."""
     q, k_cache, v_cache, prefix_lens, mask = _case(batch, prefix)
     kv_len = prefix + T
     moved = 2 * batch * kv_len * HKV * D * k_cache.element_size() + 2 * nbytes(q) + nbytes(mask)
     kernel_bench(
         lambda: fn(q, k_cache, v_cache, prefix_lens, mask, D**-0.5, kv_len),
         moved,
+        inner=inner,
         provider=provider,
         batch=batch,
         prefix=prefix,
