@@ -73,11 +73,11 @@ def tree_order(
     its visible tree slots as absolute slot numbers in ascending order (then zeros), and how many.
     Tensor ops only (no host read): computed once per forward and shared by every layer."""
     B, Q, T = tree_mask.shape
-    ar = torch.arange(max(T, 1), device=tree_mask.device)
+    if T == 0:  # no tree slots: one never-visible column keeps the kernel's slot table non-empty
+        tree_mask, T = tree_mask.new_zeros(B, Q, 1), 1
+    ar = torch.arange(T, device=tree_mask.device)
     pre = prefix_lens.clamp(max=kv_len)  # [B]
-    vis = tree_mask & (prefix_lens[:, None, None] + ar[:T] < kv_len)  # a tree slot past kv_len is not read
-    if T == 0:
-        vis = torch.zeros(B, Q, 1, dtype=torch.bool, device=tree_mask.device)
+    vis = tree_mask & (prefix_lens[:, None, None] + ar < kv_len)  # a tree slot past kv_len is not read
     counts = vis.sum(-1)  # [B, Q]
     order = torch.sort((~vis).to(torch.int8), dim=-1, stable=True).indices  # visible slots first, ascending
     slots = torch.where(ar < counts[..., None], prefix_lens[:, None, None] + order, 0)

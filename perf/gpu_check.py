@@ -84,19 +84,12 @@ def plan(args, out: Path) -> list[tuple[str, list[str], float]]:
             ("install", [py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-e", "."], 120.0)
         )
     if not args.skip_tests:
+        # deterministic mode's right after the graphs: its kernels (det_attention) are the newest, never run on a
+        # GPU before, and a step killed at its timeout loses the files at its end
+        first = ["test_cuda_graphs.py", "test_deterministic_gpu.py", "test_kernels_det_attention.py"]
+        kernels = [os.path.basename(t) for t in sorted(glob.glob(str(ROOT / "tests" / "test_kernels_*.py")))]
         tests = args.tests or [
-            os.path.relpath(t, ROOT)
-            for t in (
-                # deterministic mode first after the graphs: its kernels (det_attention) are the newest, never run on
-                # a GPU before, and a step killed at its timeout loses the files at its end
-                [str(ROOT / "tests" / n) for n in ("test_cuda_graphs.py", "test_deterministic_gpu.py")]
-                + [str(ROOT / "tests" / "test_kernels_det_attention.py")]
-                + sorted(
-                    set(glob.glob(str(ROOT / "tests" / "test_kernels_*.py")))
-                    - {str(ROOT / "tests" / "test_kernels_det_attention.py")}
-                )
-                + [str(ROOT / "tests" / "test_backend_triton.py")]
-            )
+            f"tests/{n}" for n in first + [k for k in kernels if k not in first] + ["test_backend_triton.py"]
         ] + ["tests/test_perf_gpu_check.py::test_graph_time_times_a_capturable_call_and_reports_one_that_is_not"]
         cmd = [
             py,

@@ -573,7 +573,8 @@ class DeterministicOps:
     Parameters
     ----------
     ops : the backend's ops (``TorchOps`` or ``TritonOps``).
-    device : where the model runs (CPU: probed BLAS and torch; CUDA: the Triton batch-invariant matmul).
+    device : where the model runs (CPU: the CPU kernels, else probed BLAS and torch; CUDA: Triton kernels: the
+        batch-invariant matmul, RMSNorm and ``kernels.det_attention``).
     max_rows : the probe's largest consecutive row count (and the fallback's block size).
     """
 
@@ -591,7 +592,7 @@ class DeterministicOps:
         self._kernel_threads = torch.get_num_threads()  # kernels.cpu_linear's (``threads()`` keeps the caller's)
         if self.device.type in TRITON_DEVICES:
             try:
-                from ..kernels.batch_invariant_matmul import batch_invariant_linear, batch_invariant_matmul
+                from ..kernels.batch_invariant_matmul import batch_invariant_linear
                 from ..kernels.rms_norm import rms_norm
                 from ..kernels.utils import require_triton
 
@@ -603,7 +604,7 @@ class DeterministicOps:
                 ) from e
             from ..kernels import det_attention
 
-            self._gpu = (batch_invariant_linear, batch_invariant_matmul, rms_norm)
+            self._gpu = (batch_invariant_linear, rms_norm)  # and det_attention's attention
             self._det = det_attention
         elif self.device.type != "cpu":
             raise UserError(f"deterministic=True supports CPU and CUDA devices, not {self.device.type!r}")
@@ -947,7 +948,7 @@ class DeterministicOps:
     def rms_norm(self, x, weight, eps, residual=None):
         """RMSNorm with rows independent of the call (``Ops.rms_norm``)."""
         if self._gpu is not None:
-            return self._gpu[2](x, weight, eps, residual)
+            return self._gpu[1](x, weight, eps, residual)
         key = (x.shape[-1], x.dtype, residual is not None)
         p = self._fast.get(key)
         if p is None:
@@ -974,14 +975,11 @@ class DeterministicOps:
         """The SDPA probe when PyTorch's CPU SDPA passed it, else ``(bmm, min_rows)`` of the fixed-order path."""
         key = ("attention", q.shape[2], self._hkv, q.shape[3], q.dtype)
         plan = self._fast.get(key)
-        if plan is None:
-            if self._gpu is not None:
-                plan = (self._gpu[1], 1)
-            else:
-                plan = self._sdpa_probe(*key[1:])
-                if plan.fallback is not None:
-                    m0 = self._chunk_probe(q.shape[3])
-                    plan = (torch.bmm, m0) if m0 is not None else (fixed_order_bmm, 1)
+        if plan is None:  # (a CPU's: the GPU's attention is det_attention, never probed)
+            plan = self._sdpa_probe(*key[1:])
+            if plan.fallback is not None:
+                m0 = self._chunk_probe(q.shape[3])
+                plan = (torch.bmm, m0) if m0 is not None else (fixed_order_bmm, 1)
             self._fast[key] = plan
         return plan
 
@@ -1019,8 +1017,8 @@ class DeterministicOps:
                 lay = sequence_layout(prefix_lens, tree_mask, S, plan.block, k_cache.shape[1])
                 if lay.slots is not None or Q * G <= SDPA_ROWS:
                     lay = lay.pad(functools.partial(_rows_for, plan), G)
-            else:  # no host read on a GPU (graph capture)
-                lay = decode_layout(prefix_lens, tree_mask, S, need_tail=True if q.is_cuda else None)
+            else:  # the fixed-order fallback (a CPU whose SDPA failed its probe)
+                lay = decode_layout(prefix_lens, tree_mask, S)
             c = self._layout = (prefix_lens, tree_mask, S, lay)
         lay = c[3]
         if not isinstance(plan, Probe):

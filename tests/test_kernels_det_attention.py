@@ -175,7 +175,10 @@ def test_causal_queries_in_chunks_give_the_same_bits(small_split, monkeypatch):
     k, v = torch.randn(2, 160, 2, 16, generator=g).to(DEVICE), torch.randn(2, 160, 2, 16, generator=g).to(DEVICE)
     whole = da.det_causal_attention(q, k, v, 0.25, q_offset=7)
     monkeypatch.setattr(da, "PARTIALS_BYTES", 2 * 4 * 18 * 4 * 3 * 50)  # 50 queries a chunk
+    launch, chunks = da._launch, []
+    monkeypatch.setattr(da, "_launch", lambda q, *a: chunks.append(q.shape[1]) or launch(q, *a))
     assert torch.equal(da.det_causal_attention(q, k, v, 0.25, q_offset=7), whole)
+    assert chunks == [50, 50, 50]  # (the property is not vacuous: the queries did run in chunks)
 
 
 def test_no_visible_key_gives_zeros_and_tree_slots_past_kv_len_are_not_read():
@@ -257,6 +260,8 @@ def _speculative_equals_plain(monkeypatch, shape: str, lengths: list[int], new_t
     on = dict(device="cuda") if DEVICE == "cuda" else dict(cpu_linear="torch")
     rt = runtime(model, drafter, SPECS[shape], deterministic=True, max_batch_size=2, backend="triton", **on)
     assert rt.ops._det is da and rt.ops._gpu is not None
+    launch, launched = da._launch, []
+    monkeypatch.setattr(da, "_launch", lambda *a: launched.append(a[-1]) or launch(*a))  # a[-1]: causal
     prompts = random_prompts(24, lengths, seed=3)
     st_, sl = generate_recorded(rt, prompts, max_new_tokens=new_tokens)
     pt, pl = generate_recorded(rt, prompts, max_new_tokens=new_tokens, speculative=False)
@@ -264,6 +269,7 @@ def _speculative_equals_plain(monkeypatch, shape: str, lengths: list[int], new_t
     assert all(torch.equal(a, b) for a, b in zip(sl, pl))
     t1, l1 = generate_recorded(rt, prompts[-1:], max_new_tokens=new_tokens)  # alone = batched
     assert t1[0] == pt[-1] and torch.equal(l1[0], pl[-1])
+    assert True in launched and False in launched  # prompts and rounds ran this kernel (not a CPU path)
     return rt.generate(prompts[:1], max_new_tokens=new_tokens).stats.num_drafts
 
 
